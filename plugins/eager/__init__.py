@@ -1,0 +1,35 @@
+"""`eager`: a plain loop over the experts that received tokens. Runs everywhere, every layout; the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from probes import Environment
+from selector import BackendSpec, Problem, Requirements, hookimpl
+from selector.costmodel import experts_hit, floor_seconds
+
+
+def _load():  # noqa: ANN202 - returns the forward function
+    from plugins.eager.forward import eager_experts_forward
+
+    return eager_experts_forward
+
+
+def _estimate(problem: Problem, env: Environment) -> float:
+    # Each expert hit costs about ten small kernel launches on a GPU; on a CPU the loop is near the floor.
+    per_expert = 80e-6 if problem.device == "cuda" else 5e-6
+    return experts_hit(problem) * per_expert + 1.5 * floor_seconds(problem, env)
+
+
+@hookimpl
+def selector_backends() -> Sequence[BackendSpec]:
+    return [
+        BackendSpec(
+            name="eager",
+            load=_load,
+            requirements=Requirements(),
+            description="loop over the experts hit; one matmul pair per expert",
+            estimate=_estimate,
+            cuda_graph_safe=False,  # the set of experts hit is read on the host
+        )
+    ]

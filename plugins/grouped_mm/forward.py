@@ -1,0 +1,85 @@
+"""Sort by expert + grouped GEMM. Temporaries: the sorted [S, H] input and [S, 2I] / [S, H] outputs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from selector import layers
+
+
+@torch.library.custom_op("selector::grouped_mm_loop", mutates_args=())
+def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, in] sorted by expert, weight [E, in, out], offsets [E] cumulative row ends -> [S, out]."""
+    out = torch.zeros(x.shape[0], weight.shape[2], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):  # one host sync for the whole loop
+        if end > start:
+            torch.mm(x[start:end], weight[expert], out=out[start:end])
+        start = end
+    return out
+
+
+@grouped_mm_loop.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[2])
+
+
+@functools.cache
+def _native_ok(device_type: str, dtype: torch.dtype, device_index: int) -> bool:
+    """Whether torch's grouped GEMM runs this device and dtype (CUDA: bf16 on compute capability >= 8.0)."""
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        return False
+    if device_type == "cpu":
+        return True
+    if device_type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device_index) >= (8, 0)
+    return False
+
+
+def _grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+) -> torch.Tensor:
+    w = weight if transposed else weight.transpose(1, 2)  # -> [E, in, out]
+    if _native_ok(x.device.type, x.dtype, x.device.index or 0):
+        out = torch.nn.functional.grouped_mm(x, w, offs=offsets)
+    else:
+        out = grouped_mm_loop(x, w, offsets)
+    return out + bias if bias is not None else out
+
+
+def grouped_mm_experts_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, k]
+    top_k_weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:  # [T, H]
+    num_tokens, top_k = top_k_index.shape
+    num_experts = module.num_experts
+    transposed = getattr(module, "is_transposed", False)
+    up_w = layers.up_weight(module)
+
+    ids = top_k_index.reshape(-1)
+    sorted_ids, order = torch.sort(ids, stable=True)  # sentinels (id == E) sort to the tail
+    x = hidden_states.to(up_w.dtype)[order // top_k]  # [S, H]
+    # histc, not bincount: no host sync, so CUDA graphs can capture it; values > E-1 (sentinels) drop out
+    counts_in = sorted_ids.float() if ids.device.type == "cpu" else sorted_ids.int()
+    counts = torch.histc(counts_in, bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+    bias_ids = sorted_ids.clamp(max=num_experts - 1)
+
+    up_b, down_b = layers.up_bias(module), layers.down_bias(module)
+    h = _grouped_linear(x, up_w, offsets, None if up_b is None else up_b[bias_ids], transposed)
+    h = layers.activate(module, h)
+    h = _grouped_linear(h, module.down_proj, offsets, None if down_b is None else down_b[bias_ids], transposed)
+    h = layers.post_norm(module, h)
+
+    weights = top_k_weights.reshape(-1)[order].float()
+    if layers.is_expert_parallel(module):
+        # rows past the last offset were never written: zero them, not just weight them by 0 (NaN * 0)
+        h = h.masked_fill((sorted_ids >= num_experts).unsqueeze(-1), 0.0)
+    weighted = h.float() * weights.unsqueeze(-1)
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted  # back to (token, slot) order, then a fixed-order sum over slots
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -1,0 +1,47 @@
+"""`triton_fused`: our fused Triton experts kernel (align by expert on the GPU, gate_up GEMM with the
+activation in its epilogue, down GEMM with the routing weight in its epilogue, deterministic combine).
+
+No host synchronisation, so CUDA graphs capture it; a torch custom op, so torch.compile traces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from probes import Environment
+from selector import BackendSpec, Problem, Requirements, hookimpl
+from selector.costmodel import floor_seconds
+
+ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
+
+
+def _load():  # noqa: ANN202
+    from plugins.triton_fused.forward import triton_fused_experts_forward
+
+    return triton_fused_experts_forward
+
+
+def _estimate(problem: Problem, env: Environment) -> float:
+    # Four launches (align, two GEMMs, combine) and GEMMs near the floor: see benchmarks/ for the measurements.
+    return 25e-6 + 1.15 * floor_seconds(problem, env)
+
+
+@hookimpl
+def selector_backends() -> Sequence[BackendSpec]:
+    return [
+        BackendSpec(
+            name="triton_fused",
+            load=_load,
+            requirements=Requirements(
+                devices=frozenset({"cuda"}),
+                min_compute_capability=(8, 0),
+                packages={"triton": "3.0"},
+                activations=ACTIVATIONS,
+                custom_gate=False,  # the gate is fused into the GEMM epilogue: only act(gate) * up
+                post_expert_norm=False,
+            ),
+            description="fused Triton kernels: GPU-side align, gate_up+activation, down+routing weight",
+            estimate=_estimate,
+            first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
+        )
+    ]

@@ -1,0 +1,76 @@
+"""selector: picks the fastest correct Mixture-of-Experts experts backend for this machine, and explains why.
+
+Public API: the types plugins declare (`BackendSpec`, `Requirements`, `ToolkitRule`, `hookimpl`), the model
+API (`experts`, `set_experts_implementation`, `get_experts_implementation`, `explain_model`), and the
+ranking (`rank`, `Problem`, `Ranking`, `Availability`, `Status`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from selector.hookspecs import ENTRY_POINT_GROUP, hookimpl
+from selector.types import (
+    Availability,
+    BackendSpec,
+    Candidate,
+    Problem,
+    Ranking,
+    Requirements,
+    Status,
+    ToolkitRule,
+)
+
+__version__ = "0.1.0"
+
+# The model API imports torch; load it on first use so `selector doctor` starts fast.
+_LAZY = {
+    "experts": "selector.model",
+    "set_experts_implementation": "selector.model",
+    "get_experts_implementation": "selector.model",
+    "explain_model": "selector.model",
+    "reset_selection_caches": "selector.model",
+    "run_experts": "selector.model",
+    "rank": "selector.ranking",
+    "get_registry": "selector.registry",
+    "register_plugin": "selector.registry",
+    "current_environment": "selector.environment",
+    "set_environment": "selector.environment",
+}
+
+if TYPE_CHECKING:
+    from selector.environment import current_environment, set_environment
+    from selector.model import (
+        experts,
+        explain_model,
+        get_experts_implementation,
+        reset_selection_caches,
+        run_experts,
+        set_experts_implementation,
+    )
+    from selector.ranking import rank
+    from selector.registry import get_registry, register_plugin
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'selector' has no attribute {name!r}")
+
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Availability",
+    "BackendSpec",
+    "Candidate",
+    "Problem",
+    "Ranking",
+    "Requirements",
+    "Status",
+    "ToolkitRule",
+    "__version__",
+    "hookimpl",
+    *_LAZY,
+]

@@ -1,0 +1,147 @@
+"""The `selector` command: doctor, plugins (and bench, tune where installed).
+
+Exit codes: 0 usable, 1 something requested or required is broken, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+from selector.types import Problem
+
+EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
+
+
+def _add_problem_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("experts configuration (ranks the backends for it)")
+    g.add_argument("--preset", help="a known model: qwen1.5-moe-a2.7b, qwen3-30b-a3b, mixtral-8x7b, deepseek-v3, gpt-oss-20b")
+    g.add_argument("--experts", type=int, help="number of experts E")
+    g.add_argument("--hidden", type=int, help="hidden size H")
+    g.add_argument("--intermediate", type=int, help="intermediate size I per expert")
+    g.add_argument("--top-k", type=int, help="experts per token k")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    g.add_argument("--device", choices=["cuda", "cpu"])
+    g.add_argument("--tokens", type=int, help="tokens per forward (decode: 1..64, prefill: 512+)")
+    g.add_argument("--activation", help="silu, gelu, gelu_tanh, relu, ...")
+    g.add_argument("--weight-format", choices=["dense", "fp8_block", "fp4"])
+    g.add_argument("--scale-format", choices=["float32", "ue8m0"])
+    for flag in ("non-gated", "bias", "transposed", "interleaved", "custom-gate"):
+        g.add_argument(f"--{flag}", action="store_true")
+
+
+def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem | None:
+    """The Problem the options describe, or None when none was given."""
+    from selector.presets import preset
+
+    sizes = (args.experts, args.hidden, args.intermediate, args.top_k)
+    if args.preset is None and all(v is None for v in sizes):
+        return None
+    if args.preset is not None:
+        base = preset(args.preset)
+    elif any(v is None for v in sizes):
+        raise ValueError("give --preset, or all of --experts --hidden --intermediate --top-k")
+    else:
+        base = Problem(num_experts=args.experts, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                       top_k=args.top_k)
+    changes = {
+        "num_experts": args.experts, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+        "top_k": args.top_k, "dtype": args.dtype, "num_tokens": args.tokens, "activation": args.activation,
+        "weight_format": args.weight_format, "scale_format": args.scale_format,
+    }
+    problem = replace(base, device=args.device or default_device, **{k: v for k, v in changes.items() if v is not None})
+    flags = {"gated": not args.non_gated, "has_bias": args.bias or base.has_bias,
+             "is_transposed": args.transposed or base.is_transposed, "interleaved": args.interleaved or base.interleaved,
+             "custom_gate": args.custom_gate or base.custom_gate}
+    problem = replace(problem, **flags)
+    if problem.dtype == "bfloat16" and problem.device == "cpu" and args.dtype is None:
+        problem = replace(problem, dtype="float32")
+    return problem
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from probes import collect_environment
+    from selector.doctor import build_report
+    from selector.registry import get_registry
+    from selector.render import render_json, render_markdown, render_text
+
+    env = collect_environment()
+    try:
+        problem = problem_from_args(args, "cuda" if env.gpu.devices else "cpu")
+    except ValueError as exc:
+        print(f"selector doctor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    report = build_report(env, get_registry(), problem=problem, required=args.require or ())
+    renderer = render_json if args.json else render_markdown if args.markdown else render_text
+    print(renderer(report))
+    return report.exit_code
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from selector.registry import get_registry
+
+    registry = get_registry()
+    if args.json:
+        print(json.dumps({"plugins": [p.to_dict() for p in registry.plugins], "problems": registry.problems}, indent=2))
+    else:
+        for p in registry.plugins:
+            state = f"ERROR {p.error}" if p.error else f"skipped ({p.skipped})" if p.skipped else ", ".join(p.backends)
+            print(f"{p.name:<16} {p.distribution:<24} {p.target:<28} {state}")
+        for problem in registry.problems:
+            print(f"! {problem}")
+    return EXIT_BROKEN if any(p.error for p in registry.plugins) else EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from probes import OVERRIDE_VARIABLES
+
+    overrides = "\n".join(f"  {k:<28} {v}" for k, v in OVERRIDE_VARIABLES.items())
+    parser = argparse.ArgumentParser(prog="selector", description="Pick and explain Mixture-of-Experts experts backends.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine and every backend",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Checks GPU/driver, CUDA toolkit, packages and plugins, then says which backends can run "
+        "here and why not.\nExit 0: usable; 1: something requested or required is broken; 2: usage error.",
+        epilog=f"probe override variables (an empty value means 'absent'):\n{overrides}",
+    )
+    out = doctor.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="machine-readable report (schema selector.doctor/1)")
+    out.add_argument("--markdown", action="store_true", help="markdown report")
+    doctor.add_argument("--require", action="append", metavar="BACKEND", help="exit 1 unless this backend can run here")
+    _add_problem_options(doctor)
+    doctor.set_defaults(func=_cmd_doctor)
+
+    plugins = sub.add_parser("plugins", help="list loaded plugins, their distributions and failures")
+    plugins.add_argument("--json", action="store_true")
+    plugins.set_defaults(func=_cmd_plugins)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands that live in their own modules (bench, tune), registered without importing torch."""
+    from importlib import util
+
+    for module in ("selector.bench", "selector.tune_cli"):
+        if util.find_spec(module) is not None:
+            __import__(module, fromlist=["register"]).register(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

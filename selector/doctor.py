@@ -1,0 +1,211 @@
+"""`selector doctor`: collect every fact and verdict into one report object; renderers turn it into text,
+markdown or JSON. Nothing here imports torch, so a cold run stays fast on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import selector
+from probes import Environment
+from selector.config import ConfigError, SelectorConfig, load_config
+from selector.ranking import rank
+from selector.registry import Registry
+from selector.requirements import evaluate
+from selector.types import Availability, Problem, Ranking, Status
+
+SCHEMA = "selector.doctor/1"  # bump on any incompatible change to the JSON layout
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the checklist: a section, a verdict, a title and detail lines."""
+
+    section: str
+    ok: bool
+    title: str
+    detail: tuple[str, ...] = ()
+    warning: bool = False  # ok but worth a look (overrides, disagreeing variables)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"section": self.section, "ok": self.ok, "warning": self.warning, "title": self.title, "detail": list(self.detail)}
+
+
+@dataclass(frozen=True)
+class BackendLine:
+    name: str
+    provider: str
+    distribution: str
+    description: str
+    verdict: Availability
+    first_call_cost: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "provider": self.provider,
+            "distribution": self.distribution,
+            "description": self.description,
+            "first_call_cost": self.first_call_cost,
+            **self.verdict.to_dict(),
+        }
+
+
+@dataclass
+class DoctorReport:
+    environment: Environment
+    checks: list[Check]
+    backends: list[BackendLine]
+    backend_problem: Problem
+    plugins: list[dict[str, Any]]
+    registry_problems: list[str]
+    config: dict[str, Any]
+    ranking: Ranking | None = None
+    required: list[str] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)  # what makes the exit code 1
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.broken else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "selector_version": selector.__version__,
+            "exit_code": self.exit_code,
+            "broken": self.broken,
+            "checks": [c.to_dict() for c in self.checks],
+            "backends_for": self.backend_problem.to_dict(),
+            "backends": [b.to_dict() for b in self.backends],
+            "plugins": self.plugins,
+            "registry_problems": self.registry_problems,
+            "config": self.config,
+            "ranking": self.ranking.to_dict() if self.ranking else None,
+            "required": self.required,
+            "environment": self.environment.to_dict(),
+        }
+
+
+def _gib(n: int | None) -> str:
+    return f"{n / 2**30:.1f} GiB" if n else "? GiB"
+
+
+def _gpu_check(env: Environment) -> Check:
+    gpu = env.gpu
+    suffix = " (overridden)" if gpu.overridden and "overridden" not in gpu.source else ""
+    if not gpu.devices:
+        return Check("gpu", False, f"GPU: {gpu.problem or 'no CUDA GPU visible'}", (f"source: {gpu.source}{suffix}",))
+    lines = tuple(
+        f"cuda:{d.index} {d.name}, compute capability {d.compute_capability[0]}.{d.compute_capability[1]}, "
+        f"{_gib(d.memory_total_bytes)}" + (f", {_gib(d.memory_free_bytes)} free" if d.memory_free_bytes else "")
+        for d in gpu.devices
+    )
+    driver = f"driver {gpu.driver_version or '?'} (CUDA {gpu.driver_cuda_version or '?'})"
+    title = f"GPU: {len(gpu.devices)} x {gpu.devices[0].name}, {driver}"
+    return Check("gpu", True, title, (*lines, f"source: {gpu.source}{suffix}"), warning=gpu.overridden)
+
+
+def _toolkit_check(env: Environment) -> Check:
+    tk = env.toolkit
+    detail = (*tk.warnings, *(f"searched {s}" for s in tk.searched))
+    if tk.usable_for_jit and tk.nvcc_version:
+        v = f"{tk.nvcc_version[0]}.{tk.nvcc_version[1]}"
+        title = f"CUDA toolkit: nvcc {v} at {tk.root} (found by {tk.found_by})"
+        return Check("toolkit", True, title, detail, warning=bool(tk.warnings) or tk.overridden)
+    title = f"CUDA toolkit: {tk.problem or 'not found'}"
+    return Check("toolkit", False, title, (*detail, "needed only by backends that compile kernels at run time"))
+
+
+def _packages_check(env: Environment) -> Check:
+    present, missing, detail = [], [], []
+    for p in env.packages:
+        if p.version is None:
+            missing.append(p.name)
+            continue
+        extra = ""
+        if p.name == "torch" and "cuda" in p.detail:
+            extra = f" (CUDA {p.detail['cuda']} build)" if p.detail["cuda"] else " (CPU build)"
+        present.append(f"{p.name} {p.version}{extra}")
+        if p.overridden:
+            detail.append(f"{p.name}: {p.source}")
+    title = "Packages: " + ", ".join(present)
+    if missing:
+        detail.insert(0, "not installed: " + ", ".join(missing))
+    return Check("packages", "torch" in " ".join(present), title, tuple(detail))
+
+
+def _plugins_check(registry: Registry) -> Check:
+    failed = [p for p in registry.plugins if p.error]
+    skipped = [p for p in registry.plugins if p.skipped]
+    loaded = [p for p in registry.plugins if not p.error and not p.skipped]
+    dists = sorted({p.distribution for p in loaded})
+    title = f"Plugins: {len(loaded)} loaded from {', '.join(dists) or 'nothing'}"
+    detail = [f"{p.name} ({p.distribution}): {p.error}" for p in failed]
+    detail += [f"{p.name}: skipped, {p.skipped}" for p in skipped]
+    detail += registry.problems
+    return Check("plugins", not failed and not registry.problems, title, tuple(detail))
+
+
+def default_problem(env: Environment) -> Problem:
+    """The layer backends are judged on when no configuration is given: only machine facts then matter."""
+    if env.gpu.devices:
+        return Problem(num_experts=8, hidden_size=1024, intermediate_size=1024, top_k=2, device="cuda")
+    return Problem(num_experts=8, hidden_size=1024, intermediate_size=1024, top_k=2, dtype="float32", device="cpu")
+
+
+def build_report(
+    env: Environment,
+    registry: Registry,
+    problem: Problem | None = None,
+    required: Sequence[str] = (),
+    config: SelectorConfig | None = None,
+) -> DoctorReport:
+    """Everything doctor shows, computed once. `problem` adds a ranking; `required` backends must run here."""
+    broken: list[str] = []
+    if config is None:
+        try:
+            config = load_config()
+        except ConfigError as exc:
+            broken.append(str(exc))
+            config = SelectorConfig()
+    checks = [_gpu_check(env), _toolkit_check(env), _packages_check(env), _plugins_check(registry)]
+    broken += [f"plugin {p.name}: {p.error}" for p in registry.plugins if p.error]
+
+    judged = problem or default_problem(env)
+    if problem is None and not env.gpu.devices:
+        judged = replace(judged, device="cpu")
+    backends = []
+    for name in registry.names:
+        spec = registry.specs[name]
+        provider = registry.providers[name]
+        dist = next((p.distribution for p in registry.plugins if p.name == provider), "")
+        backends.append(
+            BackendLine(name, provider, dist, spec.description, evaluate(spec, judged, env), spec.first_call_cost)
+        )
+    for name in required:
+        line = next((b for b in backends if b.name == name), None)
+        if line is None:
+            broken.append(f"required backend {name!r} is not registered (registered: {', '.join(registry.names)})")
+        elif not line.verdict.ok:
+            broken.append(f"required backend {name!r} cannot run here: {line.verdict.reason}")
+    ranking = rank(problem, env, registry, config) if problem is not None else None
+    if not any(b.verdict.ok for b in backends):
+        broken.append("no experts backend can run here")
+    return DoctorReport(
+        environment=env,
+        checks=checks,
+        backends=backends,
+        backend_problem=judged,
+        plugins=[p.to_dict() for p in registry.plugins],
+        registry_problems=list(registry.problems),
+        config=config.to_dict(),
+        ranking=ranking,
+        required=list(required),
+        broken=broken,
+    )
+
+
+def status_mark(verdict: Availability) -> str:
+    return "ok" if verdict.status is Status.OK else verdict.status.value

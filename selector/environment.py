@@ -1,0 +1,20 @@
+"""The probe facts this process works from: collected once, or injected (tests, the daemon)."""
+
+from __future__ import annotations
+
+from probes import Environment, collect_environment
+
+_CURRENT: Environment | None = None
+
+
+def current_environment() -> Environment:
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = collect_environment()
+    return _CURRENT
+
+
+def set_environment(env: Environment | None) -> None:
+    """Use these facts instead of probing (None: probe again on next use)."""
+    global _CURRENT
+    _CURRENT = env

@@ -1,0 +1,63 @@
+"""The experts-module convention every backend reads, the same as Hugging Face Transformers' experts modules.
+
+A module carries `num_experts`, `act_fn`, `gate_up_proj` [E, 2I, H] (or `up_proj` [E, I, H] when not gated),
+`down_proj` [E, H, I]; transposed layouts swap the last two dims; optional `gate_up_proj_bias` [E, 2I] /
+`up_proj_bias` and `down_proj_bias` [E, H]; flags `has_gate`, `has_bias`, `is_transposed`, `is_concatenated`
+(False: gate/up channels interleaved), `has_post_expert_norm` (+ `post_expert_norm`), `_is_expert_parallel`
+(an expert id equal to `num_experts` is then a sentinel that contributes nothing), and `_apply_gate`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def default_apply_gate(module: torch.nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up, for concatenated [gate | up] or interleaved [g0, u0, g1, u1, ...] channels."""
+    if getattr(module, "is_concatenated", True):
+        gate, up = gate_up_out.chunk(2, dim=-1)
+    else:
+        gate, up = gate_up_out[..., ::2], gate_up_out[..., 1::2]
+    return module.act_fn(gate) * up
+
+
+def up_weight(module: torch.nn.Module) -> torch.Tensor:
+    """gate_up_proj for gated experts, up_proj otherwise."""
+    return module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj
+
+
+def up_bias(module: torch.nn.Module) -> torch.Tensor | None:
+    if not getattr(module, "has_bias", False):
+        return None
+    return module.gate_up_proj_bias if getattr(module, "has_gate", True) else module.up_proj_bias
+
+
+def down_bias(module: torch.nn.Module) -> torch.Tensor | None:
+    return module.down_proj_bias if getattr(module, "has_bias", False) else None
+
+
+def activate(module: torch.nn.Module, up_out: torch.Tensor) -> torch.Tensor:
+    """Gating (gated experts) or the plain activation (non-gated) on the up projection's output."""
+    if getattr(module, "has_gate", True):
+        return module._apply_gate(up_out)
+    return module.act_fn(up_out)
+
+
+def post_norm(module: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
+    return module.post_expert_norm(out) if getattr(module, "has_post_expert_norm", False) else out
+
+
+def is_expert_parallel(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "_is_expert_parallel", False))
+
+
+def dims(module: torch.nn.Module) -> tuple[int, int, int]:
+    """(E, H, I) read off the weights, whatever the layout."""
+    w = up_weight(module)
+    e = w.shape[0]
+    out_dim, in_dim = (w.shape[2], w.shape[1]) if getattr(module, "is_transposed", False) else (w.shape[1], w.shape[2])
+    inter = out_dim // 2 if getattr(module, "has_gate", True) else out_dim
+    return e, in_dim, inter

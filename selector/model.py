@@ -1,0 +1,292 @@
+"""Model API for any nn.Module tree: decorate an experts class, then choose its backend by name, "auto" or dict.
+
+    @selector.experts(has_bias=True)
+    class MyExperts(nn.Module): ...            # gate_up_proj, down_proj, act_fn, num_experts as Transformers'
+
+    selector.set_experts_implementation(model, "auto")               # or "grouped_mm"
+    selector.set_experts_implementation(model, {"": "auto", "vision_config": "eager"})
+    selector.get_experts_implementation(model)  -> {"": "auto", "vision_config": "eager"}
+
+A name is checked against the registry at once (unknown -> ValueError listing the names). Whether it can
+run on this machine and this layer is checked at the first forward, which raises ImportError or ValueError
+with the reason and the fix; "auto" picks the best runnable backend per token-count bucket instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from functools import wraps
+from typing import Any, TypeVar
+
+import torch
+
+from selector import layers
+from selector.config import SelectorConfig, load_config
+from selector.environment import current_environment
+from selector.errors import unavailable_error
+from selector.problem import problem_from_module
+from selector.ranking import rank
+from selector.registry import Registry, get_registry
+from selector.requirements import evaluate
+from selector.types import ExpertsForward, Problem, Ranking, Status
+from selector.validation import validate_inputs
+
+AUTO = "auto"
+REQUEST_ATTR = "_selector_implementation"  # what the user asked for this module
+BACKBONE_ATTR = "_selector_backbone"  # the sub-config key this module answers to
+LAST_ATTR = "_selector_last_backend"  # the backend that ran the last forward (observability, tests)
+
+M = TypeVar("M", bound=type)
+
+
+def experts(
+    cls: M | None = None,
+    *,
+    has_gate: bool = True,
+    has_bias: bool = False,
+    is_transposed: bool = False,
+    is_concatenated: bool = True,
+    has_post_expert_norm: bool = False,
+    gate_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    backbone: str | None = None,
+) -> Any:
+    """Class decorator: the module's forward(hidden_states, top_k_index, top_k_weights) runs the chosen backend.
+
+    Flags as Transformers' `use_experts_implementation`: `is_concatenated=False` means interleaved gate/up
+    channels; `gate_fn(module, gate_up_out) -> gated` replaces act(gate) * up (GPT-OSS style gates);
+    `backbone` names the sub-config key that dict requests use for this module.
+    """
+
+    def wrap(klass: M) -> M:
+        original_init = klass.__init__
+
+        @wraps(original_init)
+        def __init__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            original_init(self, *args, **kwargs)
+            self.has_gate = has_gate
+            self.has_bias = has_bias
+            self.is_transposed = is_transposed
+            self.is_concatenated = is_concatenated
+            self.has_post_expert_norm = has_post_expert_norm
+            self._is_expert_parallel = getattr(self, "_is_expert_parallel", False)
+            if backbone is not None:
+                setattr(self, BACKBONE_ATTR, backbone)
+
+        def forward(
+            self: torch.nn.Module,
+            hidden_states: torch.Tensor,
+            top_k_index: torch.Tensor,
+            top_k_weights: torch.Tensor,
+        ) -> torch.Tensor:
+            return run_experts(self, hidden_states, top_k_index, top_k_weights)
+
+        klass.__init__ = __init__
+        klass.forward = forward
+        if gate_fn is not None:
+            klass._apply_gate = gate_fn
+        elif not hasattr(klass, "_apply_gate"):
+            klass._apply_gate = layers.default_apply_gate
+        klass._selector_experts = True
+        return klass
+
+    return wrap(cls) if cls is not None else wrap
+
+
+class _Resolver:
+    """Caches what resolution needs: registry, probe facts, config, loaded forwards, verdicts, auto picks."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.registry: Registry | None = None
+        self.config: SelectorConfig | None = None
+        self.forwards: dict[str, ExpertsForward] = {}
+        self.auto: dict[tuple[Problem, int], str] = {}
+        self.verdicts: dict[tuple[str, Problem], Any] = {}
+        self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+
+    def get_registry(self) -> Registry:
+        if self.registry is None:
+            self.registry = get_registry()
+        return self.registry
+
+    def get_config(self) -> SelectorConfig:
+        if self.config is None:
+            self.config = load_config()
+        return self.config
+
+    def forward_of(self, name: str) -> ExpertsForward:
+        if name not in self.forwards:
+            self.forwards[name] = self.get_registry().get(name).load()
+        return self.forwards[name]
+
+    def rank(self, problem: Problem) -> Ranking:
+        return rank(problem, current_environment(), self.get_registry(), self.get_config())
+
+    def choose(self, module: torch.nn.Module, num_tokens: int, top_k: int) -> str:
+        requested = getattr(module, REQUEST_ATTR, AUTO)
+        problem = _static_problem(module, top_k)
+        if requested == AUTO:
+            key = (problem, token_bucket(num_tokens))
+            if key not in self.auto:
+                ranking = self.rank(problem.with_tokens(key[1]))
+                if ranking.best is None:
+                    reasons = "; ".join(f"{n}: {a.reason}" for n, a in ranking.excluded.items())
+                    raise ImportError(f"no experts backend can run this layer here ({reasons})")
+                self.auto[key] = ranking.best
+            return self.auto[key]
+        key2 = (requested, problem)
+        if key2 not in self.verdicts:
+            spec = self.get_registry().get(requested)
+            self.verdicts[key2] = evaluate(spec, problem, current_environment())
+        verdict = self.verdicts[key2]
+        if not verdict.ok:
+            raise unavailable_error(requested, verdict)
+        return requested
+
+
+_RESOLVER = _Resolver()
+
+
+def reset_selection_caches() -> None:
+    """Forget cached registry, config, verdicts and auto picks (after installing a plugin, editing config)."""
+    _RESOLVER.reset()
+
+
+def token_bucket(num_tokens: int) -> int:
+    """Round the token count up to a power of two: auto re-ranks per bucket, not per exact count."""
+    return 1 << max(0, int(num_tokens) - 1).bit_length()
+
+
+def _static_problem(module: torch.nn.Module, top_k: int) -> Problem:
+    weight = layers.up_weight(module)
+    key = (weight.dtype, weight.device, tuple(weight.shape), top_k)
+    cached = module.__dict__.get("_selector_problem")
+    if cached is None or cached[0] != key:
+        cached = (key, problem_from_module(module, top_k=top_k))
+        module.__dict__["_selector_problem"] = cached
+    return cached[1]
+
+
+@torch.compiler.assume_constant_result
+def _choose_by_id(module_id: int, num_tokens: int, top_k: int) -> str:
+    # Traced as a constant under torch.compile: the choice is made once per compiled shape.
+    return _RESOLVER.choose(_RESOLVER.modules[module_id], num_tokens, top_k)
+
+
+def run_experts(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Validate the inputs, pick the backend for this module and token count, run it."""
+    num_experts, hidden, _ = layers.dims(module)
+    validate_inputs(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        num_experts=num_experts,
+        hidden_size=hidden,
+        expert_parallel=layers.is_expert_parallel(module),
+    )
+    if torch.compiler.is_compiling():
+        _RESOLVER.modules[id(module)] = module
+        name = _choose_by_id(id(module), hidden_states.shape[0], top_k_index.shape[1])
+    else:
+        name = _RESOLVER.choose(module, hidden_states.shape[0], top_k_index.shape[1])
+        module.__dict__[LAST_ATTR] = name
+    return _RESOLVER.forward_of(name)(module, hidden_states, top_k_index, top_k_weights)
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    return bool(getattr(type(module), "_selector_experts", False))
+
+
+def _scope_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    """The sub-config key of an experts module: its declared backbone, or the sub-config its config is."""
+    declared = getattr(module, BACKBONE_ATTR, None)
+    if declared is not None:
+        return declared
+    root_config, own_config = getattr(model, "config", None), getattr(module, "config", None)
+    if root_config is None or own_config is None or own_config is root_config:
+        return ""
+    for key in getattr(root_config, "sub_configs", {}) or {}:
+        if getattr(root_config, key, None) is own_config:
+            return key
+    return ""
+
+
+def experts_scopes(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
+    """{sub-config key: [(module path, experts module), ...]}; "" is the model's own scope."""
+    scopes: dict[str, list[tuple[str, torch.nn.Module]]] = {}
+    for path, module in model.named_modules():
+        if is_experts_module(module):
+            scopes.setdefault(_scope_of(model, module), []).append((path, module))
+    return scopes
+
+
+def _check_name(name: object, registry: Registry) -> str:
+    if not isinstance(name, str):
+        raise ValueError(f"an experts implementation must be a backend name, got {name!r}")
+    if name != AUTO:
+        registry.get(name)  # ValueError listing the registered names
+    return name
+
+
+def set_experts_implementation(model: torch.nn.Module, implementation: str | Mapping[str, str]) -> None:
+    """Choose the backend of every experts module, at any time, without reloading.
+
+    `implementation`: a name, "auto", or {sub-config key: name} with "" for the whole model.
+    """
+    registry = _RESOLVER.get_registry()
+    request = {"": implementation} if isinstance(implementation, str) else dict(implementation)
+    scopes = experts_scopes(model)
+    unknown = sorted(k for k in request if k != "" and k not in scopes)
+    if unknown:
+        known = ", ".join(repr(k) for k in sorted(scopes) if k) or "none (only the '' key applies)"
+        raise ValueError(f"no experts modules under sub-config key(s) {unknown}; this model's keys: {known}")
+    for name in request.values():
+        _check_name(name, registry)
+    for key, members in scopes.items():
+        name = request.get(key, request.get(""))
+        if name is None:
+            continue
+        for _, module in members:
+            setattr(module, REQUEST_ATTR, name)
+    previous = model.__dict__.get("_selector_request", {})
+    model.__dict__["_selector_request"] = {**previous, **request}
+
+
+def get_experts_implementation(model: torch.nn.Module) -> dict[str, str]:
+    """{"": whole-model choice, sub-config key: its choice, ...} as currently set."""
+    request = model.__dict__.get("_selector_request", {})
+    result = {"": request.get("", AUTO)}
+    for key, members in experts_scopes(model).items():
+        result[key] = getattr(members[0][1], REQUEST_ATTR, AUTO)
+    return result
+
+
+def explain_model(model: torch.nn.Module, num_tokens: int | None = None) -> dict[str, Ranking]:
+    """The ranking behind each experts module's choice: {module path: Ranking}, for logs and `doctor`."""
+    out: dict[str, Ranking] = {}
+    for members in experts_scopes(model).values():
+        for path, module in members:
+            top_k = int(getattr(module, "top_k", 0) or getattr(getattr(module, "config", None), "num_experts_per_tok", 0) or 1)
+            out[path] = _RESOLVER.rank(_static_problem(module, top_k).with_tokens(num_tokens))
+    return out
+
+
+__all__ = [
+    "AUTO",
+    "Status",
+    "experts",
+    "experts_scopes",
+    "explain_model",
+    "get_experts_implementation",
+    "reset_selection_caches",
+    "run_experts",
+    "set_experts_implementation",
+]

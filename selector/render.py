@@ -1,0 +1,92 @@
+"""Renderers for the doctor report: text (a flutter-doctor style checklist), markdown and JSON."""
+
+from __future__ import annotations
+
+import json
+
+from selector.doctor import DoctorReport
+from selector.types import Problem, Ranking
+
+OK, BAD, WARN = "✓", "✗", "!"
+
+
+def describe_problem(p: Problem) -> str:
+    flags = [f for f, on in (("non-gated", not p.gated), ("bias", p.has_bias), ("transposed", p.is_transposed),
+                             ("interleaved", p.interleaved), ("custom gate", p.custom_gate)) if on]
+    tokens = "T=?" if p.num_tokens is None else f"T={p.num_tokens}"
+    text = (f"E={p.num_experts} H={p.hidden_size} I={p.intermediate_size} k={p.top_k} {p.dtype} {p.activation} "
+            f"on {p.device} {tokens}")
+    if p.weight_format != "dense":
+        text += f" {p.weight_format}/{p.scale_format}"
+    return text + (f" ({', '.join(flags)})" if flags else "")
+
+
+def _micro(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f} µs" if seconds < 1 else f"{seconds:.1f} s (no estimate)"
+
+
+def _ranking_lines(r: Ranking) -> list[str]:
+    lines = [f"Ranking for {describe_problem(r.problem)}:"]
+    for i, c in enumerate(r.candidates, 1):
+        why = " (pinned)" if c.pinned else " (preferred)" if c.preferred else ""
+        lines.append(f"  {i}. {c.name:<16} estimated {_micro(c.estimate)}{why}")
+    if not r.candidates:
+        lines.append("  no backend can run this layer here")
+    for name, a in r.excluded.items():
+        lines.append(f"  {BAD} {name:<16} {a.reason}")
+    return lines
+
+
+def render_text(report: DoctorReport) -> str:
+    import selector
+
+    lines = [f"selector {selector.__version__} doctor", ""]
+    for c in report.checks:
+        mark = OK if c.ok and not c.warning else WARN if c.ok else BAD
+        lines.append(f"[{mark}] {c.title}")
+        lines.extend(f"    {d}" for d in c.detail)
+    lines += ["", f"Backends (judged for {describe_problem(report.backend_problem)}):"]
+    for b in report.backends:
+        mark = OK if b.verdict.ok else BAD
+        lines.append(f"  {mark} {b.name:<16} {b.description}" + (f"  [{b.provider}]" if b.provider != b.name else ""))
+        if not b.verdict.ok:
+            lines.append(f"      {b.verdict.status.value}: {b.verdict.reason}")
+            if b.verdict.found:
+                lines.append(f"      found: {b.verdict.found}")
+            if b.verdict.remedy:
+                lines.append(f"      fix: {b.verdict.remedy}")
+        if b.first_call_cost:
+            lines.append(f"      first call: {b.first_call_cost}")
+    if report.config.get("files"):
+        lines += ["", "Config: " + ", ".join(report.config["files"])]
+    if report.ranking is not None:
+        lines += ["", *_ranking_lines(report.ranking)]
+    lines.append("")
+    if report.broken:
+        lines.append(f"{BAD} {len(report.broken)} problem(s):")
+        lines.extend(f"  - {b}" for b in report.broken)
+    else:
+        usable = [b.name for b in report.backends if b.verdict.ok]
+        lines.append(f"{OK} usable: {', '.join(usable)}")
+    return "\n".join(lines)
+
+
+def render_markdown(report: DoctorReport) -> str:
+    import selector
+
+    lines = [f"# selector {selector.__version__} doctor", "", "| check | status | detail |", "|---|---|---|"]
+    for c in report.checks:
+        mark = OK if c.ok else BAD
+        detail = "<br>".join(c.detail).replace("|", "\\|")
+        lines.append(f"| {c.title.replace('|', '/')} | {mark} | {detail} |")
+    lines += ["", f"## Backends ({describe_problem(report.backend_problem)})", "",
+              "| backend | status | reason | fix |", "|---|---|---|---|"]
+    for b in report.backends:
+        lines.append(f"| {b.name} | {b.verdict.status.value} | {b.verdict.reason} | {b.verdict.remedy} |")
+    if report.ranking is not None:
+        lines += ["", "## Ranking", "", "```", *_ranking_lines(report.ranking), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def render_json(report: DoctorReport) -> str:
+    return json.dumps(report.to_dict(), indent=2, sort_keys=False)

@@ -1,0 +1,181 @@
+"""Judges one backend's requirements against the probe facts and the problem: a pure function, no I/O.
+
+Machine facts are checked before the configuration, so an explicit request on the wrong machine says what
+is missing (ImportError) before it talks about dtypes (ValueError).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from probes import Environment
+from selector.types import AVAILABLE, Availability, BackendSpec, Problem, Requirements, Status
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'2.11.0+cu130' -> (2, 11, 0); '0.1.2.post1' -> (0, 1, 2). Enough for minimum-version checks."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        match = re.match(r"\d+", piece)
+        if not match:
+            break
+        parts.append(int(match.group()))
+    return tuple(parts)
+
+
+def _cc(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
+def _check_device(req: Requirements, problem: Problem, env: Environment) -> Availability | None:
+    if problem.device not in req.devices:
+        return Availability(
+            Status.UNSUPPORTED_DEVICE,
+            f"runs on {', '.join(sorted(req.devices))}, not on {problem.device}",
+            f"move the model to {' or '.join(sorted(req.devices))}, or pick a backend that runs on {problem.device}",
+        )
+    if problem.device != "cuda":
+        return None
+    cc = env.compute_capability(problem.device_index)
+    if cc is None:
+        why = env.gpu.problem or "no CUDA GPU visible"
+        return Availability(
+            Status.UNSUPPORTED_HARDWARE,
+            f"needs a CUDA GPU; none found ({why})",
+            "run on a machine with an NVIDIA GPU and driver",
+            found=f"GPU facts from {env.gpu.source}",
+        )
+    name = env.gpu.devices[problem.device_index].name
+    low, high = req.min_compute_capability, req.max_compute_capability
+    if (low and cc < low) or (high and cc >= high):
+        wanted = f">= {_cc(low)}" if low else ""
+        wanted += (" and " if low and high else "") + (f"< {_cc(high)}" if high else "")
+        return Availability(
+            Status.UNSUPPORTED_HARDWARE,
+            f"needs compute capability {wanted}; {name} has {_cc(cc)}",
+            "pick another backend for this GPU (selector doctor lists the ones that run here)",
+            found=f"{name}, compute capability {_cc(cc)} (from {env.gpu.source})",
+        )
+    return None
+
+
+def _check_packages(req: Requirements, env: Environment) -> Availability | None:
+    for dist, minimum in req.packages.items():
+        facts = env.package(dist)
+        installed = facts.version if facts else None
+        if installed is None:
+            return Availability(
+                Status.MISSING_PACKAGE,
+                f"needs the Python package {dist!r}, which is not installed",
+                f"pip install '{dist}{'>=' + minimum if minimum else ''}'",
+                found=f"{dist}: not found ({facts.source if facts else 'not probed'})",
+            )
+        if minimum and version_tuple(installed) < version_tuple(minimum):
+            return Availability(
+                Status.PACKAGE_TOO_OLD,
+                f"needs {dist} >= {minimum}; {installed} is installed",
+                f"pip install -U '{dist}>={minimum}'",
+                found=f"{dist} {installed} ({facts.source})",
+            )
+    return None
+
+
+def _check_toolkit(req: Requirements, problem: Problem, env: Environment) -> Availability | None:
+    if not req.toolkit or problem.device != "cuda":
+        return None
+    cc = env.compute_capability(problem.device_index)
+    rules = [r for r in req.toolkit if cc and cc >= r.min_cc and (r.max_cc is None or cc < r.max_cc)]
+    if not rules:
+        return None
+    rule = rules[0]
+    tk = env.toolkit
+    searched = "; ".join(tk.searched) or "nothing searched"
+    need = f"nvcc >= {_cc(rule.nvcc)}" + (f" on {rule.family}" if rule.family else "")
+    remedy = (
+        f"install a full CUDA toolkit {_cc(rule.nvcc)} or newer (with nvcc) and point CUDA_HOME at it"
+    )
+    if tk.root is None:
+        return Availability(
+            Status.TOOLKIT_MISSING,
+            f"compiles kernels at run time and needs a CUDA toolkit with {need}; none was found",
+            remedy,
+            found=f"searched CUDA_HOME, CUDA_PATH, nvcc on PATH, /usr/local/cuda: {searched}",
+        )
+    if tk.runtime_only or tk.nvcc_version is None:
+        what = "a runtime-only install (no bin/nvcc)" if tk.runtime_only else (tk.problem or "nvcc unusable")
+        return Availability(
+            Status.TOOLKIT_MISSING,
+            f"compiles kernels at run time and needs {need}; the toolkit at {tk.root} is {what}",
+            remedy,
+            found=f"{tk.root} (found by {tk.found_by})",
+        )
+    if tk.nvcc_version < rule.nvcc:
+        return Availability(
+            Status.TOOLKIT_TOO_OLD,
+            f"needs {need}; nvcc {_cc(tk.nvcc_version)} was found",
+            remedy,
+            found=f"nvcc {_cc(tk.nvcc_version)} at {tk.nvcc_path} (found by {tk.found_by})",
+        )
+    return None
+
+
+def _unsupported(what: str, remedy: str = "pick another backend, e.g. grouped_mm or eager") -> Availability:
+    return Availability(Status.UNSUPPORTED_CONFIG, what, remedy)
+
+
+def _check_config(req: Requirements, p: Problem) -> Availability | None:
+    def listed(values: frozenset[str]) -> str:
+        return ", ".join(sorted(values))
+
+    if p.dtype not in req.dtypes:
+        return _unsupported(f"does not run {p.dtype} experts (supports {listed(req.dtypes)})")
+    if p.weight_format not in req.weight_formats:
+        return _unsupported(
+            f"does not run {p.weight_format} expert weights (supports {listed(req.weight_formats)})"
+        )
+    if p.weight_format != "dense" and p.scale_format and p.scale_format not in req.scale_formats:
+        return _unsupported(f"does not read {p.scale_format} scales (reads {listed(req.scale_formats)})")
+    if p.weight_format != "dense" and p.activation_quant not in req.activation_quant:
+        return _unsupported(
+            f"does not run {p.activation_quant} activation quantisation (runs {listed(req.activation_quant)})"
+        )
+    if req.activations is not None and p.activation not in req.activations:
+        return _unsupported(f"does not run activation {p.activation!r} (runs {listed(req.activations)})")
+    flags: list[tuple[bool, bool, str]] = [
+        (p.gated, req.gated, "gated experts"),
+        (not p.gated, req.non_gated, "non-gated experts"),
+        (p.has_bias, req.bias, "expert biases"),
+        (p.is_transposed, req.transposed, "the transposed weight layout"),
+        (p.interleaved, req.interleaved, "interleaved gate/up weights"),
+        (p.custom_gate, req.custom_gate, "a custom gate function"),
+        (p.post_expert_norm, req.post_expert_norm, "a post-expert norm"),
+        (p.expert_parallel, req.expert_parallel, "expert parallelism"),
+    ]
+    for present, supported, what in flags:
+        if present and not supported:
+            return _unsupported(f"does not support {what}")
+    return None
+
+
+def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availability:
+    """Whether `spec` can run `problem` on the machine `env` describes, and if not, why and the fix."""
+    req = spec.requirements
+    steps: list[Callable[[], Availability | None]] = [
+        lambda: _check_device(req, problem, env),
+        lambda: _check_packages(req, env),
+        lambda: _check_toolkit(req, problem, env),
+        lambda: _check_config(req, problem),
+    ]
+    for step in steps:
+        verdict = step()
+        if verdict is not None:
+            return verdict
+    if spec.check is not None:
+        try:
+            verdict = spec.check(problem, env)
+        except Exception as exc:  # a plugin's bug is reported, not raised into the model
+            return Availability(Status.PLUGIN_ERROR, f"its check raised {type(exc).__name__}: {exc}")
+        if verdict is not None and not verdict.ok:
+            return verdict
+    return AVAILABLE

@@ -1,0 +1,198 @@
+"""The types every part of selector speaks: what a backend declares, what a layer asks, what the ranking says.
+
+None of these import torch: `selector doctor` must stay fast on a machine where torch takes a second to load.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # only for annotations
+    import torch
+
+    from probes import Environment
+
+
+class ExpertsForward(Protocol):
+    """Transformers' experts function: ``fn(module, hidden_states[T,H], top_k_index[T,k], top_k_weights[T,k]) -> [T,H]``."""
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+class Status(str, enum.Enum):
+    """Why a backend can or cannot run. `ok` is the only runnable status."""
+
+    OK = "ok"
+    MISSING_PACKAGE = "missing_package"
+    PACKAGE_TOO_OLD = "package_too_old"
+    UNSUPPORTED_DEVICE = "unsupported_device"
+    UNSUPPORTED_HARDWARE = "unsupported_hardware"
+    TOOLKIT_MISSING = "toolkit_missing"
+    TOOLKIT_TOO_OLD = "toolkit_too_old"
+    UNSUPPORTED_CONFIG = "unsupported_config"
+    DENIED_BY_CONFIG = "denied_by_config"
+    PLUGIN_ERROR = "plugin_error"
+
+    @property
+    def error_type(self) -> type[Exception]:
+        """The exception an explicit request raises: something missing -> ImportError, a bad config -> ValueError."""
+        if self in (Status.UNSUPPORTED_CONFIG, Status.DENIED_BY_CONFIG):
+            return ValueError
+        return ImportError
+
+
+@dataclass(frozen=True)
+class Availability:
+    """A verdict with its reason and the fix; never a bare bool."""
+
+    status: Status
+    reason: str = ""
+    remedy: str = ""
+    found: str = ""  # what was found and where it was looked for, for error messages
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    def to_dict(self) -> dict[str, str]:
+        return {"status": self.status.value, "reason": self.reason, "remedy": self.remedy, "found": self.found}
+
+
+AVAILABLE = Availability(Status.OK)
+
+WEIGHT_FORMATS = ("dense", "fp8_block", "fp4")
+SCALE_FORMATS = ("float32", "ue8m0")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ToolkitRule:
+    """nvcc needed by GPUs whose compute capability lies in [min_cc, max_cc): e.g. Hopper needs nvcc >= 12.3."""
+
+    min_cc: tuple[int, int]
+    max_cc: tuple[int, int] | None
+    nvcc: tuple[int, int]
+    family: str = ""
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a backend needs, declared as data so the ranking can explain every exclusion."""
+
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    min_compute_capability: tuple[int, int] | None = None
+    max_compute_capability: tuple[int, int] | None = None  # exclusive
+    toolkit: tuple[ToolkitRule, ...] = ()  # empty: no CUDA toolkit needed
+    packages: Mapping[str, str] = field(default_factory=dict)  # distribution -> minimum version ("" = any)
+    dtypes: frozenset[str] = frozenset(DTYPES)
+    weight_formats: frozenset[str] = frozenset({"dense"})
+    scale_formats: frozenset[str] = frozenset(SCALE_FORMATS)
+    activation_quant: frozenset[str] = frozenset({"dynamic"})
+    activations: frozenset[str] | None = None  # None: any activation (the module's act_fn is called)
+    gated: bool = True
+    non_gated: bool = True
+    bias: bool = True
+    transposed: bool = True
+    interleaved: bool = True
+    custom_gate: bool = True  # a module-specific _apply_gate (GPT-OSS's clamped SwiGLU)
+    post_expert_norm: bool = True
+    expert_parallel: bool = True  # the sentinel expert id is honoured
+    needs_process_group: bool = False
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One experts layer as the selector sees it. Built from a module (model API) or from flags (doctor, bench)."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    device_index: int = 0
+    activation: str = "silu"
+    gated: bool = True
+    has_bias: bool = False
+    is_transposed: bool = False
+    interleaved: bool = False
+    custom_gate: bool = False
+    post_expert_norm: bool = False
+    weight_format: str = "dense"
+    scale_format: str | None = None
+    activation_quant: str = "dynamic"
+    expert_parallel: bool = False
+    num_tokens: int | None = None  # None: unknown (rank for a typical mix)
+    compile: bool = False
+
+    def with_tokens(self, num_tokens: int | None) -> Problem:
+        return _replace(self, num_tokens=num_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _replace(problem: Problem, **changes: Any) -> Problem:
+    from dataclasses import replace
+
+    return replace(problem, **changes)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a plugin declares for one backend.
+
+    `load` imports the implementation only when it runs, so listing and ranking backends stays cheap.
+    `check` covers what `requirements` cannot say; it returns None when it has nothing against the problem.
+    `estimate` returns a relative cost (lower is faster) used to order the runnable backends.
+    """
+
+    name: str
+    load: Callable[[], ExpertsForward]
+    requirements: Requirements = field(default_factory=Requirements)
+    description: str = ""
+    check: Callable[[Problem, Environment], Availability | None] | None = None
+    estimate: Callable[[Problem, Environment], float] | None = None
+    compile_compatible: bool = True
+    cuda_graph_safe: bool = True
+    first_call_cost: str = ""  # e.g. "JIT-compiles 25-144 s on the first call of a shape"
+    url: str = ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A runnable backend, with the cost estimate it was ordered by."""
+
+    name: str
+    estimate: float
+    pinned: bool = False
+    preferred: bool = False
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """The ordered candidates for one problem, and every backend left out with its reason."""
+
+    problem: Problem
+    candidates: tuple[Candidate, ...]
+    excluded: Mapping[str, Availability]
+
+    @property
+    def best(self) -> str | None:
+        return self.candidates[0].name if self.candidates else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "problem": self.problem.to_dict(),
+            "candidates": [asdict(c) for c in self.candidates],
+            "excluded": {name: a.to_dict() for name, a in self.excluded.items()},
+        }

@@ -1,0 +1,84 @@
+"""Checks the inputs of an experts layer at the boundary, before any backend sees them.
+
+Level from SELECTOR_VALIDATE: "full" (default: shapes, dtypes, and the values of ids and weights, one
+device sync), "shapes" (no sync: for decode loops that cannot afford it), "off". Value checks are skipped
+while torch.compile traces or a CUDA graph captures, where reading values is impossible.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from selector.errors import ExpertsInputError
+
+LEVEL_VARIABLE = "SELECTOR_VALIDATE"
+LEVELS = ("full", "shapes", "off")
+
+
+def validation_level() -> str:
+    level = os.environ.get(LEVEL_VARIABLE, "full") or "full"
+    if level not in LEVELS:
+        raise ValueError(f"{LEVEL_VARIABLE}={level!r}: expected one of {', '.join(LEVELS)}")
+    return level
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def validate_inputs(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    hidden_size: int,
+    expert_parallel: bool = False,
+    level: str | None = None,
+) -> None:
+    """Raise ExpertsInputError with a precise message for inputs that would give garbage."""
+    level = level or validation_level()
+    if level == "off":
+        return
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size:
+        raise ExpertsInputError(
+            f"hidden_states must be [num_tokens, {hidden_size}], got {list(hidden_states.shape)}"
+        )
+    if not hidden_states.is_floating_point():
+        raise ExpertsInputError(f"hidden_states must be floating point, got {hidden_states.dtype}")
+    tokens = hidden_states.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != tokens:
+        raise ExpertsInputError(f"top_k_index must be [{tokens}, k], got {list(top_k_index.shape)}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ExpertsInputError(
+            f"top_k_weights {list(top_k_weights.shape)} must have the shape of top_k_index {list(top_k_index.shape)}"
+        )
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool or top_k_index.is_complex():
+        raise ExpertsInputError(f"top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    if not top_k_weights.is_floating_point():
+        raise ExpertsInputError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
+    devices = {hidden_states.device, top_k_index.device, top_k_weights.device}
+    if len(devices) > 1:
+        raise ExpertsInputError(f"inputs are on different devices: {sorted(map(str, devices))}")
+    if level != "full" or top_k_index.numel() == 0 or _capturing(hidden_states):
+        return
+    # One sync for all value checks: min id, max id, count of non-finite weights.
+    stats = torch.stack(
+        [
+            top_k_index.min().to(torch.float64),
+            top_k_index.max().to(torch.float64),
+            (~torch.isfinite(top_k_weights)).sum().to(torch.float64),
+        ]
+    ).tolist()
+    low, high, bad_weights = stats
+    limit = num_experts if expert_parallel else num_experts - 1
+    if low < 0 or high > limit:
+        allowed = f"[0, {num_experts})" + (f" or the expert-parallel sentinel {num_experts}" if expert_parallel else "")
+        raise ExpertsInputError(
+            f"expert ids must lie in {allowed}; got ids from {int(low)} to {int(high)}"
+        )
+    if bad_weights:
+        raise ExpertsInputError(f"top_k_weights holds {int(bad_weights)} NaN or infinite value(s)")
