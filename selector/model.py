@@ -14,7 +14,6 @@ with the reason and the fix; "auto" picks the best runnable backend per token-co
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
 from functools import wraps
 from typing import Any, TypeVar
@@ -105,7 +104,6 @@ class _Resolver:
         self.forwards: dict[str, ExpertsForward] = {}
         self.auto: dict[tuple[Problem, int], str] = {}
         self.verdicts: dict[tuple[str, Problem], Any] = {}
-        self.modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 
     def get_registry(self) -> Registry:
         if self.registry is None:
@@ -171,9 +169,9 @@ def _static_problem(module: torch.nn.Module, top_k: int) -> Problem:
 
 
 @torch.compiler.assume_constant_result
-def _choose_by_id(module_id: int, num_tokens: int, top_k: int) -> str:
-    # Traced as a constant under torch.compile: the choice is made once per compiled shape.
-    return _RESOLVER.choose(_RESOLVER.modules[module_id], num_tokens, top_k)
+def _choose_constant(module: torch.nn.Module, num_tokens: int, top_k: int) -> str:
+    # Run eagerly while torch.compile traces, its result a constant: one choice per compiled shape.
+    return _RESOLVER.choose(module, num_tokens, top_k)
 
 
 def run_experts(
@@ -193,8 +191,7 @@ def run_experts(
         expert_parallel=layers.is_expert_parallel(module),
     )
     if torch.compiler.is_compiling():
-        _RESOLVER.modules[id(module)] = module
-        name = _choose_by_id(id(module), hidden_states.shape[0], top_k_index.shape[1])
+        name = _choose_constant(module, hidden_states.shape[0], top_k_index.shape[1])
     else:
         name = _RESOLVER.choose(module, hidden_states.shape[0], top_k_index.shape[1])
         module.__dict__[LAST_ATTR] = name

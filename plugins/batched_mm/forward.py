@@ -39,5 +39,5 @@ def batched_mm_experts_forward(
     h = layers.activate(module, h)
     h = _bmm_linear(h, module.down_proj[ids], None if down_b is None else down_b[ids], transposed)
     h = layers.post_norm(module, h)
-    out = (h.float() * weights.unsqueeze(-1)).view(num_tokens, top_k, -1).sum(dim=1)
+    out = (h.float() * weights.unsqueeze(-1)).view(num_tokens, top_k, h.shape[-1]).sum(dim=1)
     return out.to(hidden_states.dtype)

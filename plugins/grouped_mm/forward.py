@@ -38,11 +38,20 @@ def _native_ok(device_type: str, dtype: torch.dtype, device_index: int) -> bool:
     return False
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    """torch's grouped GEMM wants 16-byte aligned data and strides (odd sizes take the loop)."""
+    size = t.element_size()
+    strides_ok = all((s * size) % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1)
+    if torch.compiler.is_compiling():  # no data pointers while tracing; inductor lowers grouped_mm for bf16 only
+        return strides_ok and t.dtype == torch.bfloat16
+    return strides_ok and t.data_ptr() % 16 == 0
+
+
 def _grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None, transposed: bool
 ) -> torch.Tensor:
     w = weight if transposed else weight.transpose(1, 2)  # -> [E, in, out]
-    if _native_ok(x.device.type, x.dtype, x.device.index or 0):
+    if _native_ok(x.device.type, x.dtype, x.device.index or 0) and _aligned(x) and _aligned(w):
         out = torch.nn.functional.grouped_mm(x, w, offs=offsets)
     else:
         out = grouped_mm_loop(x, w, offsets)
@@ -82,4 +91,4 @@ def grouped_mm_experts_forward(
     weighted = h.float() * weights.unsqueeze(-1)
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted  # back to (token, slot) order, then a fixed-order sum over slots
-    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return unsorted.view(num_tokens, top_k, h.shape[-1]).sum(dim=1).to(hidden_states.dtype)
