@@ -1,0 +1,260 @@
+"""Tile configurations for the fused experts kernels.
+
+A configuration is a dict::
+
+    {"BLOCK_M": 64,                       # rows per expert block (shared by both GEMMs: the align step uses it)
+     "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+     "down":    {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}}
+
+For the gated gate_up GEMM, BLOCK_N counts intermediate channels: each program reads 2*BLOCK_N weight rows
+(gate and up). A flat dict (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) applies to both.
+
+Tuned configurations ship as JSON in ``configs/<GPU name with spaces as underscores>.json``::
+
+    {"version": 1, "device": "NVIDIA H200", "dtype": "bfloat16",
+     "configs": {"E=128,H=2048,I=768,k=8": {"1": {...}, "64": {...}, "4096": {...}}}}
+
+The entry whose token count is nearest to T (in log scale) is used; shapes or dtypes without an entry get
+``default_config``. The directory can be overridden with SELECTOR_TRITON_FUSED_CONFIG_DIR.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+_GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+_SMEM_BUDGET = 200 * 1024  # bytes of shared memory we let the pipeline use (H100/H200 allow 227 KB)
+
+
+def shape_key(num_experts: int, hidden: int, intermediate: int, top_k: int) -> str:
+    return f"E={num_experts},H={hidden},I={intermediate},k={top_k}"
+
+
+def config_file_name(device_name: str) -> str:
+    return device_name.strip().replace(" ", "_").replace("/", "_") + ".json"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# normalise / encode (the custom op carries a config as a list of ints)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def normalize(config: dict[str, Any]) -> dict[str, Any]:
+    """Full nested form of a (possibly flat or partial) config; raises ValueError on bad values."""
+    if not isinstance(config, dict):
+        raise ValueError(f"triton_fused: config must be a dict, got {type(config).__name__}")
+    flat = {k: config[k] for k in _GEMM_KEYS if k in config}
+    out: dict[str, Any] = {"BLOCK_M": int(config.get("BLOCK_M", 64))}
+    for part in ("gate_up", "down"):
+        sub = dict(_DEFAULT_GEMM)
+        sub.update(flat)
+        sub.update(config.get(part, {}) or {})
+        out[part] = {k: int(sub[k]) for k in _GEMM_KEYS}
+    for name, val in (("BLOCK_M", out["BLOCK_M"]),) + tuple(
+        (f"{p}.{k}", out[p][k]) for p in ("gate_up", "down") for k in ("BLOCK_N", "BLOCK_K")
+    ):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"triton_fused: config {name}={val} must be a power of two >= 16")
+    for p in ("gate_up", "down"):
+        if out[p]["num_warps"] not in (1, 2, 4, 8, 16) or out[p]["num_stages"] < 1 or out[p]["GROUP_M"] < 1:
+            raise ValueError(f"triton_fused: bad config {p}={out[p]}")
+    return out
+
+
+_DEFAULT_GEMM = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+
+
+def encode_config(config: dict[str, Any]) -> list[int]:
+    c = normalize(config)
+    return [c["BLOCK_M"]] + [c[p][k] for p in ("gate_up", "down") for k in _GEMM_KEYS]
+
+
+def decode_config(values: list[int]) -> dict[str, Any]:
+    v = [int(x) for x in values]
+    if len(v) != 1 + 2 * len(_GEMM_KEYS):
+        raise ValueError(f"triton_fused: encoded config has {len(v)} values, expected {1 + 2 * len(_GEMM_KEYS)}")
+    n = len(_GEMM_KEYS)
+    return {
+        "BLOCK_M": v[0],
+        "gate_up": dict(zip(_GEMM_KEYS, v[1 : 1 + n])),
+        "down": dict(zip(_GEMM_KEYS, v[1 + n : 1 + 2 * n])),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# heuristics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int | None) -> int:
+    try:
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+    except Exception:
+        pass
+    return 132
+
+
+def _cap_stages(stages: int, block_m: int, block_n: int, block_k: int, n_b: int, elem: int) -> int:
+    per_stage = (block_m * block_k + n_b * block_n * block_k) * elem
+    return max(2, min(stages, _SMEM_BUDGET // per_stage))
+
+
+def default_config(
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    num_tokens: int,
+    top_k: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    gated: bool = True,
+    num_sms: int = 132,
+) -> dict[str, Any]:
+    """Heuristic tiles: small BLOCK_M and narrow N tiles (many programs) when weights dominate, wgmma-sized
+    tiles when the GEMMs are compute bound."""
+    elem = 4 if dtype == torch.float32 else 2
+    n_pairs = max(1, num_tokens * top_k)
+    active = max(1, min(num_experts, n_pairs))
+    per_expert = n_pairs / active
+    if per_expert <= 16:
+        bm = 16
+    elif per_expert <= 32:
+        bm = 32
+    elif per_expert <= 96:
+        bm = 64
+    else:
+        bm = 128
+    est_blocks = active * math.ceil(per_expert / bm)
+    cfg: dict[str, Any] = {"BLOCK_M": bm}
+    n_b1 = 2 if gated else 1
+    if bm <= 32:
+        bk = 128 if elem == 2 else 64
+        for part, n_out, n_b in (("gate_up", intermediate, n_b1), ("down", hidden, 1)):
+            choices = (64, 32, 16) if n_b == 2 else (128, 64, 32, 16)
+            bn = choices[-1]
+            for cand in choices:
+                if est_blocks * math.ceil(n_out / cand) >= 2 * num_sms:
+                    bn = cand
+                    break
+            cfg[part] = {
+                "BLOCK_N": bn,
+                "BLOCK_K": bk,
+                "GROUP_M": 1,
+                "num_warps": 4,
+                "num_stages": _cap_stages(4, bm, bn, bk, n_b, elem),
+            }
+    else:
+        warps = 8 if bm == 128 else 4
+        bk = 64 if elem == 2 else 32
+        bn1 = 64 if gated else 128
+        cfg["gate_up"] = {
+            "BLOCK_N": bn1,
+            "BLOCK_K": bk,
+            "GROUP_M": 8,
+            "num_warps": warps,
+            "num_stages": _cap_stages(4, bm, bn1, bk, n_b1, elem),
+        }
+        cfg["down"] = {
+            "BLOCK_N": 128,
+            "BLOCK_K": bk,
+            "GROUP_M": 8,
+            "num_warps": warps,
+            "num_stages": _cap_stages(4, bm, 128, bk, 1, elem),
+        }
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shipped / tuned tables
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _config_dir() -> Path:
+    env = os.environ.get("SELECTOR_TRITON_FUSED_CONFIG_DIR")
+    return Path(env) if env else CONFIG_DIR
+
+
+@functools.lru_cache(maxsize=16)
+def load_table(device_name: str, directory: str | None = None) -> dict[str, dict[int, dict[str, Any]]]:
+    """{shape_key: {token_count: config}} for one GPU name; empty when there is no (readable) file."""
+    path = Path(directory) if directory else _config_dir()
+    path = path / config_file_name(device_name)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for key, per_t in (data.get("configs") or {}).items():
+        entries = {}
+        for t, cfg in per_t.items():
+            try:
+                entries[int(t)] = normalize(cfg)
+            except (ValueError, TypeError):
+                continue
+        if entries:
+            table[key] = entries
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(device_index: int | None) -> str | None:
+    try:
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(device_index or 0)
+    except Exception:
+        pass
+    return None
+
+
+def lookup(table: dict[str, dict[int, dict[str, Any]]], key: str, num_tokens: int) -> dict[str, Any] | None:
+    entries = table.get(key)
+    if not entries:
+        return None
+    t = max(1, num_tokens)
+    best = min(entries, key=lambda n: (abs(math.log2(max(1, n)) - math.log2(t)), n))
+    return entries[best]
+
+
+@functools.lru_cache(maxsize=4096)
+def _get_config_cached(
+    num_experts: int, hidden: int, intermediate: int, num_tokens: int, top_k: int, dtype: torch.dtype,
+    gated: bool, device_type: str, device_index: int | None, config_dir: str,
+) -> dict[str, Any]:  # fmt: skip
+    num_sms = 132
+    if device_type == "cuda":
+        num_sms = _num_sms(device_index)
+        name = _device_name(device_index)
+        if name and gated and dtype in (torch.bfloat16, torch.float16):
+            cfg = lookup(load_table(name, config_dir), shape_key(num_experts, hidden, intermediate, top_k), num_tokens)
+            if cfg is not None:
+                return cfg
+    return default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated=gated, num_sms=num_sms)
+
+
+def get_config(
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    num_tokens: int,
+    top_k: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    gated: bool = True,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """The tile config for one call: tuned table for this GPU if it has the shape, else the heuristics."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return _get_config_cached(
+        num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated, dev.type, dev.index,
+        str(_config_dir()),
+    )  # fmt: skip

@@ -1,0 +1,656 @@
+"""Fused Mixture-of-Experts experts layer in Triton.
+
+Computes, for hidden_states x [T, H], routing ids [T, k] and routing weights [T, k]:
+
+    out[t] = sum_j w[t, j] * ( down_e( act(gate_e(x_t) + bg_e) * (up_e(x_t) + bu_e) ) + bd_e ),  e = ids[t, j]
+
+with the weights laid out as a Transformers experts module stores them (see ``fused_experts``). Ids outside
+[0, num_experts) are the expert-parallel sentinel: they contribute nothing.
+
+Launches per call (no host synchronisation anywhere, so a call can be captured in a CUDA graph):
+
+1. ``_align_kernel`` (one launch when T*k <= _SINGLE_ALIGN_MAX, else ``_align_count_kernel`` + ``_align_kernel``):
+   groups the (token, slot) pairs by expert into blocks of BLOCK_M rows. Output sizes depend only on
+   T, k, E and BLOCK_M: ``sorted_rows[max_blocks * BLOCK_M]`` (pair index t*k+j, or T*k for a padding slot) and
+   ``block_expert[max_blocks]`` (expert of each block, -1 for blocks past the end: those programs exit at once).
+2. ``_moe_gemm_kernel`` (gate_up): gathers the block's token rows of x, multiplies with the expert's gate/up
+   weights, adds the bias, applies activation and gating in the epilogue, writes intermediate [T*k, I].
+3. ``_moe_gemm_kernel`` (down): multiplies the intermediate rows with down_proj, adds the bias, multiplies by
+   the routing weight, writes y [T*k, H] (row t*k+j).
+4. ``_combine_kernel``: out[t] = sum over j of y[t*k+j] in fixed order, fp32 accumulation (deterministic,
+   no atomics); sentinel slots are skipped.
+
+Temporaries: intermediate (T*k*I) and y (T*k*H) in the input dtype plus a few small int32 buffers, within
+2 * T*k * max(2I, H) * 2 bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs as _configs
+
+__all__ = [
+    "SUPPORTED_ACTIVATIONS",
+    "SUPPORTED_DTYPES",
+    "fused_experts",
+    "fused_experts_impl",
+]
+
+SUPPORTED_ACTIVATIONS: frozenset[str] = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+_ACT_CODE = {"silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+
+# Routing up to this many (token, slot) pairs is done by one program in one launch (decode); above it
+# the pairs are split into chunks of _ALIGN_CHUNK, counted by one launch and scattered by a second.
+_SINGLE_ALIGN_MAX = 1024
+_ALIGN_CHUNK = 512
+
+# Tests set this to fill every buffer with garbage (NaN / out-of-range ids) before the kernels run, so that
+# any element a kernel fails to write shows up in the result. Costs extra fill launches: off by default.
+_POISON = False
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device, poison) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if _POISON:
+        t.fill_(poison)
+    return t
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Align: group (token, slot) pairs by expert into BLOCK_M-row blocks.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_count_kernel(
+    ids_ptr,
+    partial_ptr,
+    num_pairs,
+    num_experts,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    """partial[pid, e] = number of pairs of chunk pid routed to expert e (every entry written)."""
+    pid = tl.program_id(0)
+    e_range = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for s in range(0, CHUNK, SUB):
+        offs = pid * CHUNK + s + tl.arange(0, SUB)
+        in_range = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+        valid = in_range & (ids >= 0) & (ids < num_experts)
+        onehot = ((ids[:, None] == e_range[None, :]) & valid[:, None]).to(tl.int32)
+        counts += tl.sum(onehot, axis=0)
+    tl.store(partial_ptr + pid * E_PAD + e_range, counts)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+def _align_kernel(
+    ids_ptr,
+    partial_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    num_chunks,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    NCH_SUB: tl.constexpr,
+    B_TILE: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """Scatter pair indices into expert-sorted, BLOCK_M-padded order; write per-block experts and padding.
+
+    SINGLE: one program does everything (counts too). Otherwise program pid scatters chunk pid using the
+    per-chunk counts of ``_align_count_kernel``. The order of pairs inside one expert's group is the pair
+    order (ranks come from a prefix sum, no atomics), so the layout is deterministic.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    e_range = tl.arange(0, E_PAD)
+    e_ok = e_range < num_experts
+
+    if SINGLE:
+        total = tl.zeros([E_PAD], dtype=tl.int32)
+        for s in range(0, num_pairs, SUB):
+            offs = s + tl.arange(0, SUB)
+            in_range = offs < num_pairs
+            ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+            valid = in_range & (ids >= 0) & (ids < num_experts)
+            onehot = ((ids[:, None] == e_range[None, :]) & valid[:, None]).to(tl.int32)
+            total += tl.sum(onehot, axis=0)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+        lo = 0
+        hi = num_pairs
+    else:
+        total = tl.zeros([E_PAD], dtype=tl.int32)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+        for c0 in range(0, num_chunks, NCH_SUB):
+            cidx = c0 + tl.arange(0, NCH_SUB)
+            part = tl.load(
+                partial_ptr + cidx[:, None] * E_PAD + e_range[None, :], mask=cidx[:, None] < num_chunks, other=0
+            )
+            total += tl.sum(part, axis=0)
+            before += tl.sum(tl.where(cidx[:, None] < pid, part, 0), axis=0)
+        lo = pid * CHUNK
+        hi = tl.minimum(lo + CHUNK, num_pairs)
+
+    padded = tl.where(e_ok, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    pend = tl.cumsum(padded, axis=0)
+    pstart = pend - padded
+    run = pstart + before
+
+    # Scatter: destination = start of the expert's group + rank of the pair inside it.
+    for s in range(lo, hi, SUB):
+        offs = s + tl.arange(0, SUB)
+        in_range = offs < hi
+        ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+        valid = in_range & (ids >= 0) & (ids < num_experts)
+        onehot = ((ids[:, None] == e_range[None, :]) & valid[:, None]).to(tl.int32)
+        incl = tl.cumsum(onehot, axis=0)
+        dest = tl.sum(onehot * (incl - 1 + run[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, offs, mask=valid)
+        run += tl.sum(onehot, axis=0)
+
+    # Per-block expert ids and padding slots, spread over the programs (disjoint from the scatter above).
+    total_padded = tl.sum(padded, axis=0)
+    vend = pstart + total
+    m_range = tl.arange(0, BLOCK_M)
+    for b0 in range(pid * B_TILE, max_blocks, nprog * B_TILE):
+        b = b0 + tl.arange(0, B_TILE)
+        b_ok = b < max_blocks
+        bstart = b * BLOCK_M
+        used = bstart < total_padded
+        eb = tl.sum(((pend[None, :] <= bstart[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(used, eb, -1), mask=b_ok)
+        ve = tl.sum(tl.where(e_range[None, :] == eb[:, None], vend[None, :], 0), axis=1)
+        r = bstart[:, None] + m_range[None, :]
+        pad_val = tl.zeros([B_TILE, BLOCK_M], dtype=tl.int32) + num_pairs
+        tl.store(sorted_ptr + r, pad_val, mask=(used & b_ok)[:, None] & (r >= ve[:, None]))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grouped GEMM over expert blocks.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    if ACT == 1:  # silu
+        y = x / (1.0 + tl.exp(-x))
+    elif ACT == 2:  # gelu (erf)
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 3:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        y = x / (1.0 + tl.exp(-2.0 * z))
+    elif ACT == 4:  # relu
+        y = tl.maximum(x, 0.0)
+    else:
+        y = x
+    return y
+
+
+# token-count dependent ints are not specialised: one compile per tile config and weight shape, whatever T is
+@triton.jit(do_not_specialize=["num_valid", "num_blocks_m"])
+def _moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    topk_w_ptr,
+    num_valid,
+    N,
+    K,
+    a_div,
+    num_blocks_m,
+    up_offset,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_W: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """out[row, n] = epilogue( sum_k A[row // a_div, k] * W[e, n, k] ) for the rows of each expert block.
+
+    N is the number of OUTPUT channels (I for gate_up, H for down). Gated: weight rows n (gate) and
+    n + up_offset (up) when concatenated, 2n and 2n+1 when interleaved. W is addressed through
+    (stride_wn, stride_wk), so transposed storage needs no copy.
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_blocks_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
+    row_ok = rows < num_valid
+    # padding slots read row 0 (always in bounds): their results are never stored
+    a_rows = tl.where(row_ok, rows // a_div, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_base = w_ptr + expert * stride_we
+    num_k = tl.cdiv(K, BLOCK_K)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+
+    if GATED and INTERLEAVED:
+        # channels 2*n0 .. 2*n0 + 2*BLOCK_N - 1 hold (gate, up) pairs: one wide tile, split after the dot
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c_ok = offs_c < 2 * N
+        b_ptrs = w_base + offs_c[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for kk in range(0, num_k):
+            if EVEN_K and EVEN_N:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_be + offs_c * stride_bn, mask=c_ok, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        res = _activation(gate, ACT) * up
+    elif GATED:
+        bg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        bu_ptrs = bg_ptrs + up_offset * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(0, num_k):
+            if EVEN_K and EVEN_N:
+                a = tl.load(a_ptrs)
+                bg = tl.load(bg_ptrs)
+                bu = tl.load(bu_ptrs)
+            else:
+                k_ok = offs_k < K - kk * BLOCK_K
+                b_ok = k_ok[:, None] & n_ok[None, :]
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                bg = tl.load(bg_ptrs, mask=b_ok, other=0.0)
+                bu = tl.load(bu_ptrs, mask=b_ok, other=0.0)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ak
+            bg_ptrs += BLOCK_K * stride_wk
+            bu_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias_base = bias_ptr + expert * stride_be
+            bg_v = tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+            bu_v = tl.load(bias_base + (offs_n + up_offset) * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+            acc_g = acc_g + bg_v[None, :]
+            acc_u = acc_u + bu_v[None, :]
+        res = _activation(acc_g, ACT) * acc_u
+    else:
+        b_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(0, num_k):
+            if EVEN_K and EVEN_N:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        res = _activation(acc, ACT)
+
+    if MUL_W:
+        rw = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        res = res * rw[:, None]
+
+    out_rows = rows.to(tl.int64)
+    o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Deterministic combine over the k slots.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    ids_ptr,
+    out_ptr,
+    H,
+    top_k,
+    num_experts,
+    stride_ym,
+    stride_om,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(0, top_k):
+        row = t * top_k + j
+        e = tl.load(ids_ptr + row)
+        h_lim = tl.where((e >= 0) & (e < num_experts), H, 0)  # sentinel slot: nothing to add
+        v = tl.load(y_ptr + row.to(tl.int64) * stride_ym + offs, mask=offs < h_lim, other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Host side.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow torch's float32 matmul setting: "highest" -> exact fp32 FMA dots, else tf32."""
+    if dtype != torch.float32:
+        return "tf32"  # ignored by Triton for 16-bit operands
+    try:
+        prec = torch.get_float32_matmul_precision()
+    except Exception:  # pragma: no cover - very old/new torch
+        prec = "highest"
+    return "ieee" if prec == "highest" else "tf32"
+
+
+def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the number of BLOCK_M blocks after padding each expert's group (host-known)."""
+    padded = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return triton.cdiv(padded, block_m)
+
+
+def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-sorted, block-padded routing. Returns (sorted_rows [max_blocks*BM] int32, block_expert [max_blocks])."""
+    n = top_k_ids_flat.numel()
+    dev = top_k_ids_flat.device
+    mb = max_blocks_for(n, num_experts, block_m)
+    sorted_rows = _empty(mb * block_m, torch.int32, dev, 1 << 30)
+    block_expert = _empty(mb, torch.int32, dev, -1)
+    e_pad = max(16, _next_pow2(num_experts))
+    b_tile = 16 if block_m >= 64 else 32
+    if n <= _SINGLE_ALIGN_MAX:
+        sub = max(16, min(64 if e_pad <= 128 else 32, _next_pow2(n)))
+        _align_kernel[(1,)](
+            top_k_ids_flat, sorted_rows, sorted_rows, block_expert, n, num_experts, 1, mb,
+            BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, SUB=sub, E_PAD=e_pad, NCH_SUB=16, B_TILE=b_tile, SINGLE=True,
+            num_warps=8 if e_pad >= 128 else 4,
+        )  # fmt: skip
+    else:
+        chunks = triton.cdiv(n, _ALIGN_CHUNK)
+        partial = _empty(chunks * e_pad, torch.int32, dev, 1 << 20)
+        sub = 64 if e_pad <= 128 else 32
+        _align_count_kernel[(chunks,)](
+            top_k_ids_flat, partial, n, num_experts, CHUNK=_ALIGN_CHUNK, SUB=sub, E_PAD=e_pad,
+            num_warps=8 if e_pad >= 128 else 4,
+        )  # fmt: skip
+        nch_sub = 16 if e_pad <= 256 else 8
+        _align_kernel[(chunks,)](
+            top_k_ids_flat, partial, sorted_rows, block_expert, n, num_experts, chunks, mb,
+            BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, SUB=sub, E_PAD=e_pad, NCH_SUB=nch_sub, B_TILE=b_tile,
+            SINGLE=False, num_warps=8 if e_pad >= 128 else 4,
+        )  # fmt: skip
+    return sorted_rows, block_expert
+
+
+def _launch_gemm(
+    a, w, bias, out, sorted_rows, block_expert, topk_w, *, num_valid, n_out, k_dim, a_div, block_m,
+    stride_wn, stride_wk, up_offset, gated, interleaved, act, mul_w, cfg, dot_prec,
+):  # fmt: skip
+    num_blocks_m = block_expert.numel()
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (num_blocks_m * triton.cdiv(n_out, bn),)
+    has_bias = bias is not None
+    _moe_gemm_kernel[grid](
+        a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a,
+        num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset,
+        a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
+        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
+        out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], GATED=gated, INTERLEAVED=interleaved,
+        ACT=act, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0), EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: int, num_experts: int) -> None:
+    t, h = out.shape
+    block_h = min(1024, max(128, _next_pow2(h)))
+    _combine_kernel[(t, triton.cdiv(h, block_h))](
+        y, ids_flat, out, h, top_k, num_experts, y.stride(0), out.stride(0), BLOCK_H=block_h,
+        num_warps=4 if block_h >= 512 else 2,
+    )  # fmt: skip
+
+
+def _dims(hidden_states, gate_up_proj, down_proj, gated, transposed):
+    """(I, gate_up output channels, strides) from the stored layouts."""
+    if transposed:  # gate_up [E, H, C], down [E, I, H]
+        c1 = gate_up_proj.shape[2]
+        s1n, s1k = gate_up_proj.stride(2), gate_up_proj.stride(1)
+        i_dim = down_proj.shape[1]
+        s2n, s2k = down_proj.stride(2), down_proj.stride(1)
+    else:  # gate_up [E, C, H], down [E, H, I]
+        c1 = gate_up_proj.shape[1]
+        s1n, s1k = gate_up_proj.stride(1), gate_up_proj.stride(2)
+        i_dim = down_proj.shape[2]
+        s2n, s2k = down_proj.stride(1), down_proj.stride(2)
+    return i_dim, c1, (s1n, s1k), (s2n, s2k)
+
+
+def _validate(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation,
+              gated, transposed, gate_up_bias, down_bias):  # fmt: skip
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"triton_fused: activation {activation!r} is not supported; supported: {sorted(SUPPORTED_ACTIVATIONS)}"
+        )
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"triton_fused: dtype {hidden_states.dtype} is not supported; supported: bf16, fp16, fp32")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"triton_fused: hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
+    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if w.dim() != 3:
+            raise ValueError(f"triton_fused: {name} must be 3-D [E, ., .], got shape {tuple(w.shape)}")
+        if w.dtype != hidden_states.dtype:
+            raise ValueError(f"triton_fused: {name} dtype {w.dtype} differs from hidden_states {hidden_states.dtype}")
+        if w.shape[0] != num_experts:
+            raise ValueError(f"triton_fused: {name} has {w.shape[0]} experts, num_experts={num_experts}")
+        if w.device != hidden_states.device:
+            raise ValueError(f"triton_fused: {name} is on {w.device}, hidden_states on {hidden_states.device}")
+    t, h = hidden_states.shape
+    i_dim, c1, _, _ = _dims(hidden_states, gate_up_proj, down_proj, gated, transposed)
+    want_c1 = 2 * i_dim if gated else i_dim
+    k_in = gate_up_proj.shape[1] if transposed else gate_up_proj.shape[2]
+    h_out = down_proj.shape[2] if transposed else down_proj.shape[1]
+    if c1 != want_c1 or k_in != h or h_out != h:
+        raise ValueError(
+            "triton_fused: weight shapes do not fit: hidden_states "
+            f"{tuple(hidden_states.shape)}, gate_up_proj {tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}"
+            f" (gated={gated}, transposed={transposed})"
+        )
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != t or top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"triton_fused: top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)}"
+            f" must both be [T={t}, k]"
+        )
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise ValueError(f"triton_fused: top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    if gate_up_bias is not None and tuple(gate_up_bias.shape) != (num_experts, c1):
+        raise ValueError(f"triton_fused: gate_up_bias must be [{num_experts}, {c1}], got {tuple(gate_up_bias.shape)}")
+    if down_bias is not None and tuple(down_bias.shape) != (num_experts, h):
+        raise ValueError(f"triton_fused: down_bias must be [{num_experts}, {h}], got {tuple(down_bias.shape)}")
+
+
+def fused_experts_impl(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    activation: str = "silu",
+    gated: bool = True,
+    interleaved: bool = False,
+    transposed: bool = False,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The kernels, without validation and without the custom-op wrapper."""
+    t, h = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    out = _empty((t, h), hidden_states.dtype, hidden_states.device, float("nan"))
+    if t == 0 or top_k == 0:
+        return out.zero_()
+    i_dim, _, (s1n, s1k), (s2n, s2k) = _dims(hidden_states, gate_up_proj, down_proj, gated, transposed)
+    if config is None:
+        config = _configs.get_config(
+            num_experts, h, i_dim, t, top_k, hidden_states.dtype, gated=gated, device=hidden_states.device
+        )
+    cfg = _configs.normalize(config)
+    bm = cfg["BLOCK_M"]
+    n_pairs = t * top_k
+    ids = top_k_index.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    tw = top_k_weights.reshape(-1)
+    if not tw.is_contiguous():
+        tw = tw.contiguous()
+    dot_prec = _dot_precision(hidden_states.dtype)
+
+    sorted_rows, block_expert = align(ids, num_experts, bm)
+
+    inter = _empty((n_pairs, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
+    _launch_gemm(
+        hidden_states, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
+        num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=top_k, block_m=bm, stride_wn=s1n, stride_wk=s1k,
+        up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=_ACT_CODE[activation], mul_w=False,
+        cfg=cfg["gate_up"], dot_prec=dot_prec,
+    )  # fmt: skip
+    y = _empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
+    _launch_gemm(
+        inter, down_proj, down_bias, y, sorted_rows, block_expert, tw,
+        num_valid=n_pairs, n_out=h, k_dim=i_dim, a_div=1, block_m=bm, stride_wn=s2n, stride_wk=s2k,
+        up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=cfg["down"], dot_prec=dot_prec,
+    )  # fmt: skip
+    combine(y, ids, out, top_k, num_experts)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch custom op (opaque to torch.compile, fullgraph-safe) and the public entry point.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("selector::triton_fused_experts", mutates_args=())
+def _triton_fused_experts_op(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    activation: str,
+    gated: bool,
+    interleaved: bool,
+    transposed: bool,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    config: list[int] | None,
+) -> torch.Tensor:
+    cfg = _configs.decode_config(config) if config is not None else None
+    return fused_experts_impl(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
+        interleaved, transposed, gate_up_bias, down_bias, cfg,
+    )  # fmt: skip
+
+
+@_triton_fused_experts_op.register_fake
+def _triton_fused_experts_fake(
+    hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
+    interleaved, transposed, gate_up_bias, down_bias, config,
+):  # fmt: skip
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    num_experts: int,
+    activation: str = "silu",
+    gated: bool = True,
+    interleaved: bool = False,
+    transposed: bool = False,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """MoE experts forward: returns [T, H] in hidden_states' dtype (fp32 accumulation).
+
+    Weights as a Transformers experts module stores them:
+      gated:     gate_up_proj [E, 2I, H] ([E, H, 2I] if transposed); concatenated (gate rows first, then up)
+                 or interleaved (gate0, up0, gate1, up1, ...)
+      not gated: gate_up_proj is the up projection [E, I, H] ([E, H, I] if transposed), activation only
+      down_proj  [E, H, I] ([E, I, H] if transposed)
+      gate_up_bias [E, 2I] (or [E, I] not gated), down_bias [E, H]; both added before activation / weighting.
+    Ids outside [0, num_experts) (expert-parallel sentinel) contribute nothing. ``config`` overrides the tile
+    configuration (see ``configs.normalize``); by default it comes from the shipped JSON or the heuristics.
+    The call goes through the torch custom op ``selector::triton_fused_experts``.
+    """
+    _validate(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
+        transposed, gate_up_bias, down_bias,
+    )  # fmt: skip
+    return torch.ops.selector.triton_fused_experts(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
+        interleaved, transposed, gate_up_bias, down_bias,
+        _configs.encode_config(config) if config is not None else None,
+    )  # fmt: skip

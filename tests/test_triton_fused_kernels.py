@@ -1,0 +1,447 @@
+"""Correctness of the fused Triton experts kernels (plugins/triton_fused/kernels.py).
+
+Reference: a float64 loop over (token, slot) pairs, written here from the definition.
+Error measure: ||out - ref|| / ||ref||. Tolerances (justification):
+- CPU (Triton interpreter, fp32, numpy dots): ~1e-7 observed; 1e-5.
+- GPU fp32 with torch's default matmul precision "highest": Triton uses exact fp32 FMA dots: 1e-5.
+- GPU fp32 under "high" (tf32 operands, 10-bit mantissa, ~5e-4 per rounding, two GEMMs): 1e-2.
+- GPU fp16 (inputs, intermediate and per-slot outputs rounded to 11-bit mantissa, ~5e-4 each): 1e-2.
+- GPU bf16 (8-bit mantissa, ~4e-3 per rounding: intermediate, per-slot output, final output): 2e-2.
+On CPU the interpreter is used (tests/conftest.py sets TRITON_INTERPRET=1), where bf16 dots are wrong, so CPU
+cases are fp32 and tiny. Every buffer is poisoned (NaN / out-of-range ids) before the kernels run
+(kernels._POISON), so an element a kernel does not write turns the result into NaN and the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from plugins.triton_fused import configs as C
+from plugins.triton_fused import kernels as K
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(K, "_POISON", True)
+
+
+def _act(name):
+    f = torch.nn.functional
+    return {
+        "silu": f.silu,
+        "gelu": f.gelu,
+        "gelu_tanh": lambda z: f.gelu(z, approximate="tanh"),
+        "relu": torch.relu,
+    }[name]
+
+
+def reference(x, w1, w2, ids, wts, num_experts, activation="silu", gated=True, interleaved=False,
+              transposed=False, b1=None, b2=None):  # fmt: skip
+    """float64, one (token, slot) pair at a time, straight from the definition."""
+    x, w1, w2 = x.double().cpu(), w1.double().cpu(), w2.double().cpu()
+    ids, wts = ids.cpu(), wts.double().cpu()
+    b1 = None if b1 is None else b1.double().cpu()
+    b2 = None if b2 is None else b2.double().cpu()
+    if transposed:
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    act = _act(activation)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    t_count, k = ids.shape
+    for e in range(num_experts):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok] @ w1[e].T
+        if b1 is not None:
+            h = h + b1[e]
+        if gated:
+            g, u = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+            h = act(g) * u
+        else:
+            h = act(h)
+        o = h @ w2[e].T
+        if b2 is not None:
+            o = o + b2[e]
+        out.index_add_(0, tok, o * wts[tok, slot, None])
+    return out
+
+
+def make_case(T, H, I, E, k, *, dtype=torch.float32, gated=True, transposed=False, bias=False, device=DEV,
+              routing="uniform", seed=0):  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    c = 2 * I if gated else I
+    x = torch.randn(T, H, generator=g)
+    w1 = torch.randn(E, c, H, generator=g) / math.sqrt(H)
+    w2 = torch.randn(E, H, I, generator=g) / math.sqrt(I)
+    if transposed:
+        w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    if routing == "uniform":
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+    elif routing == "skewed":  # expert 0 in (almost) every token, the rest uniform
+        ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(E - 1, generator=g)[: k - 1]])
+                           for _ in range(T)])  # fmt: skip
+    else:
+        raise ValueError(routing)
+    ids = ids.long()
+    wts = torch.rand(T, k, generator=g)
+    b1 = torch.randn(E, c, generator=g) if bias else None
+    b2 = torch.randn(E, H, generator=g) if bias else None
+
+    def to(t):
+        return None if t is None else t.to(device=device, dtype=dtype)
+
+    return dict(x=to(x), w1=to(w1), w2=to(w2), ids=ids.to(device), wts=wts.to(device), b1=to(b1), b2=to(b2))
+
+
+def run_and_check(case, E, tol, *, activation="silu", gated=True, interleaved=False, transposed=False,
+                  config=None, ids=None):  # fmt: skip
+    ids = case["ids"] if ids is None else ids
+    out = K.fused_experts(
+        case["x"], case["w1"], case["w2"], ids, case["wts"], num_experts=E, activation=activation, gated=gated,
+        interleaved=interleaved, transposed=transposed, gate_up_bias=case["b1"], down_bias=case["b2"],
+        config=config,
+    )  # fmt: skip
+    assert out.shape == case["x"].shape and out.dtype == case["x"].dtype
+    ref = reference(case["x"], case["w1"], case["w2"], ids, case["wts"], E, activation, gated, interleaved,
+                    transposed, case["b1"], case["b2"])  # fmt: skip
+    assert torch.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
+    err = ((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+    return err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: tiny fp32 cases covering every layout / option
+# ------------------------------------------------------------------------------------------------------------
+
+SMALL = [
+    # id, (T, H, I, E, k), kwargs
+    ("basic", (5, 32, 24, 4, 2), {}),
+    ("T1", (1, 32, 16, 4, 2), {}),
+    ("E1", (4, 32, 16, 1, 1), {}),
+    ("k_eq_E", (3, 32, 16, 3, 3), {}),
+    ("odd", (7, 40, 24, 5, 2), {}),
+    ("interleaved", (6, 48, 40, 5, 3), dict(interleaved=True)),
+    ("transposed", (5, 32, 24, 4, 2), dict(transposed=True)),
+    ("transposed_interleaved_bias", (4, 40, 24, 3, 2), dict(transposed=True, interleaved=True, bias=True)),
+    ("bias", (5, 32, 24, 4, 2), dict(bias=True)),
+    ("gelu", (4, 32, 16, 4, 2), dict(activation="gelu")),
+    ("gelu_tanh", (4, 32, 16, 4, 2), dict(activation="gelu_tanh")),
+    ("relu", (4, 32, 16, 4, 2), dict(activation="relu")),
+    ("not_gated", (6, 40, 24, 5, 2), dict(gated=False, activation="gelu")),
+    ("not_gated_bias_transposed", (5, 32, 16, 4, 2), dict(gated=False, bias=True, transposed=True)),
+]
+
+
+@pytest.mark.parametrize("shape,kw", [(s, kw) for _, s, kw in SMALL], ids=[n for n, _, _ in SMALL])
+def test_small_fp32(shape, kw):
+    T, H, I, E, k = shape
+    kw = dict(kw)
+    bias = kw.pop("bias", False)
+    case = make_case(T, H, I, E, k, gated=kw.get("gated", True), transposed=kw.get("transposed", False), bias=bias)
+    run_and_check(case, E, 1e-5, **kw)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1},
+        {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 32}, "down": {"BLOCK_N": 16, "BLOCK_K": 16}},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4},
+    ],
+    ids=["bm16", "bm32_split", "bm64"],
+)
+def test_explicit_configs_odd_sizes(config):
+    # H, I not multiples of the tiles: exercises the K and N masks
+    case = make_case(9, 40, 24, 5, 2, bias=True)
+    run_and_check(case, 5, 1e-5, config=config)
+
+
+def test_skewed_and_empty_experts():
+    # expert 0 gets every token (> BLOCK_M pairs: several blocks); experts 5..7 get none
+    case = make_case(20, 32, 16, 8, 3, routing="skewed", seed=3)
+    ids = case["ids"].clone()
+    ids[ids >= 5] = ids[ids >= 5] % 5
+    ids[:, 1:][ids[:, 1:] == 0] = 1  # keep distinct within a token
+    run_and_check(case, 8, 1e-5, ids=ids, config={"BLOCK_M": 16})
+
+
+def test_sentinel_ids_contribute_nothing():
+    case = make_case(6, 32, 16, 4, 2)
+    ids = case["ids"].clone()
+    ids[0, 0] = 4  # == E: the expert-parallel sentinel
+    ids[2, 1] = 7
+    ids[3, :] = 4  # a token with only sentinels gets zeros
+    out = run_and_check(case, 4, 1e-5, ids=ids)
+    assert out < 1e-5
+
+
+def test_all_sentinel():
+    case = make_case(3, 32, 16, 4, 2)
+    ids = torch.full_like(case["ids"], 4)
+    out = K.fused_experts(case["x"], case["w1"], case["w2"], ids, case["wts"], num_experts=4)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_zero_tokens():
+    case = make_case(0, 32, 16, 4, 2)
+    out = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=4)
+    assert out.shape == (0, 32)
+
+
+def test_deterministic():
+    case = make_case(8, 32, 16, 4, 3)
+    a = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=4)
+    b = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=4)
+    assert torch.equal(a, b)
+
+
+def _check_align(ids_flat, E, bm):
+    sorted_rows, block_expert = K.align(ids_flat, E, bm)
+    n = ids_flat.numel()
+    s, b = sorted_rows.cpu().tolist(), block_expert.cpu().tolist()
+    flat = ids_flat.cpu().tolist()
+    assert len(b) == K.max_blocks_for(n, E, bm)
+    used = [e for e in b if e >= 0]
+    assert b[: len(used)] == used and all(e == -1 for e in b[len(used) :]), "unused blocks must come last"
+    assert used == sorted(used)
+    seen = []
+    for bi, e in enumerate(used):
+        for r in s[bi * bm : (bi + 1) * bm]:
+            if r == n:
+                continue
+            assert 0 <= r < n and flat[r] == e
+            seen.append(r)
+    assert sorted(seen) == [i for i in range(n) if 0 <= flat[i] < E]
+    # inside one expert the pairs keep their order (deterministic layout)
+    for e in set(used):
+        rows = [r for bi, be in enumerate(used) if be == e for r in s[bi * bm : (bi + 1) * bm] if r != n]
+        assert rows == sorted(rows)
+
+
+@pytest.mark.parametrize(
+    "n,E,bm",
+    [(8, 256, 16), (1, 1, 16), (700, 60, 64), (2500, 8, 128), (1500, 256, 16), (1100, 128, 32)],
+)
+def test_align(n, E, bm):
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, E + 2, (n,), generator=g).to(DEV)  # includes sentinels E, E+1
+    _check_align(ids, E, bm)
+
+
+def test_validation_errors():
+    case = make_case(2, 32, 16, 4, 2)
+    args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
+    with pytest.raises(ValueError, match="activation"):
+        K.fused_experts(*args, num_experts=4, activation="tanh")
+    with pytest.raises(ValueError, match="experts"):
+        K.fused_experts(*args, num_experts=5)
+    with pytest.raises(ValueError, match="shapes"):
+        K.fused_experts(*args, num_experts=4, gated=False)
+    with pytest.raises(ValueError, match="dtype"):
+        K.fused_experts(case["x"].double(), case["w1"], case["w2"], case["ids"], case["wts"], num_experts=4)
+    with pytest.raises(ValueError, match="top_k"):
+        K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"][:1], case["wts"], num_experts=4)
+    with pytest.raises(ValueError, match="BLOCK"):
+        K.fused_experts(*args, num_experts=4, config={"BLOCK_M": 24})
+
+
+def test_api_constants():
+    assert K.SUPPORTED_ACTIVATIONS == frozenset({"silu", "gelu", "gelu_tanh", "relu"})
+    assert K.SUPPORTED_DTYPES == frozenset({torch.bfloat16, torch.float16, torch.float32})
+    assert hasattr(torch.ops.selector, "triton_fused_experts")
+
+
+def test_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 32)
+        out = torch.ops.selector.triton_fused_experts(
+            x, torch.empty(4, 32, 32), torch.empty(4, 32, 16), torch.zeros(5, 2, dtype=torch.long),
+            torch.empty(5, 2), 4, "silu", True, False, False, None, None, None,
+        )  # fmt: skip
+        assert out.shape == (5, 32) and out.dtype == x.dtype
+
+
+# ------------------------------------------------------------------------------------------------------------
+# configs
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_config_roundtrip_and_flat():
+    cfg = {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128}, "down": {"num_warps": 8}}
+    full = C.normalize(cfg)
+    assert C.decode_config(C.encode_config(cfg)) == full
+    flat = C.normalize({"BLOCK_M": 16, "BLOCK_N": 32, "num_stages": 2})
+    assert flat["gate_up"]["BLOCK_N"] == flat["down"]["BLOCK_N"] == 32
+    with pytest.raises(ValueError):
+        C.normalize({"BLOCK_M": 8})
+
+
+@pytest.mark.parametrize("E,H,I,k", [(60, 2048, 1408, 4), (128, 2048, 768, 8), (8, 4096, 14336, 2),
+                                     (256, 7168, 2048, 8)])  # fmt: skip
+@pytest.mark.parametrize("T", [1, 8, 64, 512, 4096, 16384])
+def test_default_config_valid(E, H, I, k, T):
+    for dt in (torch.bfloat16, torch.float32):
+        cfg = C.normalize(C.default_config(E, H, I, T, k, dt))
+        assert cfg["BLOCK_M"] in (16, 32, 64, 128)
+        for part in ("gate_up", "down"):
+            p = cfg[part]
+            n_b = 2 if part == "gate_up" else 1
+            smem = (cfg["BLOCK_M"] * p["BLOCK_K"] + n_b * p["BLOCK_N"] * p["BLOCK_K"]) * (4 if dt == torch.float32 else 2)
+            assert smem * (p["num_stages"] - 1) <= 227 * 1024
+
+
+def test_config_table_lookup(tmp_path, monkeypatch):
+    doc = {
+        "version": 1,
+        "device": "Fake GPU",
+        "configs": {
+            C.shape_key(8, 64, 32, 2): {
+                "1": {"BLOCK_M": 16, "BLOCK_N": 16},
+                "512": {"BLOCK_M": 64, "BLOCK_N": 64},
+                "bad": {"BLOCK_M": 16},
+            }
+        },
+    }
+    (tmp_path / C.config_file_name("Fake GPU")).write_text(json.dumps(doc))
+    table = C.load_table("Fake GPU", str(tmp_path))
+    key = C.shape_key(8, 64, 32, 2)
+    assert C.lookup(table, key, 1)["BLOCK_M"] == 16
+    assert C.lookup(table, key, 8)["BLOCK_M"] == 16
+    assert C.lookup(table, key, 300)["BLOCK_M"] == 64
+    assert C.lookup(table, "E=1,H=1,I=1,k=1", 8) is None
+    assert C.load_table("No Such GPU", str(tmp_path)) == {}
+
+
+def test_shipped_config_files_parse():
+    for path in C.CONFIG_DIR.glob("*.json"):
+        doc = json.loads(path.read_text())
+        for per_t in doc["configs"].values():
+            for cfg in per_t.values():
+                C.normalize(cfg)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU only
+# ------------------------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    # (T, H, I, E, k)
+    (1, 256, 128, 8, 2),
+    (33, 512, 256, 16, 4),
+    (257, 384, 320, 8, 2),
+    (64, 1000, 333, 6, 3),  # odd H, I: unaligned rows, masks
+    (600, 512, 256, 60, 4),  # multi-chunk align
+    (2048, 256, 128, 32, 8),  # large T: BLOCK_M 64/128 (wgmma)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_shapes(shape, dtype):
+    T, H, I, E, k = shape
+    case = make_case(T, H, I, E, k, dtype=dtype, device="cuda", seed=T)
+    run_and_check(case, E, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(interleaved=True),
+        dict(transposed=True),
+        dict(transposed=True, interleaved=True, bias=True),
+        dict(bias=True),
+        dict(activation="gelu"),
+        dict(activation="gelu_tanh"),
+        dict(activation="relu"),
+        dict(gated=False, activation="gelu"),
+        dict(gated=False, bias=True, transposed=True),
+    ],
+    ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
+)
+@pytest.mark.parametrize("T", [3, 300])
+def test_gpu_options(kw, dtype, T):
+    kw = dict(kw)
+    bias = kw.pop("bias", False)
+    case = make_case(T, 384, 192, 8, 2, dtype=dtype, device="cuda", bias=bias, gated=kw.get("gated", True),
+                     transposed=kw.get("transposed", False), seed=T)  # fmt: skip
+    run_and_check(case, 8, TOL[dtype], **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 40, 700])
+def test_gpu_skewed_sentinel_empty(T):
+    E, k = 16, 4
+    case = make_case(T, 256, 128, E, k, dtype=torch.bfloat16, device="cuda", routing="skewed", seed=T)
+    ids = case["ids"].clone()
+    ids[ids >= 12] += E  # experts 12..15 get nothing; those slots become sentinels (>= E)
+    run_and_check(case, E, TOL[torch.bfloat16], ids=ids)
+
+
+@pytest.mark.gpu
+def test_gpu_tf32():
+    case = make_case(200, 512, 256, 8, 2, dtype=torch.float32, device="cuda")
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        run_and_check(case, 8, 1e-2)
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_gpu_cuda_graph(T, monkeypatch):
+    monkeypatch.setattr(K, "_POISON", False)
+    E, k = 16, 4
+    case = make_case(T, 512, 256, E, k, dtype=torch.bfloat16, device="cuda", seed=T)
+    x, ids, wts = case["x"].clone(), case["ids"].clone(), case["wts"].clone()
+
+    def f():
+        return K.fused_experts(x, case["w1"], case["w2"], ids, wts, num_experts=E)
+
+    f()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f()
+    for seed in range(3):  # new routing and inputs each replay
+        new = make_case(T, 512, 256, E, k, dtype=torch.bfloat16, device="cuda", seed=100 + seed)
+        x.copy_(new["x"])
+        ids.copy_(new["ids"])
+        wts.copy_(new["wts"])
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = reference(x, case["w1"], case["w2"], ids, wts, E)
+        err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < TOL[torch.bfloat16], err
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph(monkeypatch):
+    monkeypatch.setattr(K, "_POISON", False)
+    E, k = 8, 2
+    case = make_case(37, 256, 128, E, k, dtype=torch.bfloat16, device="cuda")
+
+    @torch.compile(fullgraph=True)
+    def f(x, w1, w2, ids, wts):
+        return K.fused_experts(x * 1.0, w1, w2, ids, wts, num_experts=E) + 0.0
+
+    out = f(case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
+    ref = reference(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], E)
+    err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    assert err < TOL[torch.bfloat16], err
