@@ -95,14 +95,14 @@ def _check_toolkit(req: Requirements, problem: Problem, env: Environment) -> Ava
     remedy = (
         f"install a full CUDA toolkit {_cc(rule.nvcc)} or newer (with nvcc) and point CUDA_HOME at it"
     )
-    if tk.root is None:
+    if tk.nvcc_version is None and not tk.runtime_only and tk.root is None:
         return Availability(
             Status.TOOLKIT_MISSING,
             f"compiles kernels at run time and needs a CUDA toolkit with {need}; none was found",
             remedy,
             found=f"searched CUDA_HOME, CUDA_PATH, nvcc on PATH, /usr/local/cuda: {searched}",
         )
-    if tk.runtime_only or tk.nvcc_version is None:
+    if tk.nvcc_version is None:
         what = "a runtime-only install (no bin/nvcc)" if tk.runtime_only else (tk.problem or "nvcc unusable")
         return Availability(
             Status.TOOLKIT_MISSING,

@@ -1,0 +1,99 @@
+"""`selector doctor` and `selector plugins` as a user runs them: a subprocess, exit codes, parsed JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+H200 = {
+    "SELECTOR_GPUS": "NVIDIA H200:9.0:141",
+    "SELECTOR_DRIVER_VERSION": "580.159.04",
+    "SELECTOR_DRIVER_CUDA_VERSION": "13.0",
+    "SELECTOR_PACKAGE_TRITON": "3.6.0",
+}
+NO_GPU = {"SELECTOR_GPUS": ""}
+
+
+def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-m", "selector.cli", *args], capture_output=True, text=True, env=environ, timeout=120
+    )
+
+
+def doctor_json(*args: str, **env: str) -> tuple[int, dict]:
+    result = run("doctor", "--json", *args, **env)
+    return result.returncode, json.loads(result.stdout)
+
+
+def test_doctor_json_on_a_cpu_only_machine() -> None:
+    code, report = doctor_json(**NO_GPU)
+    assert code == 0 and report["schema"] == "selector.doctor/1" and report["exit_code"] == 0
+    gpu = next(c for c in report["checks"] if c["section"] == "gpu")
+    assert gpu["ok"] is False
+    backends = {b["name"]: b for b in report["backends"]}
+    assert backends["eager"]["status"] == "ok"
+    assert backends["triton_fused"]["status"] == "unsupported_device"
+    assert backends["triton_fused"]["remedy"]
+    assert report["environment"]["gpu"]["devices"] == []
+
+
+def test_doctor_with_injected_h200_ranks_a_preset() -> None:
+    code, report = doctor_json("--preset", "qwen3-30b-a3b", "--tokens", "1", **H200)
+    assert code == 0
+    gpu = next(c for c in report["checks"] if c["section"] == "gpu")
+    assert gpu["ok"] and "NVIDIA H200" in gpu["title"] and "580.159.04" in gpu["title"]
+    ranking = report["ranking"]
+    assert ranking["problem"]["num_experts"] == 128 and ranking["problem"]["num_tokens"] == 1
+    assert ranking["candidates"][0]["name"] == "triton_fused"
+    assert {b["name"]: b["status"] for b in report["backends"]}["triton_fused"] == "ok"
+
+
+def test_doctor_text_is_a_checklist() -> None:
+    result = run("doctor", "--preset", "mixtral-8x7b", **NO_GPU)
+    assert result.returncode == 0
+    assert "[✗] GPU:" in result.stdout and "✓ eager" in result.stdout
+    assert "✗ triton_fused" in result.stdout and "fix:" in result.stdout
+    assert "Ranking for E=8 H=4096 I=14336 k=2" in result.stdout
+
+
+def test_doctor_markdown() -> None:
+    result = run("doctor", "--markdown", **NO_GPU)
+    assert result.returncode == 0 and result.stdout.startswith("# selector") and "| backend | status |" in result.stdout
+
+
+def test_required_backend_that_cannot_run_exits_1() -> None:
+    code, report = doctor_json("--require", "triton_fused", **NO_GPU)
+    assert code == 1 and any("triton_fused" in b for b in report["broken"])
+    code, _ = doctor_json("--require", "eager", **NO_GPU)
+    assert code == 0
+
+
+@pytest.mark.parametrize("args", [["doctor", "--preset", "nope"], ["doctor", "--experts", "8"], ["frobnicate"]])
+def test_usage_errors_exit_2(args: list[str]) -> None:
+    assert run(*args, **NO_GPU).returncode == 2
+
+
+def test_broken_config_file_exits_1_and_names_the_file(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("deny: [eager\n")
+    code, report = doctor_json(SELECTOR_CONFIG=str(bad), **NO_GPU)
+    assert code == 1 and any("bad.yaml:" in b and "malformed YAML" in b for b in report["broken"])
+
+
+def test_plugins_json_lists_built_ins_with_their_distribution() -> None:
+    result = run("plugins", "--json")
+    assert result.returncode == 0
+    plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
+    assert plugins["eager"]["distribution"].startswith("selector ")
+    assert plugins["grouped_mm"]["backends"] == ["grouped_mm"]
+
+
+def test_doctor_does_not_import_torch() -> None:
+    code = "import sys; from selector.cli import main; main(['doctor', '--json']); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **NO_GPU})
+    assert result.stdout.strip().splitlines()[-1] == "False"

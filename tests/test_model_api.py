@@ -1,0 +1,185 @@
+"""The model API on plain nn.Module trees: decorator, set/get, auto, first-forward errors, input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from experts_fixtures import TOLERANCE, make_experts, random_routing, reference_experts, relative_error
+
+import selector
+from selector import BackendSpec, Requirements, hookimpl
+from selector.errors import ExpertsInputError
+from selector.model import LAST_ATTR, reset_selection_caches
+from selector.registry import register_plugin, unregister_plugin
+
+
+class Block(torch.nn.Module):
+    def __init__(self, backbone: str | None = None) -> None:
+        super().__init__()
+        self.experts = make_experts(4, 16, 8)
+        if backbone:
+            self.experts._selector_backbone = backbone
+
+
+class TwoTowers(torch.nn.Module):
+    """A model with experts in its own scope and in two named backbones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = torch.nn.ModuleList([Block("text_config"), Block("text_config")])
+        self.vision = Block("vision_config")
+        self.head = Block()
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    reset_selection_caches()
+    yield
+    reset_selection_caches()
+
+
+def _inputs(t: int = 5, e: int = 4, h: int = 16, k: int = 2):
+    idx, w = random_routing(t, e, k)
+    return torch.randn(t, h), idx, w
+
+
+def test_set_and_get_by_name_and_dict() -> None:
+    model = TwoTowers()
+    assert selector.get_experts_implementation(model) == {"": "auto", "text_config": "auto", "vision_config": "auto"}
+    selector.set_experts_implementation(model, "grouped_mm")
+    assert set(selector.get_experts_implementation(model).values()) == {"grouped_mm"}
+    selector.set_experts_implementation(model, {"": "eager", "vision_config": "batched_mm"})
+    got = selector.get_experts_implementation(model)
+    assert got == {"": "eager", "text_config": "eager", "vision_config": "batched_mm"}
+    x, idx, w = _inputs()
+    model.vision.experts(x, idx, w)
+    model.text[1].experts(x, idx, w)
+    assert model.vision.experts.__dict__[LAST_ATTR] == "batched_mm"
+    assert model.text[1].experts.__dict__[LAST_ATTR] == "eager"
+
+
+def test_unknown_name_fails_at_once_listing_names() -> None:
+    model = TwoTowers()
+    with pytest.raises(ValueError, match="unknown experts backend 'fastest'.*batched_mm.*eager.*grouped_mm"):
+        selector.set_experts_implementation(model, "fastest")
+    with pytest.raises(ValueError, match=r"sub-config key\(s\) \['audio_config'\].*'text_config'.*'vision_config'"):
+        selector.set_experts_implementation(model, {"audio_config": "eager"})
+
+
+def test_explicit_backend_that_cannot_run_loads_then_raises_import_error_on_forward() -> None:
+    module = make_experts(4, 16, 8)  # on the CPU: triton_fused needs CUDA
+    selector.set_experts_implementation(module, "triton_fused")  # loading/choosing does not raise
+    with pytest.raises(ImportError) as info:
+        module(*_inputs())
+    message = str(info.value)
+    assert "'triton_fused' cannot run here" in message
+    assert "runs on cuda, not on cpu" in message and "fix:" in message and "selector doctor" in message
+
+
+class OnlyBf16:
+    """A fake third-party plugin whose kernel only runs bf16 experts on the CPU."""
+
+    calls = 0
+
+    @staticmethod
+    @hookimpl
+    def selector_backends():
+        def load():
+            def forward(module, hidden_states, top_k_index, top_k_weights):
+                OnlyBf16.calls += 1
+                return torch.zeros_like(hidden_states)
+
+            return forward
+
+        return [
+            BackendSpec(
+                name="fake_bf16_only",
+                load=load,
+                requirements=Requirements(devices=frozenset({"cpu"}), dtypes=frozenset({"bfloat16"})),
+                estimate=lambda problem, env: 1e-12 if (problem.num_tokens or 0) <= 8 else 10.0,
+            )
+        ]
+
+
+@pytest.fixture
+def bf16_plugin():
+    register_plugin(OnlyBf16, name="fake_bf16_only")
+    reset_selection_caches()
+    yield OnlyBf16
+    unregister_plugin("fake_bf16_only")
+
+
+def test_unsupported_configuration_raises_value_error_on_forward(bf16_plugin) -> None:
+    module = make_experts(4, 16, 8, dtype=torch.float32)
+    selector.set_experts_implementation(module, "fake_bf16_only")
+    with pytest.raises(ValueError, match="does not run float32 experts"):
+        module(*_inputs())
+
+
+def test_auto_skips_quietly_and_switches_with_token_count(bf16_plugin) -> None:
+    fp32 = make_experts(4, 16, 8, dtype=torch.float32)
+    out = fp32(*_inputs())  # auto: the bf16-only fake is excluded quietly, a reference backend runs
+    assert fp32.__dict__[LAST_ATTR] != "fake_bf16_only" and out.abs().sum() > 0
+
+    bf16 = make_experts(4, 16, 8, dtype=torch.bfloat16)
+    x, idx, w = _inputs(t=4)
+    bf16(x.bfloat16(), idx, w)
+    assert bf16.__dict__[LAST_ATTR] == "fake_bf16_only"  # cheapest at few tokens
+    x, idx, w = _inputs(t=100)
+    bf16(x.bfloat16(), idx, w)
+    assert bf16.__dict__[LAST_ATTR] != "fake_bf16_only"  # re-ranked for the larger bucket
+    ranking = selector.explain_model(bf16, num_tokens=4)[""]
+    assert ranking.best == "fake_bf16_only" and "triton_fused" in ranking.excluded
+
+
+def test_switching_at_run_time_keeps_results() -> None:
+    module = make_experts(6, 24, 12)
+    x, idx, w = _inputs(t=11, e=6, h=24)
+    ref = reference_experts(module, x, idx, w)
+    for name in ("eager", "grouped_mm", "batched_mm", "auto"):
+        selector.set_experts_implementation(module, name)
+        assert relative_error(module(x, idx, w), ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda x, i, w: (x[:, :-1], i, w), r"hidden_states must be \[num_tokens, 16\]"),
+        (lambda x, i, w: (x, i.float(), w), "top_k_index must be an integer tensor"),
+        (lambda x, i, w: (x, i[:-1], w[:-1]), r"top_k_index must be \[5, k\]"),
+        (lambda x, i, w: (x, i, w[:, :1]), "must have the shape of top_k_index"),
+        (lambda x, i, w: (x, i.clone().fill_(4), w), r"expert ids must lie in \[0, 4\); got ids from 4 to 4"),
+        (lambda x, i, w: (x, i.clone().fill_(-1), w), "expert ids must lie in"),
+        (lambda x, i, w: (x, i, w.clone().fill_(float("nan"))), "NaN or infinite"),
+        (lambda x, i, w: (x.long(), i, w), "hidden_states must be floating point"),
+    ],
+)
+def test_bad_inputs_get_clear_errors(mutate, message: str) -> None:
+    module = make_experts(4, 16, 8)
+    with pytest.raises(ExpertsInputError, match=message):
+        module(*mutate(*_inputs()))
+
+
+def test_sentinel_is_allowed_only_under_expert_parallelism() -> None:
+    module = make_experts(4, 16, 8)
+    x, idx, w = _inputs()
+    idx[0, 0] = 4
+    with pytest.raises(ExpertsInputError):
+        module(x, idx, w)
+    module._is_expert_parallel = True
+    reset_selection_caches()
+    module.__dict__.pop("_selector_problem", None)
+    out = module(x, idx, w)
+    assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
+
+
+def test_validation_level_shapes_skips_value_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SELECTOR_VALIDATE", "shapes")
+    module = make_experts(4, 16, 8)
+    x, idx, w = _inputs()
+    w[0, 0] = float("nan")
+    selector.set_experts_implementation(module, "eager")
+    assert torch.isnan(module(x, idx, w)[0]).any()  # documented: no value checks at this level
+    monkeypatch.setenv("SELECTOR_VALIDATE", "sometimes")
+    with pytest.raises(ValueError, match="SELECTOR_VALIDATE='sometimes'"):
+        module(x, idx, w)
