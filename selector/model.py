@@ -123,8 +123,9 @@ class _Resolver:
     def rank(self, problem: Problem) -> Ranking:
         return rank(problem, current_environment(), self.get_registry(), self.get_config())
 
-    def choose(self, module: torch.nn.Module, num_tokens: int, top_k: int) -> str:
-        requested = getattr(module, REQUEST_ATTR, AUTO)
+    def choose(self, module: torch.nn.Module, num_tokens: int, top_k: int, requested: str | None = None) -> str:
+        if requested is None:
+            requested = getattr(module, REQUEST_ATTR, AUTO)
         problem = _static_problem(module, top_k)
         if requested == AUTO:
             key = (problem, token_bucket(num_tokens))
@@ -169,9 +170,9 @@ def _static_problem(module: torch.nn.Module, top_k: int) -> Problem:
 
 
 @torch.compiler.assume_constant_result
-def _choose_constant(module: torch.nn.Module, num_tokens: int, top_k: int) -> str:
+def _choose_constant(module: torch.nn.Module, num_tokens: int, top_k: int, requested: str | None = None) -> str:
     # Run eagerly while torch.compile traces, its result a constant: one choice per compiled shape.
-    return _RESOLVER.choose(module, num_tokens, top_k)
+    return _RESOLVER.choose(module, num_tokens, top_k, requested)
 
 
 def run_experts(
@@ -179,8 +180,13 @@ def run_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    implementation: str | None = None,
 ) -> torch.Tensor:
-    """Validate the inputs, pick the backend for this module and token count, run it."""
+    """Validate the inputs, pick the backend for this module and token count, run it.
+
+    `implementation`: a backend name or "auto" that overrides the module's own request (the Transformers
+    adapter passes the name the model's config holds).
+    """
     num_experts, hidden, _ = layers.dims(module)
     validate_inputs(
         hidden_states,
@@ -191,9 +197,9 @@ def run_experts(
         expert_parallel=layers.is_expert_parallel(module),
     )
     if torch.compiler.is_compiling():
-        name = _choose_constant(module, hidden_states.shape[0], top_k_index.shape[1])
+        name = _choose_constant(module, hidden_states.shape[0], top_k_index.shape[1], implementation)
     else:
-        name = _RESOLVER.choose(module, hidden_states.shape[0], top_k_index.shape[1])
+        name = _RESOLVER.choose(module, hidden_states.shape[0], top_k_index.shape[1], implementation)
         module.__dict__[LAST_ATTR] = name
     return _RESOLVER.forward_of(name)(module, hidden_states, top_k_index, top_k_weights)
 
@@ -276,12 +282,21 @@ def explain_model(model: torch.nn.Module, num_tokens: int | None = None) -> dict
     return out
 
 
+def explain_module(module: torch.nn.Module, num_tokens: int | None = None, top_k: int | None = None) -> Ranking:
+    """The ranking "auto" uses for one experts module (decorated, or a Transformers experts module)."""
+    if top_k is None:
+        top_k = int(getattr(module, "top_k", 0) or getattr(getattr(module, "config", None), "num_experts_per_tok", 0) or 1)
+    problem = _static_problem(module, top_k)
+    return _RESOLVER.rank(problem.with_tokens(None if num_tokens is None else token_bucket(num_tokens)))
+
+
 __all__ = [
     "AUTO",
     "Status",
     "experts",
     "experts_scopes",
     "explain_model",
+    "explain_module",
     "get_experts_implementation",
     "reset_selection_caches",
     "run_experts",
