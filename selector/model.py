@@ -28,6 +28,7 @@ from selector.problem import problem_from_module
 from selector.ranking import rank
 from selector.registry import Registry, get_registry
 from selector.requirements import evaluate
+from selector.tuning import measured_for
 from selector.types import ExpertsForward, Problem, Ranking, Status
 from selector.validation import validate_inputs
 
@@ -121,7 +122,8 @@ class _Resolver:
         return self.forwards[name]
 
     def rank(self, problem: Problem) -> Ranking:
-        return rank(problem, current_environment(), self.get_registry(), self.get_config())
+        env = current_environment()
+        return rank(problem, env, self.get_registry(), self.get_config(), measured=measured_for(problem, env))
 
     def choose(self, module: torch.nn.Module, num_tokens: int, top_k: int, requested: str | None = None) -> str:
         if requested is None:

@@ -1,0 +1,478 @@
+"""`selector bench`: one experts layer per cell, every available backend and Transformers' own backends as
+peers, timed side by side in one run against the physical floor measured in the same run.
+
+For each cell (shape, token count, dtype, backend, mode): time, time / floor, TFLOP/s, GB/s, peak extra
+memory, error against a float64 reference on a sample of tokens, and the ratio to the best Transformers
+peer. Modes: `eager` (calls back to back, events around the whole run, as a decode loop runs), `graph`
+(one call captured in a CUDA graph, replays back to back) and `compile` (torch.compile, then like eager).
+Output: a markdown table, JSON, and a PNG plot of time/floor against tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 16384)
+DEFAULT_PRESETS = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
+PEER_PREFIX = "hf:"  # Transformers' own backends are listed as hf:eager, hf:batched_mm, hf:grouped_mm
+
+
+@dataclass
+class Cell:
+    shape: str
+    tokens: int
+    dtype: str
+    backend: str
+    mode: str
+    time_s: float | None = None
+    floor_s: float | None = None
+    tflops: float | None = None
+    gbps: float | None = None
+    extra_memory_bytes: int | None = None
+    rel_error: float | None = None
+    skipped: str | None = None
+    vs_best_peer: float | None = None  # best peer time / this time: > 1 means faster than Transformers
+    auto_pick: bool = False  # the backend selector's "auto" picks for this cell
+    picked: str | None = None  # for the "auto" row: the backend it ran
+
+    @property
+    def ratio(self) -> float | None:
+        return self.time_s / self.floor_s if self.time_s and self.floor_s else None
+
+
+@dataclass
+class BenchResult:
+    device: str
+    ceilings: dict[str, float]
+    command: str
+    cells: list[Cell] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "selector.bench/1",
+            "device": self.device,
+            "ceilings": self.ceilings,
+            "command": self.command,
+            "cells": [{**asdict(c), "time_over_floor": c.ratio} for c in self.cells],
+            "environment": self.environment,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+
+
+def measure_ceilings(torch: Any, device: Any) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) over a 2 GiB device copy; bf16 8192^3 matmul rate."""
+    from triton.testing import do_bench
+
+    src = torch.empty(2**30, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    mm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"bandwidth_Bps": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops": 2 * n**3 / (mm_ms * 1e-3)}
+
+
+def time_back_to_back(torch: Any, fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
+    """Median over `repeats` of (events around `calls` calls back to back) / calls, in seconds."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / calls)
+    return statistics.median(samples)
+
+
+def time_graph(torch: Any, fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
+    """Capture one call in a CUDA graph, then time replays back to back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_back_to_back(torch, graph.replay, calls, repeats)
+
+
+def calls_for(estimate_s: float) -> int:
+    """Enough back-to-back calls for ~50 ms per sample, at least 3, at most 200."""
+    return max(3, min(200, int(0.05 / max(estimate_s, 1e-6))))
+
+
+# ---------------------------------------------------------------------------------------------- the layer
+
+
+def make_layer(torch: Any, problem: Any, dtype: Any, device: Any, seed: int) -> Any:
+    """A decorated experts module with random weights, scaled so activations stay O(1)."""
+    import selector
+
+    @selector.experts
+    class BenchExperts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
+            gen = torch.Generator(device=device).manual_seed(seed)
+            self.num_experts = e
+            self.gate_up_proj = torch.nn.Parameter(
+                torch.randn(e, 2 * i, h, device=device, dtype=dtype, generator=gen) * h**-0.5, requires_grad=False
+            )
+            self.down_proj = torch.nn.Parameter(
+                torch.randn(e, h, i, device=device, dtype=dtype, generator=gen) * i**-0.5, requires_grad=False
+            )
+            self.act_fn = torch.nn.SiLU()
+
+    return BenchExperts()
+
+
+def random_routing(torch: Any, tokens: int, experts: int, k: int, device: Any, seed: int) -> tuple[Any, Any]:
+    """Uniform random top-k routing with distinct experts per token."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(tokens, experts, device=device, generator=gen)
+    index = scores.topk(k, dim=1).indices
+    weights = torch.softmax(torch.randn(tokens, k, device=device, generator=gen), dim=1)
+    return index, weights
+
+
+def reference_rows(torch: Any, layer: Any, x: Any, index: Any, weights: Any, rows: int) -> Any:
+    """float64 result for the first `rows` tokens, straight from the definition."""
+    x64, idx, w = x[:rows].double(), index[:rows], weights[:rows].double()
+    out = torch.zeros_like(x64)
+    for e in idx.unique().tolist():
+        t, j = torch.where(idx == e)
+        gate, up = (x64[t] @ layer.gate_up_proj[e].double().T).chunk(2, dim=-1)
+        h = torch.nn.functional.silu(gate) * up
+        out.index_add_(0, t, (h @ layer.down_proj[e].double().T) * w[t, j].unsqueeze(-1))
+    return out
+
+
+def peer_functions() -> dict[str, Callable[..., Any]]:
+    """Transformers' built-in experts functions, when transformers is installed."""
+    try:
+        from transformers.integrations import moe
+        from transformers.models.qwen2_moe import modeling_qwen2_moe
+    except Exception:
+        return {}
+    eager = getattr(modeling_qwen2_moe.Qwen2MoeExperts.forward, "__wrapped__", None)
+    peers = {"hf:batched_mm": moe.batched_mm_experts_forward, "hf:grouped_mm": moe.grouped_mm_experts_forward}
+    if eager is not None:
+        peers["hf:eager"] = eager
+    return peers
+
+
+def temp_bytes_estimate(name: str, tokens: int, problem: Any, elem: int) -> int:
+    """Temporaries a backend needs; batched_mm copies one expert's weights per (token, slot)."""
+    pairs = tokens * problem.top_k
+    if name.endswith("batched_mm"):
+        return pairs * 3 * problem.hidden_size * problem.intermediate_size * elem
+    return 4 * pairs * max(2 * problem.intermediate_size, problem.hidden_size) * elem
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def run_bench(
+    presets: Sequence[str],
+    tokens: Sequence[int],
+    dtype_name: str = "bfloat16",
+    backends: Sequence[str] | None = None,
+    modes: Sequence[str] = ("eager", "graph"),
+    graph_max_tokens: int = 4096,
+    memory_cap_gb: float = 40.0,
+    with_peers: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    import torch
+
+    import selector
+    from selector.environment import current_environment
+    from selector.model import AUTO, LAST_ATTR
+    from selector.presets import preset
+    from selector.registry import get_registry
+
+    import os
+
+    os.environ.setdefault("SELECTOR_VALIDATE", "shapes")  # time the layer, not a per-call value check
+    if not torch.cuda.is_available():
+        raise RuntimeError("selector bench needs a CUDA GPU (it times kernels against the GPU's floor)")
+    device = torch.device("cuda")
+    dtype = getattr(torch, dtype_name)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    env = current_environment()
+    registry = get_registry()
+    ceilings = measure_ceilings(torch, device)
+    result = BenchResult(
+        device=torch.cuda.get_device_name(),
+        ceilings=ceilings,
+        command="selector " + " ".join(sys.argv[1:]) if sys.argv and "selector" in sys.argv[0] else "",
+        environment=env.to_dict(),
+    )
+    peers = peer_functions() if with_peers else {}
+    say = progress or (lambda _msg: None)
+
+    for shape_name in presets:
+        problem = replace(preset(shape_name), dtype=dtype_name, device="cuda")
+        layer = make_layer(torch, problem, dtype, device, seed=0)
+        for t in tokens:
+            index, weights = random_routing(torch, t, problem.num_experts, problem.top_k, device, seed=t)
+            x = torch.randn(t, problem.hidden_size, device=device, dtype=dtype)
+            hits = int(index.unique().numel())
+            moved = hits * 3 * problem.hidden_size * problem.intermediate_size * elem + 2 * t * problem.hidden_size * elem
+            flops = 2.0 * t * problem.top_k * 3 * problem.hidden_size * problem.intermediate_size
+            floor = max(moved / ceilings["bandwidth_Bps"], flops / ceilings["bf16_flops"])
+            sample = min(t, 32)
+            ref = reference_rows(torch, layer, x, index, weights, sample)
+
+            # what "auto" picks for this cell, through the model API itself
+            selector.set_experts_implementation(layer, AUTO)
+            layer(x, index, weights)
+            auto_name = layer.__dict__.get(LAST_ATTR)
+
+            names = [n for n in (backends or registry.names)]
+            candidates: dict[str, Callable[..., Any] | None] = {}
+            for name in names:
+                verdict = selector.rank(problem.with_tokens(t), env, registry).excluded.get(name)
+                candidates[name] = None if verdict else registry.get(name).load()
+                if verdict:
+                    for mode in modes:
+                        result.cells.append(Cell(shape_name, t, dtype_name, name, mode, skipped=verdict.reason))
+            candidates.update(peers)
+            # "auto" as a user runs it: the module's own forward (dispatch, shape checks, the picked backend)
+            candidates[AUTO] = lambda module, hs, idx, w: module(hs, idx, w)
+
+            for name, fn in candidates.items():
+                if fn is None:
+                    continue
+                if temp_bytes_estimate(name, t, problem, elem) > memory_cap_gb * 2**30:
+                    for mode in modes:
+                        result.cells.append(Cell(shape_name, t, dtype_name, name, mode,
+                                                 skipped=f"needs more than {memory_cap_gb:g} GB of temporaries"))
+                    continue
+
+                def call(fn=fn) -> Any:
+                    return fn(layer, x, index, weights)
+
+                for mode in modes:
+                    cell = Cell(shape_name, t, dtype_name, name, mode, floor_s=floor, auto_pick=name == auto_name)
+                    if name == AUTO:
+                        cell.picked = auto_name
+                    say(f"{shape_name} T={t} {name} {mode}")
+                    try:
+                        if mode == "graph" and t > graph_max_tokens:
+                            cell.skipped = f"graph mode only up to T={graph_max_tokens}"
+                        elif mode == "graph" and name.endswith("eager"):
+                            cell.skipped = "reads expert ids on the host: cannot be captured"
+                        else:
+                            runner = call
+                            if mode == "compile":
+                                compiled = torch.compile(fn, dynamic=False)
+                                runner = lambda compiled=compiled: compiled(layer, x, index, weights)  # noqa: E731
+                            torch.cuda.synchronize()
+                            base = torch.cuda.memory_allocated()
+                            torch.cuda.reset_peak_memory_stats()
+                            out = runner()
+                            torch.cuda.synchronize()
+                            cell.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
+                            if sample:
+                                diff = (out[:sample].double() - ref).norm() / ref.norm().clamp_min(1e-30)
+                                cell.rel_error = float(diff)
+                            first = time.perf_counter()
+                            runner()
+                            torch.cuda.synchronize()
+                            n = calls_for(time.perf_counter() - first)
+                            timer = time_graph if mode == "graph" else time_back_to_back
+                            cell.time_s = timer(torch, runner, n)
+                            cell.tflops = flops / cell.time_s / 1e12
+                            cell.gbps = moved / cell.time_s / 1e9
+                    except Exception as exc:  # one failing cell must not lose the run
+                        cell.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                    result.cells.append(cell)
+                    torch.cuda.empty_cache()
+        del layer
+        torch.cuda.empty_cache()
+    _fill_peer_ratios(result.cells)
+    return result
+
+
+def _fill_peer_ratios(cells: list[Cell]) -> None:
+    best: dict[tuple[str, int, str, str], float] = {}
+    for c in cells:
+        if c.backend.startswith(PEER_PREFIX) and c.time_s:
+            key = (c.shape, c.tokens, c.dtype, c.mode)
+            best[key] = min(best.get(key, math.inf), c.time_s)
+    for c in cells:
+        peer = best.get((c.shape, c.tokens, c.dtype, c.mode))
+        if peer and c.time_s:
+            c.vs_best_peer = peer / c.time_s
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e6:.0f}µs" if s < 1e-3 else f"{s * 1e3:.2f}ms"
+
+
+def markdown_table(result: BenchResult) -> str:
+    """One row per (shape, T, mode); per backend: time (time/floor); then the best and auto's standing."""
+    backends = sorted({c.backend for c in result.cells}, key=lambda b: (b != "auto", b.startswith(PEER_PREFIX), b))
+    rows = sorted({(c.shape, c.tokens, c.mode) for c in result.cells}, key=lambda r: (r[0], r[2], r[1]))
+    by_key = {(c.shape, c.tokens, c.mode, c.backend): c for c in result.cells}
+    c = result.ceilings
+    lines = [
+        f"Device: {result.device}. Ceilings measured in this run: copy {c['bandwidth_Bps'] / 1e12:.2f} TB/s, "
+        f"bf16 matmul {c['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: time (time / floor); `*` marks auto's pick, [name] what the auto row ran.",
+        "",
+        "| shape | T | mode | " + " | ".join(backends) + " | best | auto vs best hf |",
+        "|---|---|---|" + "---|" * (len(backends) + 2),
+    ]
+    for shape, t, mode in rows:
+        cells = [by_key.get((shape, t, mode, b)) for b in backends]
+        texts = []
+        for cell in cells:
+            if cell is None or cell.time_s is None:
+                texts.append("-")
+            else:
+                mark = f" [{cell.picked}]" if cell.picked else "*" if cell.auto_pick else ""
+                texts.append(f"{_fmt_time(cell.time_s)} ({cell.ratio:.2f}x){mark}")
+        timed = [x for x in cells if x and x.time_s]
+        best = min((x for x in timed if x.backend != "auto"), key=lambda x: x.time_s, default=None)
+        best = best.backend if best else "-"
+        auto = next((x for x in timed if x.backend == "auto"), None)
+        standing = f"{auto.vs_best_peer:.2f}x faster" if auto and auto.vs_best_peer else "-"
+        lines.append(f"| {shape} | {t} | {mode} | " + " | ".join(texts) + f" | {best} | {standing} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: BenchResult, path: Path) -> bool:
+    """time/floor against tokens, one panel per shape (eager mode solid, graph dashed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = sorted({c.shape for c in result.cells})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for backend in sorted({c.backend for c in result.cells}):
+            for mode, style in (("eager", "-"), ("graph", "--"), ("compile", ":")):
+                pts = sorted((c.tokens, c.ratio) for c in result.cells
+                             if c.shape == shape and c.backend == backend and c.mode == mode and c.ratio)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", label=f"{backend} ({mode})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("time / floor")
+    axes[0][-1].legend(fontsize=6, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def write_outputs(result: BenchResult, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "bench.json", out_dir / "bench.md"]
+    paths[0].write_text(json.dumps(result.to_dict(), indent=1))
+    paths[1].write_text(markdown_table(result))
+    if plot(result, out_dir / "bench.png"):
+        paths.append(out_dir / "bench.png")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _progress() -> Callable[[str], None]:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda msg: print(msg, file=sys.stderr, flush=True)
+    bar = tqdm(unit="cell", file=sys.stderr)
+
+    def step(msg: str) -> None:
+        bar.set_description(msg)
+        bar.update(1)
+
+    return step
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    result = run_bench(
+        presets=args.preset or list(DEFAULT_PRESETS),
+        tokens=args.tokens,
+        dtype_name=args.dtype,
+        backends=args.backends,
+        modes=args.modes,
+        graph_max_tokens=args.graph_max_tokens,
+        memory_cap_gb=args.memory_cap_gb,
+        with_peers=not args.no_peers,
+        progress=_progress(),
+    )
+    paths = write_outputs(result, Path(args.out))
+    from selector.tuning import records_from_bench, user_tuning_path, write_records
+
+    records = records_from_bench(result.to_dict())
+    write_records(Path(args.out) / "tuning.json", records)
+    if args.save_tuning:
+        write_records(user_tuning_path(), records)
+        paths.append(user_tuning_path())
+    print(markdown_table(result))
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+def register(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="time every backend per cell against the floor and Transformers' backends")
+    bench.add_argument("--preset", action="append", help=f"shape preset (repeatable); default: {', '.join(DEFAULT_PRESETS)}")
+    bench.add_argument("--tokens", type=_ints, default=list(DEFAULT_TOKENS), help="comma list of token counts")
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bench.add_argument("--backends", type=_names, help="comma list of selector backends (default: all registered)")
+    bench.add_argument("--modes", type=_names, default=["eager", "graph"], help="comma list of eager,graph,compile")
+    bench.add_argument("--graph-max-tokens", type=int, default=4096)
+    bench.add_argument("--memory-cap-gb", type=float, default=40.0, help="skip cells needing more temporaries")
+    bench.add_argument("--no-peers", action="store_true", help="leave out Transformers' backends")
+    bench.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png, tuning.json")
+    bench.add_argument("--save-tuning", action="store_true", help="let auto use these timings on this machine")
+    bench.set_defaults(func=_cmd_bench)
+
+
+def summarise(cells: Iterable[Cell]) -> dict[str, Any]:
+    """Counts used by notes: cells where auto beat or matched the best peer."""
+    auto = [c for c in cells if c.backend == "auto" and c.vs_best_peer]
+    return {"auto_cells": len(auto), "auto_not_slower": sum(1 for c in auto if c.vs_best_peer >= 1.0)}

@@ -1,0 +1,78 @@
+"""The bench's bookkeeping on CPU (timing itself needs a GPU: see benchmarks/), and tuning data use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from probes import collect_environment
+from selector import tuning
+from selector.bench import BenchResult, Cell, _fill_peer_ratios, markdown_table, run_bench, write_outputs
+from selector.presets import preset
+from selector.ranking import rank
+from selector.registry import build_registry
+
+CEILINGS = {"bandwidth_Bps": 4.25e12, "bf16_flops": 782e12}
+
+
+def _result() -> BenchResult:
+    cells = [
+        Cell("qwen3-30b-a3b", 1, "bfloat16", "triton_fused", "eager", time_s=30e-6, floor_s=18e-6),
+        Cell("qwen3-30b-a3b", 1, "bfloat16", "grouped_mm", "eager", time_s=300e-6, floor_s=18e-6),
+        Cell("qwen3-30b-a3b", 1, "bfloat16", "hf:grouped_mm", "eager", time_s=310e-6, floor_s=18e-6),
+        Cell("qwen3-30b-a3b", 1, "bfloat16", "hf:batched_mm", "eager", time_s=200e-6, floor_s=18e-6),
+        Cell("qwen3-30b-a3b", 1, "bfloat16", "auto", "eager", time_s=40e-6, floor_s=18e-6, picked="triton_fused"),
+        Cell("qwen3-30b-a3b", 1, "bfloat16", "eager", "graph", skipped="cannot be captured"),
+    ]
+    return BenchResult(device="NVIDIA H200", ceilings=CEILINGS, command="selector bench", cells=cells)
+
+
+def test_peer_ratio_and_table() -> None:
+    result = _result()
+    _fill_peer_ratios(result.cells)
+    auto = next(c for c in result.cells if c.backend == "auto")
+    assert auto.vs_best_peer == pytest.approx(200e-6 / 40e-6)
+    table = markdown_table(result)
+    assert "4.25 TB/s" in table and "782 TFLOP/s" in table
+    row = next(line for line in table.splitlines() if line.startswith("| qwen3-30b-a3b | 1 | eager"))
+    assert "40µs (2.22x) [triton_fused]" in row and row.rstrip().endswith("| triton_fused | 5.00x faster |")
+
+
+def test_outputs_written(tmp_path: Path) -> None:
+    paths = write_outputs(_result(), tmp_path)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["schema"] == "selector.bench/1" and len(data["cells"]) == 6
+    assert data["cells"][0]["time_over_floor"] == pytest.approx(30 / 18)
+    assert (tmp_path / "bench.md").read_text().startswith("Device: NVIDIA H200")
+    assert tmp_path / "bench.json" in paths
+
+
+def test_bench_needs_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        run_bench(["qwen3-30b-a3b"], [1])
+
+
+def test_measured_timings_steer_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = _result()
+    # pretend grouped_mm measured faster than triton_fused at T=1 on this GPU
+    result.cells[1].time_s = 10e-6
+    path = tmp_path / "tuning.json"
+    tuning.write_records(path, tuning.records_from_bench(result.to_dict()))
+    monkeypatch.setattr(tuning, "DATA_DIR", tmp_path / "none")
+    monkeypatch.setattr(tuning, "user_tuning_path", lambda: path)
+    tuning.reload()
+    try:
+        env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0", "SELECTOR_PACKAGE_TRITON": "3.6.0", "PATH": ""})
+        problem = preset("qwen3-30b-a3b").with_tokens(2)
+        measured = tuning.measured_for(problem, env)
+        assert measured == {"triton_fused": 30e-6, "grouped_mm": 10e-6}
+        assert rank(problem, env, build_registry(environ={}), measured=measured).best == "grouped_mm"
+        other_gpu = collect_environment({"SELECTOR_GPUS": "NVIDIA A100:8.0", "PATH": ""})
+        assert tuning.measured_for(problem, other_gpu) is None
+    finally:
+        tuning.reload()
