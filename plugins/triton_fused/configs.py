@@ -238,7 +238,9 @@ def _get_config_cached(
             cfg = lookup(load_table(name, config_dir), shape_key(num_experts, hidden, intermediate, top_k), num_tokens)
             if cfg is not None:
                 return cfg
-    return default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated=gated, num_sms=num_sms)
+    return normalize(
+        default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated=gated, num_sms=num_sms)
+    )
 
 
 def get_config(

@@ -547,11 +547,12 @@ def fused_experts_impl(
     if t == 0 or top_k == 0:
         return out.zero_()
     i_dim, _, (s1n, s1k), (s2n, s2k) = _dims(hidden_states, gate_up_proj, down_proj, gated, transposed)
-    if config is None:
-        config = _configs.get_config(
+    if config is None:  # cached and already normalised
+        cfg = _configs.get_config(
             num_experts, h, i_dim, t, top_k, hidden_states.dtype, gated=gated, device=hidden_states.device
         )
-    cfg = _configs.normalize(config)
+    else:
+        cfg = _configs.normalize(config)
     bm = cfg["BLOCK_M"]
     n_pairs = t * top_k
     ids = top_k_index.reshape(-1)

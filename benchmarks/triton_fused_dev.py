@@ -1,0 +1,410 @@
+"""Dev check + timing of the fused Triton experts kernel on the GPU (one call does everything).
+
+    cd <repo> && PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/triton_fused_dev.py [--tune] [--quick]
+
+Sections: ceilings (2 GiB copy, 8192^3 bf16 matmul) -> correctness on the perf.md grid vs an fp32 reference
+-> optional tuning (writes $OUT/NVIDIA_H200.json) -> timing of every grid cell: fused (default heuristics and,
+after tuning, tuned), Transformers' grouped_mm and batched_mm as peers, eager back-to-back and (T <= 64)
+CUDA-graph replay -> custom-op overhead. Prints a short table last; full numbers in $OUT/triton_fused_dev.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _import_plugin():
+    """Import kernels/configs/tune; if the package __init__ (someone else's) fails, bypass it with stubs."""
+    try:
+        from plugins.triton_fused import configs, kernels, tune
+
+        return kernels, configs, tune
+    except Exception:
+        traceback.print_exc()
+        print("!! package import failed; loading the kernel modules without plugins/triton_fused/__init__.py")
+        for name in ("plugins", "plugins.triton_fused"):
+            sys.modules.pop(name, None)
+            mod = types.ModuleType(name)
+            mod.__path__ = [str(ROOT / name.replace(".", "/"))]
+            sys.modules[name] = mod
+        return tuple(importlib.import_module(f"plugins.triton_fused.{m}") for m in ("kernels", "configs", "tune"))
+
+
+K, C, TU = _import_plugin()
+
+OUT = Path(os.environ.get("OUT", "/tmp/triton_fused_out"))
+OUT.mkdir(parents=True, exist_ok=True)
+GRID = {
+    "Qwen1.5-MoE-A2.7B": (60, 2048, 1408, 4),
+    "Qwen3-30B-A3B": (128, 2048, 768, 8),
+    "Mixtral-8x7B": (8, 4096, 14336, 2),
+    "DeepSeek-V3": (256, 7168, 2048, 8),
+}
+TOKENS = (1, 8, 64, 512, 4096, 16384)
+RESULTS: dict = {"cells": [], "checks": [], "notes": []}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    (OUT / "triton_fused_dev.json").write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ceilings
+# ------------------------------------------------------------------------------------------------------------
+
+
+def ceilings():
+    n = (2 << 30) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    e.synchronize()
+    bw = 2 * a.numel() * 2 * 10 / (s.elapsed_time(e) * 1e-3)
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        x @ y
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(10):
+        x @ y
+    e.record()
+    e.synchronize()
+    peak = 2 * m**3 * 10 / (s.elapsed_time(e) * 1e-3)
+    del x, y
+    torch.cuda.empty_cache()
+    return bw, peak
+
+
+# ------------------------------------------------------------------------------------------------------------
+# problems, references, peers
+# ------------------------------------------------------------------------------------------------------------
+
+
+def make_weights(E, H, I, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g).mul_(1 / math.sqrt(H))
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=g).mul_(1 / math.sqrt(I))
+    return w1, w2
+
+
+def make_inputs(T, H, E, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    scores = torch.rand(T, E, device="cuda", generator=g)
+    w, ids = torch.topk(scores, k, dim=-1)
+    return x, ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+def ref_fp32(x, w1, w2, ids, wts, E):
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        if e >= E:
+            continue
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        h = x[tok].float() @ w1[e].float().T
+        g, u = h.chunk(2, dim=-1)
+        o = (torch.nn.functional.silu(g) * u) @ w2[e].float().T
+        out.index_add_(0, tok, o * wts[tok, slot, None].float())
+    return out
+
+
+class _Experts(torch.nn.Module):
+    """Just enough of a Transformers experts module for its reference backends."""
+
+    def __init__(self, w1, w2, E):
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.num_experts = w1, w2, E
+        self.has_gate, self.has_bias, self.is_transposed, self.is_concatenated = True, False, False, True
+        self._is_expert_parallel, self.has_post_expert_norm = False, False
+        self.act_fn = torch.nn.functional.silu
+        self.config = types.SimpleNamespace(_experts_implementation="grouped_mm")
+
+    def _apply_gate(self, gu):
+        g, u = gu.chunk(2, dim=-1)
+        return self.act_fn(g) * u
+
+
+def peers():
+    out = {}
+    try:
+        from transformers.integrations import moe as tmoe
+
+        out["grouped_mm"] = tmoe.grouped_mm_experts_forward
+        out["batched_mm"] = tmoe.batched_mm_experts_forward
+    except Exception as exc:
+        RESULTS["notes"].append(f"transformers backends unavailable: {exc!r}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------------------
+
+
+def time_eager(fns, target_s=0.06, reps=3):
+    """Back-to-back calls (rotating input sets), events around the whole run; median of reps, seconds/call."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    est = max(1e-6, (time.perf_counter() - t0) / len(fns))
+    n = int(min(2000, max(len(fns), target_s / est)))
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    res = []
+    for _ in range(reps):
+        s.record()
+        for i in range(n):
+            fns[i % len(fns)]()
+        e.record()
+        e.synchronize()
+        res.append(s.elapsed_time(e) * 1e-3 / n)
+    return statistics.median(res)
+
+
+def time_graph(fns, target_s=0.06, reps=3):
+    graphs = []
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    for f in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            f()
+        graphs.append(g)
+    torch.cuda.synchronize()
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    est = max(1e-6, (time.perf_counter() - t0) / len(graphs))
+    n = int(min(400, max(len(graphs), target_s / est)))
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    res = []
+    for _ in range(reps):
+        s.record()
+        for i in range(n):
+            graphs[i % len(graphs)].replay()
+        e.record()
+        e.synchronize()
+        res.append(s.elapsed_time(e) * 1e-3 / n)
+    del graphs
+    return statistics.median(res)
+
+
+def floor_s(T, E, H, I, k, ids, bw, peak):
+    hit = int(torch.unique(ids).numel())
+    bytes_ = hit * 3 * H * I * 2 + 2 * T * H * 2
+    flops = 2 * T * k * 3 * H * I
+    return max(bytes_ / bw, flops / peak), flops
+
+
+# ------------------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------------------
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tune", action="store_true")
+    p.add_argument("--quick", action="store_true", help="fewer cells (smoke run)")
+    p.add_argument("--shapes", default=",".join(GRID))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--budget-s", type=float, default=1e9, help="skip tuning once this much time has passed")
+    p.add_argument("--rep-ms", type=float, default=10.0, help="do_bench rep per tuning candidate")
+    a = p.parse_args()
+    t_start = time.perf_counter()
+    import triton
+
+    dev = torch.cuda.get_device_name()
+    RESULTS["env"] = dict(device=dev, torch=torch.__version__, triton=triton.__version__, argv=sys.argv)
+    log(f"device {dev} torch {torch.__version__} triton {triton.__version__}")
+    bw, peak = ceilings()
+    RESULTS["bw"], RESULTS["peak"] = bw, peak
+    log(f"copy BW {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    save()
+    shapes = [s for s in a.shapes.split(",") if s]
+    tokens = [int(t) for t in a.tokens.split(",")]
+    if a.quick:
+        tokens = [t for t in tokens if t in (1, 64, 4096)]
+    pe = {} if a.no_peers else peers()
+    tuned_doc = None
+    summary = []
+    for name in shapes:
+        E, H, I, k = GRID[name]
+        t_shape = time.perf_counter()
+        w1, w2 = make_weights(E, H, I)
+        # --- correctness (default heuristics) ---
+        for T in [t for t in tokens if t in (1, 64, 512, 4096)]:
+            try:
+                x, ids, wts = make_inputs(T, H, E, k, seed=T)
+                out = K.fused_experts(x, w1, w2, ids, wts, num_experts=E)
+                ref = ref_fp32(x, w1, w2, ids, wts, E)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                row = dict(shape=name, T=T, rel_err=err, finite=bool(torch.isfinite(out).all()))
+                if "grouped_mm" in pe:
+                    g = pe["grouped_mm"](_Experts(w1, w2, E), x, ids, wts)
+                    row["grouped_mm_rel_err"] = ((g.float() - ref).norm() / ref.norm()).item()
+                RESULTS["checks"].append(row)
+                log(f"check {name} T={T}: rel err {err:.2e} (grouped_mm {row.get('grouped_mm_rel_err', float('nan')):.2e})")
+            except Exception as exc:
+                traceback.print_exc()
+                RESULTS["checks"].append(dict(shape=name, T=T, error=repr(exc)))
+        save()
+        # --- tuning ---
+        if a.tune and time.perf_counter() - t_start > a.budget_s:
+            RESULTS["notes"].append(f"tuning skipped for {name}: over the time budget")
+            log(f"tuning skipped for {name}: over budget")
+        elif a.tune:
+            try:
+                tuned_doc = TU.tune([(E, H, I, k)], tokens, torch.bfloat16, OUT / C.config_file_name(dev),
+                                    rep_ms=a.rep_ms)  # fmt: skip
+                RESULTS.setdefault("tune_timings", {}).update(tuned_doc.get("_timings", {}))
+            except Exception as exc:
+                traceback.print_exc()
+                RESULTS["notes"].append(f"tune {name} failed: {exc!r}")
+        # --- timing ---
+        for T in tokens:
+            cell = dict(shape=name, T=T)
+            try:
+                sets = [make_inputs(T, H, E, k, seed=1000 + s) for s in range(4)]
+                fl, flops = floor_s(T, E, H, I, k, sets[0][1], bw, peak)
+                cell.update(floor_s=fl, flops=flops)
+                cfgs = {"fused_default": C.default_config(E, H, I, T, k, torch.bfloat16, num_sms=132)}
+                if tuned_doc is not None:
+                    ent = C.lookup({kk: {int(t): C.normalize(v) for t, v in per.items()}
+                                    for kk, per in tuned_doc["configs"].items()}, C.shape_key(E, H, I, k), T)  # fmt: skip
+                    if ent is not None:
+                        cfgs["fused_tuned"] = ent
+                cell["configs"] = cfgs
+                backends = {}
+                for label, cfg in cfgs.items():
+                    backends[label] = [
+                        (lambda x=x, ids=ids, wts=wts, cfg=cfg: K.fused_experts(x, w1, w2, ids, wts, num_experts=E,
+                                                                                config=cfg))  # fmt: skip
+                        for x, ids, wts in sets
+                    ]
+                mod = _Experts(w1, w2, E)
+                if "grouped_mm" in pe:
+                    backends["grouped_mm"] = [
+                        (lambda x=x, ids=ids, wts=wts: pe["grouped_mm"](mod, x, ids, wts)) for x, ids, wts in sets
+                    ]
+                if "batched_mm" in pe and T * k * 3 * H * I * 2 < 12e9:
+                    backends["batched_mm"] = [
+                        (lambda x=x, ids=ids, wts=wts: pe["batched_mm"](mod, x, ids, wts)) for x, ids, wts in sets
+                    ]
+                for label, fns in backends.items():
+                    try:
+                        cell[f"{label}_eager_s"] = time_eager(fns)
+                    except Exception as exc:
+                        cell[f"{label}_eager_err"] = repr(exc)[:200]
+                    if T <= 64:
+                        try:
+                            cell[f"{label}_graph_s"] = time_graph(fns)
+                        except Exception as exc:
+                            cell[f"{label}_graph_err"] = repr(exc)[:200]
+                            torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                parts = []
+                for label in backends:
+                    for mode in ("eager", "graph"):
+                        v = cell.get(f"{label}_{mode}_s")
+                        if v is not None:
+                            parts.append(f"{label}/{mode} {v * 1e6:.0f}us ({v / fl:.2f}x)")
+                log(f"time {name} T={T} floor {fl * 1e6:.1f}us: " + "; ".join(parts))
+            except Exception as exc:
+                traceback.print_exc()
+                cell["error"] = repr(exc)[:300]
+            RESULTS["cells"].append(cell)
+            summary.append(cell)
+            save()
+        del w1, w2
+        torch.cuda.empty_cache()
+        log(f"{name} done in {time.perf_counter() - t_shape:.0f}s")
+
+    # --- custom-op overhead (host): op path vs direct impl, Qwen3 shape, T=1 ---
+    try:
+        E, H, I, k = GRID["Qwen3-30B-A3B"]
+        w1, w2 = make_weights(E, H, I)
+        x, ids, wts = make_inputs(1, H, E, k, seed=5)
+        f_op = lambda: K.fused_experts(x, w1, w2, ids, wts, num_experts=E)  # noqa: E731
+        f_imp = lambda: K.fused_experts_impl(x, w1, w2, ids, wts, E)  # noqa: E731
+        for f in (f_op, f_imp):
+            f()
+        torch.cuda.synchronize()
+        host = {}
+        for label, f in (("op", f_op), ("impl", f_imp)):
+            t0 = time.perf_counter()
+            for _ in range(300):
+                f()
+            host[label] = (time.perf_counter() - t0) / 300
+            torch.cuda.synchronize()
+        RESULTS["host_overhead_s"] = host
+        log(f"host time per call (T=1 Qwen3, no sync): op {host['op'] * 1e6:.1f}us, impl {host['impl'] * 1e6:.1f}us")
+        del w1, w2
+    except Exception:
+        traceback.print_exc()
+    save()
+
+    # --- short table last ---
+    log("\nshape                T      floor   fused(def) fused(tuned)  grouped_mm  batched_mm   [eager | graph] x floor")
+    for c in summary:
+        fl = c.get("floor_s")
+        if not fl:
+            log(f"{c['shape']:<20} {c['T']:>6} ERROR {c.get('error', '')[:80]}")
+            continue
+
+        def r(label, c=c, fl=fl):
+            e, g = c.get(f"{label}_eager_s"), c.get(f"{label}_graph_s")
+            s = f"{e / fl:5.2f}" if e else "   - "
+            if g:
+                s += f"|{g / fl:4.2f}"
+            return f"{s:>11}"
+
+        best_f = min([c[kk] for kk in ("fused_default_eager_s", "fused_tuned_eager_s") if kk in c] or [float("nan")])
+        tf = c["flops"] / best_f / 1e12 if best_f == best_f else float("nan")
+        log(f"{c['shape']:<20} {c['T']:>6} {fl * 1e6:8.1f}us {r('fused_default')} {r('fused_tuned')} "
+            f"{r('grouped_mm')} {r('batched_mm')}   fused {best_f * 1e6:9.1f}us {tf:6.0f} TF/s")  # fmt: skip
+    bad = [c for c in RESULTS["checks"] if "error" in c or not c.get("finite") or c.get("rel_err", 1) > 2e-2]
+    log(f"checks: {len(RESULTS['checks'])} run, {len(bad)} bad {bad[:3]}")
+    save()
+
+
+if __name__ == "__main__":
+    main()
