@@ -9,6 +9,9 @@ from experts_fixtures import TOLERANCE, Layout, make_experts, random_routing, re
 import selector
 
 BACKENDS = ["eager", "batched_mm", "grouped_mm"]
+# On a GPU the same checks run on CUDA tensors, with the fused Triton backend too.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+CUDA_ONLY = ["triton_fused"]
 LAYOUTS = [
     Layout(),
     Layout(bias=True),
@@ -24,6 +27,10 @@ LAYOUTS = [
 SHAPES = [(7, 4, 32, 24, 2), (1, 5, 17, 9, 3), (0, 3, 16, 8, 2), (5, 1, 12, 10, 1), (6, 3, 20, 12, 3), (33, 8, 40, 28, 4)]
 
 
+def _unsupported(backend: str, layout: Layout) -> bool:
+    return backend == "triton_fused" and (layout.custom_gate or layout.post_norm)
+
+
 def _run(backend: str, module: torch.nn.Module, x, idx, w) -> torch.Tensor:
     selector.set_experts_implementation(module, backend)
     out = module(x, idx, w)
@@ -31,37 +38,60 @@ def _run(backend: str, module: torch.nn.Module, x, idx, w) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def _cases(device: str) -> list[str]:
+    return BACKENDS + (CUDA_ONLY if device == "cuda" else [])
+
+
+ALL_BACKENDS = BACKENDS + CUDA_ONLY
+
+
+def _skip_if_cpu_only(backend: str, device: str) -> None:
+    if backend in CUDA_ONLY and device == "cpu":
+        pytest.skip("CUDA-only backend: covered on CPU through the Triton interpreter in its own tests")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_layouts_match_reference(backend: str, layout: Layout) -> None:
+def test_layouts_match_reference(backend: str, layout: Layout, device: str) -> None:
+    _skip_if_cpu_only(backend, device)
     t, e, h, i, k = 9, 5, 24, 16, 2
-    module = make_experts(e, h, i, layout)
-    x = torch.randn(t, h)
-    idx, w = random_routing(t, e, k, sentinel=layout.expert_parallel)
+    module = make_experts(e, h, i, layout, device=device)
+    x = torch.randn(t, h, device=device)
+    idx, w = random_routing(t, e, k, device=device, sentinel=layout.expert_parallel)
+    if _unsupported(backend, layout):
+        selector.set_experts_implementation(module, backend)
+        with pytest.raises(ValueError, match="cannot run here: does not support"):
+            module(x, idx, w)
+        return
     out = _run(backend, module, x, idx, w)
     assert out.shape == (t, h) and out.dtype == x.dtype
     assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d-E%d-H%d-I%d-k%d" % s)
-def test_shapes_match_reference(backend: str, shape: tuple[int, ...]) -> None:
+def test_shapes_match_reference(backend: str, shape: tuple[int, ...], device: str) -> None:
+    _skip_if_cpu_only(backend, device)
     t, e, h, i, k = shape
-    module = make_experts(e, h, i)
-    x = torch.randn(t, h)
-    idx, w = random_routing(t, e, k)
+    module = make_experts(e, h, i, device=device)
+    x = torch.randn(t, h, device=device)
+    idx, w = random_routing(t, e, k, device=device)
     out = _run(backend, module, x, idx, w)
     assert out.shape == (t, h)
     if t:
         assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_low_precision_within_dtype_tolerance(backend: str, dtype: torch.dtype) -> None:
-    module = make_experts(6, 64, 48, Layout(bias=True), dtype=dtype)
-    x = torch.randn(12, 64).to(dtype)
-    idx, w = random_routing(12, 6, 2)
+def test_low_precision_within_dtype_tolerance(backend: str, dtype: torch.dtype, device: str) -> None:
+    _skip_if_cpu_only(backend, device)
+    module = make_experts(6, 64, 48, Layout(bias=True), dtype=dtype, device=device)
+    x = torch.randn(12, 64, device=device).to(dtype)
+    idx, w = random_routing(12, 6, 2, device=device)
     out = _run(backend, module, x, idx, w)
     assert out.dtype == dtype
     assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[dtype]
