@@ -17,12 +17,12 @@ stamp() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 case "${1:-part1}" in
 part1)
   stamp doctor
-  (time selector doctor) 2>&1 | tee -a "$LOG"
-  selector doctor --json > "$OUT/doctor.json"
+  (time python3 -m selector.cli doctor) 2>&1 | tee -a "$LOG"
+  python3 -m selector.cli doctor --json > "$OUT/doctor.json"
   stamp tests
   timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -40 | tee -a "$LOG"
   stamp bench
-  timeout 330 selector bench --out "$OUT/bench" --graph-max-tokens 512 2>>"$LOG" | tee -a "$LOG"
+  timeout 330 python3 -m selector.cli bench --out "$OUT/bench" --graph-max-tokens 512 2>>"$LOG" | tee -a "$LOG"
   cp "$OUT/bench/bench.json" "$OUT/bench/bench.md" "$OUT/" 2>/dev/null
   cp "$OUT/bench/bench.png" "$OUT/" 2>/dev/null; cp "$OUT/bench/tuning.json" "$OUT/" 2>/dev/null
   rm -rf "$OUT/bench"
