@@ -452,6 +452,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.save_tuning:
         write_records(user_tuning_path(), records)
         paths.append(user_tuning_path())
+        from selector.daemon import ping, request, socket_path
+
+        if ping(socket_path()):  # share with the other processes of this node at once
+            request(socket_path(), {"op": "tuning_put", "records": records})
     print(markdown_table(result))
     print("wrote " + ", ".join(map(str, paths)))
     return 0

@@ -8,9 +8,12 @@ _CURRENT: Environment | None = None
 
 
 def current_environment() -> Environment:
+    """Facts from the node daemon when one answers (probed once per node), else probed here."""
     global _CURRENT
     if _CURRENT is None:
-        _CURRENT = collect_environment()
+        from selector.daemon import environment_from_daemon
+
+        _CURRENT = environment_from_daemon() or collect_environment()
     return _CURRENT
 
 

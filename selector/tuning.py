@@ -1,7 +1,8 @@
 """Measured times per (GPU, experts shape, dtype, token count, backend): what `auto` trusts over estimates.
 
 Sources, later ones overriding earlier: data files shipped in `selector/tuning_data/` (made by
-`selector bench` on the named GPU), then the user's cache file written by `selector bench --save-tuning`.
+`selector bench` on the named GPU), the user's cache file written by `selector bench --save-tuning`, then
+what other processes shared through the node daemon.
 A lookup matches the GPU name and shape exactly and takes the nearest measured token count (in log scale).
 """
 
@@ -66,14 +67,27 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 @cache
-def _table(extra: tuple[str, ...] = ()) -> dict[Key, dict[int, dict[str, float]]]:
+def _table() -> dict[Key, dict[int, dict[str, float]]]:
     table: dict[Key, dict[int, dict[str, float]]] = {}
-    paths = sorted(DATA_DIR.glob("*.json")) + [user_tuning_path()] + [Path(p) for p in extra]
-    for path in paths:
-        for r in read_records(path):
-            key = (r["gpu"], r["E"], r["H"], r["I"], r["k"], r["dtype"])
-            table.setdefault(key, {}).setdefault(int(r["tokens"]), {})[r["backend"]] = float(r["time_s"])
+    paths = sorted(DATA_DIR.glob("*.json")) + [user_tuning_path()]
+    for r in [r for path in paths for r in read_records(path)] + _daemon_records():
+        key = (r["gpu"], r["E"], r["H"], r["I"], r["k"], r["dtype"])
+        table.setdefault(key, {}).setdefault(int(r["tokens"]), {})[r["backend"]] = float(r["time_s"])
     return table
+
+
+def _daemon_records() -> list[dict[str, Any]]:
+    """Timings other processes of this node shared through the daemon (none when it is not running)."""
+    from selector.daemon import request, socket_path
+
+    path = socket_path()
+    if not path.exists():
+        return []
+    try:
+        reply = request(path, {"op": "tuning_get"}, timeout=0.5)
+    except (OSError, ValueError):
+        return []
+    return list(reply.get("records", [])) if reply.get("ok") else []
 
 
 def reload() -> None:
