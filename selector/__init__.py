@@ -36,6 +36,8 @@ _LAZY = {
     "register_plugin": "selector.registry",
     "current_environment": "selector.environment",
     "set_environment": "selector.environment",
+    "from_pretrained": "selector.hf",
+    "from_config": "selector.hf",
 }
 
 if TYPE_CHECKING:
