@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized
 from probes import Environment
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import ceilings, floor_seconds, tokens, weight_bytes_per_expert
@@ -31,7 +32,11 @@ def selector_backends() -> Sequence[BackendSpec]:
         BackendSpec(
             name="batched_mm",
             load=_load,
-            requirements=Requirements(),
+            # fp8_block / fp4 experts run through plugins/quant_kernels (one pair per program, no weight copies)
+            requirements=Requirements(
+                weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS, activation_quant=QUANT_ACTIVATION_QUANT
+            ),
+            check=check_quantized,
             description="gather one weight copy per (token, expert) pair, then batched matmuls",
             estimate=_estimate,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized
 from probes import Environment
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
@@ -32,7 +33,13 @@ def selector_backends() -> Sequence[BackendSpec]:
         BackendSpec(
             name="grouped_mm",
             load=_load,
-            requirements=Requirements(packages={"torch": "2.9"}),
+            # fp8_block / fp4 experts run through plugins/quant_kernels (expert-sorted grouped Triton GEMM)
+            requirements=Requirements(
+                packages={"torch": "2.9"},
+                weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
+                activation_quant=QUANT_ACTIVATION_QUANT,
+            ),
+            check=check_quantized,
             description="sort by expert, then torch grouped GEMMs (loop fallback as a custom op)",
             estimate=_estimate,
         )

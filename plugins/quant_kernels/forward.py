@@ -1,0 +1,140 @@
+"""Adapter from a quantised Transformers-style experts module (see selector/quant.py) to the kernels.
+
+``quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode)`` is what `batched_mm`
+(mode "batched": one pair per program, no sorting) and `grouped_mm` (mode "grouped": pairs sorted by expert,
+tensor-core grouped GEMM) run for fp8_block / fp4 experts. Layers whose gate is act(gate) * up with a known
+activation and no post-expert norm run entirely in the kernels (one custom op); others (a module-specific
+gate such as GPT-OSS's, another activation, a post-expert norm) run the projections in the kernels and that
+code in torch between them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.quant_kernels import ops
+from selector import layers
+from selector.problem import activation_name, has_custom_gate
+from selector.quant import QuantFormat, is_ue8m0_tensor, quant_format
+
+KERNEL_ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fail(message: str) -> ValueError:
+    return ValueError(f"quantised experts: {message}")
+
+
+def _check_projection(name: str, w: torch.Tensor, s: torch.Tensor, fmt: QuantFormat, rows: int, k_in: int,
+                      num_experts: int, scale_rows: int) -> None:  # fmt: skip
+    fp4 = fmt.weight_format == "fp4"
+    want_dtype = "int8/uint8 (two e2m1 per byte)" if fp4 else "float8_e4m3fn"
+    ok_dtype = w.dtype in (torch.int8, torch.uint8) if fp4 else w.dtype == torch.float8_e4m3fn
+    if not ok_dtype:
+        raise _fail(f"{name} must be {want_dtype} for {fmt.weight_format}, got {w.dtype}")
+    want = (num_experts, rows, k_in // 2 if fp4 else k_in)
+    if tuple(w.shape) != want:
+        raise _fail(f"{name} must be {list(want)} ([E, out, in]{', in packed' if fp4 else ''}), got {list(w.shape)}")
+    if w.stride(2) != 1:
+        raise _fail(f"{name} must be contiguous along its input dim")
+    bk = fmt.block_size[1]
+    want_s = (num_experts, scale_rows, -(-k_in // bk))
+    if s.dim() != 3 or tuple(s.shape) != want_s:
+        raise _fail(f"{name}_scale_inv must be {list(want_s)} for block {fmt.block_size}, got {list(s.shape)}")
+    if fmt.scale_format == "ue8m0" and not is_ue8m0_tensor(s):
+        raise _fail(f"{name}_scale_inv must hold UE8M0 bytes (float8_e8m0fnu or uint8), got {s.dtype}")
+    if fmt.scale_format == "float32" and s.dtype != torch.float32:
+        raise _fail(f"{name}_scale_inv must be float32 for scale format float32, got {s.dtype}")
+    if w.device != s.device:
+        raise _fail(f"{name} is on {w.device} but its scales on {s.device}")
+
+
+def quant_experts_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, k]
+    top_k_weights: torch.Tensor,  # [T, k]
+    mode: str = "grouped",
+    config: dict | None = None,
+) -> torch.Tensor:  # [T, H]
+    fmt = quant_format(module)
+    if fmt is None:
+        raise _fail("the module has dense weights (selector_weight_format is 'dense')")
+    gated = bool(getattr(module, "has_gate", True))
+    interleaved = gated and not getattr(module, "is_concatenated", True)
+    if getattr(module, "is_transposed", False):
+        raise _fail("quantised weights are stored [E, out, in]; is_transposed must be False")
+    num_experts = int(module.num_experts)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    w1, s1 = getattr(module, up_name), getattr(module, f"{up_name}_scale_inv")
+    w2, s2 = module.down_proj, module.down_proj_scale_inv
+    fp4 = fmt.weight_format == "fp4"
+    bn, bk = fmt.block_size
+    hidden = hidden_states.shape[1]
+    c = w1.shape[1]
+    inter = c // 2 if gated else c
+    if fp4:
+        rows1, rows2 = c, hidden
+    else:
+        rows1 = 2 * -(-inter // bn) if gated and not interleaved else -(-c // bn)
+        rows2 = -(-hidden // bn)
+    _check_projection(up_name, w1, s1, fmt, c, hidden, num_experts, rows1)
+    _check_projection("down_proj", w2, s2, fmt, hidden, inter, num_experts, rows2)
+    if w1.device != hidden_states.device:
+        raise _fail(f"weights are on {w1.device}, hidden_states on {hidden_states.device}")
+
+    compute = getattr(module, "selector_compute_dtype", None) or hidden_states.dtype
+    if compute not in COMPUTE_DTYPES:
+        raise _fail(f"compute dtype {compute} is not supported (float32, bfloat16, float16)")
+    x = hidden_states.to(compute)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    as1 = as2 = None
+    if fmt.activation_quant == "static":
+        as1 = getattr(module, "gate_up_proj_activation_scale", None)
+        as2 = getattr(module, "down_proj_activation_scale", None)
+        if as1 is None or as2 is None or as1.numel() != num_experts or as2.numel() != num_experts:
+            raise _fail(
+                "static activation quantisation needs gate_up_proj_activation_scale and down_proj_activation_scale "
+                f"with one float32 scale per expert ({num_experts})"
+            )
+        as1, as2 = as1.reshape(-1).float().contiguous(), as2.reshape(-1).float().contiguous()
+    b1, b2 = layers.up_bias(module), layers.down_bias(module)
+    act = activation_name(getattr(module, "act_fn", None))
+    post_norm = bool(getattr(module, "has_post_expert_norm", False))
+    in_kernel = act in KERNEL_ACTIVATIONS and not post_norm and not (gated and has_custom_gate(module))
+    common = dict(num_experts=num_experts, fp4=fp4, ue8m0=fmt.scale_format == "ue8m0", block_n=bn,
+                  block_k=fmt.activation_group)  # fmt: skip
+
+    if in_kernel:
+        out = ops.quant_experts(
+            x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, activation=act, gated=gated,
+            interleaved=interleaved, mode=mode, config=config, **common,
+        )  # fmt: skip
+        return out.to(hidden_states.dtype)
+
+    # torch between the projections: the module's own gate / activation, and its post-expert norm
+    num_tokens, top_k = top_k_index.shape
+    out = torch.empty((num_tokens, hidden), dtype=compute, device=x.device)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_().to(hidden_states.dtype)
+    ids = top_k_index.reshape(-1).contiguous()
+    wts = top_k_weights.reshape(-1).contiguous()
+    routing = ops.route(mode, ids, num_experts, config)
+    split = inter if gated and not interleaved else None
+    h = ops.projection(mode, x, w1, s1, routing, ids.numel(), a_div=top_k, act_scale=as1, bias=b1,
+                       split_inter=split, config=config, **common)  # fmt: skip
+    h = layers.activate(module, h).to(compute).contiguous()
+    y = ops.projection(mode, h, w2, s2, routing, ids.numel(), a_div=1, act_scale=as2, bias=b2,
+                       topk_w=None if post_norm else wts, config=config, **common)  # fmt: skip
+    if post_norm:
+        y = (layers.post_norm(module, y).float() * wts.float().unsqueeze(-1)).to(compute)
+    ops.combine(y, ids, out, top_k, num_experts)
+    return out.to(hidden_states.dtype)
+
+
+def quant_batched_forward(module, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
+    return quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode="batched")
+
+
+def quant_grouped_forward(module, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
+    return quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode="grouped")

@@ -1,0 +1,374 @@
+"""Triton kernels for quantised experts: FP8 e4m3 block-scaled and FP4 e2m1 (UE8M0 group scales) weights.
+
+Both kernels quantise the activations themselves, per row and per K tile (= the activation group), to e4m3:
+dynamic (scale = amax / 448) or static (the expert's stored scale); no pre-kernel, no extra buffer. Each K
+tile contributes  dot(a_q, w_q) * a_scale[row] * w_scale[col]  to an fp32 accumulator, so the fp8 dot's
+own accumulation never spans more than one tile (as DeepGEMM promotes every 128 channels).
+
+- ``_grouped_kernel``: a grouped GEMM over expert blocks of BLOCK_M rows, as built by the fused backend's
+  ``align`` (pair indices sorted by expert, padded per expert). Tensor-core fp8 ``tl.dot``.
+- ``_rows_kernel``: one (token, slot) pair per program, no sorting: a GEMV over the pair's expert (sums
+  on CUDA cores). For decode, where a handful of pairs each hit a different expert.
+
+Weights: FP8 ``[E, N, K]`` e4m3 with scales ``[E, rows, ceil(K / BLOCK_K)]`` (float32 or UE8M0 bytes); the
+scale row of output channel c is ``c // bn`` below ``n_split`` and ``split_rows + (c - n_split) // bn`` from
+there (gate and up blocked separately). FP4 ``[E, N, K / 2]`` bytes (element 2j low nibble) with one UE8M0
+exponent per 32 inputs ``[E, N, ceil(K / 32)]``.
+
+FP4 in the tensor-core kernel: e2m1 values are exact in e4m3; each row's four group scales inside a 128-wide
+K tile are folded into the values relative to the largest one, w8 = e2m1 * 2^(e_g - e_max + 6) (<= 384,
+exact while the exponents of one row's groups in a tile differ by <= 14), and 2^(e_max - 6) is the column
+scale. The row kernel dequantises FP4 exactly in fp32.
+
+Epilogues: optional bias, gating act(gate) * up (concatenated or interleaved channels) or a plain activation,
+multiplication by the routing weight; rows are written at their pair index (row t*k + j).
+
+Under TRITON_INTERPRET=1 (CPU tests) the fp32 -> e4m3 cast of Triton's interpreter truncates a rounding
+carry (7.9 -> 4.0) and does not round ties to even; the kernels then round onto the e4m3 grid in fp32 first
+(``EXACT``), which makes the cast exact and the result the same RNE value the GPU's cvt.rn.satfinite gives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+ACT_CODE = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Element helpers.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_e4m3(x):
+    """x in [-448, 448] (fp32) rounded to the nearest e4m3 value, ties to even, still fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # keep 3 mantissa bits
+    sub = (x + 24576.0) - 24576.0  # below 2^-6 the e4m3 grid is 2^-9: fp32's ulp at 1.5 * 2^14
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _to_e4m3(x, EXACT: tl.constexpr):
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if EXACT:
+        x = _round_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _recip(x, EXACT: tl.constexpr):
+    if EXACT:
+        r = 1.0 / x  # numpy: correctly rounded
+    else:
+        r = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
+    return r
+
+
+@triton.jit
+def _scale_div448(amax, EXACT: tl.constexpr):
+    if EXACT:
+        s = amax / 448.0
+    else:
+        s = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    return tl.where(amax > 0, s, 1.0)
+
+
+@triton.jit
+def _pow2(e):
+    """UE8M0 byte (int32, bias 127) -> 2^(e - 127) in fp32 (byte 0 reads as 0)."""
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(nib):
+    """e2m1 code (int32 0..15) -> fp32 value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa."""
+    e = (nib >> 1) & 3
+    m = nib & 1
+    normal = ((e + 126) << 23) | (m << 22)
+    sub = tl.where(m == 1, 126 << 23, 0)
+    bits = tl.where(e == 0, sub, normal) | ((nib & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    if ACT == 1:  # silu
+        y = x / (1.0 + tl.exp(-x))
+    elif ACT == 2:  # gelu (erf)
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 3:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        y = x / (1.0 + tl.exp(-2.0 * z))
+    elif ACT == 4:  # relu
+        y = tl.maximum(x, 0.0)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _quant_rows(a, static_s, BM: tl.constexpr, STATIC: tl.constexpr, EXACT: tl.constexpr):
+    """a [BM, BK] fp32 -> (e4m3 [BM, BK], scale [BM]) per row."""
+    if STATIC:
+        s = tl.zeros([BM], dtype=tl.float32) + static_s
+    else:
+        s = _scale_div448(tl.max(tl.abs(a), axis=1), EXACT)
+    q = _to_e4m3(a * _recip(s, EXACT)[:, None], EXACT)
+    return q, s
+
+
+@triton.jit
+def _fp8_col_scale(s_base, offs_c, c_ok, kb, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0: tl.constexpr):
+    srow = tl.where(offs_c < n_split, offs_c // bn, split_rows + (offs_c - n_split) // bn)
+    ptrs = s_base + srow * stride_sn + kb * stride_sk
+    if UE8M0:
+        ws = _pow2(tl.load(ptrs, mask=c_ok, other=127).to(tl.int32) & 255)
+    else:
+        ws = tl.load(ptrs, mask=c_ok, other=1.0).to(tl.float32)
+    return ws
+
+
+@triton.jit
+def _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
+                stride_wn, stride_wk, stride_sn, stride_sk,
+                BK: tl.constexpr, BNC: tl.constexpr, FP4: tl.constexpr, UE8M0: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """The weight tile of channels offs_c [BNC] and inputs [k0, k0 + BK) as e4m3 [BK, BNC], and its column scale."""
+    if FP4:
+        G: tl.constexpr = BK // 32
+        offs_b = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(
+            w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+            mask=c_ok[:, None] & (offs_b[None, :] < K // 2), other=0,
+        ).to(tl.int32) & 255  # fmt: skip
+        v = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BNC, BK))
+        offs_g = k0 // 32 + tl.arange(0, G)
+        eg = tl.load(
+            s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+            mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32), other=0,
+        ).to(tl.int32) & 255  # fmt: skip
+        emax = tl.max(eg, axis=1)
+        shift = tl.minimum(tl.maximum(eg - emax[:, None] + 6, -126), 6)
+        mult = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+        v = tl.reshape(tl.reshape(v, (BNC, G, 32)) * mult[:, :, None], (BNC, BK))
+        b = tl.trans(_to_e4m3(v, EXACT))
+        ws = _pow2(emax) * 0.015625
+    else:
+        offs_k = k0 + tl.arange(0, BK)
+        b = tl.load(
+            w_base + offs_k[:, None] * stride_wk + offs_c[None, :] * stride_wn,
+            mask=(offs_k[:, None] < K) & c_ok[None, :], other=0.0,
+        )  # fmt: skip
+        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0)
+    return b, ws
+
+
+@triton.jit
+def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
+                stride_wn, stride_wk, stride_sn, stride_sk,
+                BK: tl.constexpr, BNC: tl.constexpr, FP4: tl.constexpr, UE8M0: tl.constexpr):  # fmt: skip
+    """The weight tile [BNC, BK] in fp32 and its column scale (FP4: exact values x scale, column scale 1)."""
+    if FP4:
+        G: tl.constexpr = BK // 32
+        offs_b = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(
+            w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+            mask=c_ok[:, None] & (offs_b[None, :] < K // 2), other=0,
+        ).to(tl.int32) & 255  # fmt: skip
+        v = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BNC, BK))
+        offs_g = k0 // 32 + tl.arange(0, G)
+        eg = tl.load(
+            s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+            mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32), other=0,
+        ).to(tl.int32) & 255  # fmt: skip
+        w = tl.reshape(tl.reshape(v, (BNC, G, 32)) * _pow2(eg)[:, :, None], (BNC, BK))
+        ws = tl.full([BNC], 1.0, tl.float32)
+    else:
+        offs_k = k0 + tl.arange(0, BK)
+        w = tl.load(
+            w_base + offs_c[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+            mask=c_ok[:, None] & (offs_k[None, :] < K), other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0)
+    return w, ws
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grouped GEMM over expert blocks (tensor cores).
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
+    num_valid, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows, bn,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
+
+    N is the number of OUTPUT channels (I when GATED, else the stored rows).
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_blocks_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
+    row_ok = rows < num_valid
+    a_rows = tl.where(row_ok, rows // a_div, 0).to(tl.int64)  # padding slots read row 0, never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_rows[:, None] * stride_am
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    static_s = 1.0
+    if STATIC:
+        static_s = tl.load(as_ptr + expert).to(tl.float32)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if GATED and INTERLEAVED:
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c_ok = offs_c < 2 * N
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    else:
+        offs_c = offs_n
+        c_ok = n_ok
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+        aq, sa = _quant_rows(a.to(tl.float32), static_s, BLOCK_M, STATIC, EXACT)
+        if GATED and INTERLEAVED:
+            b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
+                                stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT)  # fmt: skip
+            acc += tl.dot(aq, b) * sa[:, None] * ws[None, :]
+        else:
+            b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
+                                stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0, EXACT)  # fmt: skip
+            acc += tl.dot(aq, b) * sa[:, None] * ws[None, :]
+            if GATED:
+                bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
+                                      stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
+                                      EXACT)  # fmt: skip
+                acc_u += tl.dot(aq, bu) * sa[:, None] * wsu[None, :]
+
+    bias_base = bias_ptr + expert * stride_be
+    if GATED and INTERLEAVED:
+        if HAS_BIAS:
+            acc += tl.load(bias_base + offs_c * stride_bn, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        res = _activation(gate, ACT) * up
+    elif GATED:
+        if HAS_BIAS:
+            acc += tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bias_base + (offs_n + up_offset) * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        res = _activation(acc, ACT) * acc_u
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        res = _activation(acc, ACT)
+    if MUL_W:
+        res = res * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One (token, slot) pair per program (no sorting; CUDA-core sums).
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rows_kernel(
+    a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, ids_ptr, topk_w_ptr,
+    num_experts, N, K, a_div, up_offset, n_split, split_rows, bn,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_om, stride_on,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """out[row, n] for one pair row = program_id(0); sentinel rows (expert outside [0, E)) are left unwritten."""
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + (row // a_div).to(tl.int64) * stride_am
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    static_s = 1.0
+    if STATIC:
+        static_s = tl.load(as_ptr + expert).to(tl.float32)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if GATED and INTERLEAVED:
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c_ok = offs_c < 2 * N
+        acc = tl.zeros([2 * BLOCK_N], dtype=tl.float32)
+    else:
+        offs_c = offs_n
+        c_ok = n_ok
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_base + (k0 + offs_k) * stride_ak, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+        aq2, sa2 = _quant_rows(a[None, :], static_s, 1, STATIC, EXACT)
+        aq = tl.reshape(aq2.to(tl.float32), (BLOCK_K,))
+        sa = tl.sum(sa2, axis=0)
+        if GATED and INTERLEAVED:
+            w, ws = _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
+                                stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0)  # fmt: skip
+            acc += tl.sum(w * aq[None, :], axis=1) * ws * sa
+        else:
+            w, ws = _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
+                                stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0)  # fmt: skip
+            acc += tl.sum(w * aq[None, :], axis=1) * ws * sa
+            if GATED:
+                wu, wsu = _w_tile_f32(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
+                                      stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0)  # fmt: skip
+                acc_u += tl.sum(wu * aq[None, :], axis=1) * wsu * sa
+
+    bias_base = bias_ptr + expert * stride_be
+    if GATED and INTERLEAVED:
+        if HAS_BIAS:
+            acc += tl.load(bias_base + offs_c * stride_bn, mask=c_ok, other=0.0).to(tl.float32)
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
+        res = _activation(gate, ACT) * up
+    elif GATED:
+        if HAS_BIAS:
+            acc += tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+            acc_u += tl.load(bias_base + (offs_n + up_offset) * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+        res = _activation(acc, ACT) * acc_u
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+        res = _activation(acc, ACT)
+    if MUL_W:
+        res = res * tl.load(topk_w_ptr + row).to(tl.float32)
+    o_ptrs = out_ptr + row.to(tl.int64) * stride_om + offs_n * stride_on
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -1,0 +1,304 @@
+"""Host side of the quantised experts kernels: launches, tile heuristics and the torch custom op.
+
+``quant_experts`` runs a whole layer whose gate is act(gate) * up (or a plain activation) and that has no
+post-expert norm: routing (``align`` of the fused backend, grouped mode only), the gate_up GEMM with bias and
+gating in its epilogue, the down GEMM with bias and the routing weight in its epilogue, and the fused backend's
+deterministic ``combine`` (fixed-order fp32 sum over the k slots; sentinel slots skipped). One torch custom op,
+so torch.compile sees one opaque node and there is no host synchronisation (CUDA graphs capture it).
+
+``route`` / ``projection`` are the same pieces one by one, for layers whose gate or norm is torch code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from plugins.quant_kernels import kernels as K
+from plugins.triton_fused.kernels import align, combine, max_blocks_for
+
+MODES = ("grouped", "batched")
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # the interpreter: as few programs as possible
+    return 2 * _num_sms(device.index or 0)
+
+
+def grouped_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per expert block: close to the mean rows per expert hit (decode: 16, the smallest fp8 dot)."""
+    per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    for bm in (16, 32, 64):
+        if per_expert <= bm * 1.5:
+            return bm
+    return 128
+
+
+def _pick_block_n(programs_per_n: int, n_out: int, device: torch.device, widest: int) -> int:
+    target = _target_programs(device)
+    if target == 0:
+        return max(16, min(64, triton.next_power_of_2(n_out)))
+    for bn in (128, 64, 32):
+        if bn <= widest and programs_per_n * triton.cdiv(n_out, bn) >= target:
+            return bn
+    return 16 if programs_per_n * triton.cdiv(n_out, 32) < target // 2 else 32
+
+
+def _gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config: dict | None, wide: bool) -> dict:
+    cfg = dict(config or {})
+    if mode == "grouped":
+        bm = cfg.setdefault("BLOCK_M", 16)
+        widest = 64 if (bm >= 128 and wide) else 128
+        cfg.setdefault("BLOCK_N", _pick_block_n(rows // bm, n_out, device, widest))
+        cfg.setdefault("num_warps", 8 if bm * cfg["BLOCK_N"] >= 128 * 64 else 4)
+        cfg.setdefault("num_stages", 3)
+        cfg.setdefault("GROUP_M", 8)
+    else:
+        cfg.setdefault("BLOCK_N", _pick_block_n(rows, n_out, device, 64 if wide else 128))
+        cfg.setdefault("num_warps", 4)
+        cfg.setdefault("num_stages", 3)
+    return cfg
+
+
+def _scale_strides(s: torch.Tensor) -> tuple[int, int, int]:
+    return s.stride(0), s.stride(1), s.stride(2)
+
+
+def _launch(
+    mode: str,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    act_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    routing: tuple[torch.Tensor, ...],
+    topk_w: torch.Tensor | None,
+    *,
+    num_experts: int,
+    n_out: int,
+    k_dim: int,
+    a_div: int,
+    up_offset: int,
+    n_split: int,
+    split_rows: int,
+    block_n_w: int,
+    block_k: int,
+    gated: bool,
+    interleaved: bool,
+    act: int,
+    fp4: bool,
+    ue8m0: bool,
+    config: dict | None,
+) -> None:
+    static = act_scale is not None
+    has_bias = bias is not None
+    s = s.view(torch.uint8) if ue8m0 and s.dtype != torch.uint8 else s
+    common = dict(
+        FP4=fp4, UE8M0=ue8m0, STATIC=static, GATED=gated, INTERLEAVED=interleaved and gated, ACT=act,
+        HAS_BIAS=has_bias, MUL_W=topk_w is not None, EXACT=K.INTERPRET,
+    )  # fmt: skip
+    strides = (
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *_scale_strides(s),
+        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, out.stride(0), out.stride(1),
+    )  # fmt: skip
+    wide = gated and not interleaved
+    if mode == "grouped":
+        sorted_rows, block_expert, bm = routing
+        cfg = _gemm_config(mode, sorted_rows.numel(), n_out, a.device, {**(config or {}), "BLOCK_M": bm}, wide)
+        bn = cfg["BLOCK_N"]
+        num_blocks_m = block_expert.numel()
+        grid = (num_blocks_m * triton.cdiv(n_out, bn),)
+        K._grouped_kernel[grid](
+            a, w, s, act_scale if static else s, bias if has_bias else s, out, sorted_rows, block_expert,
+            topk_w if topk_w is not None else s,
+            out.shape[0], n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+    else:
+        (ids,) = routing
+        cfg = _gemm_config(mode, ids.numel(), n_out, a.device, config, wide)
+        bn = cfg["BLOCK_N"]
+        grid = (ids.numel(), triton.cdiv(n_out, bn))
+        K._rows_kernel[grid](
+            a, w, s, act_scale if static else s, bias if has_bias else s, out, ids,
+            topk_w if topk_w is not None else s,
+            num_experts, n_out, k_dim, a_div, up_offset, n_split, split_rows, block_n_w, *strides,
+            BLOCK_N=bn, BLOCK_K=block_k, **common, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+
+
+def route(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """grouped: (sorted_rows, block_expert, BLOCK_M) from the fused backend's align; batched: (ids,)."""
+    if mode == "batched":
+        return (ids_flat,)
+    bm = int((config or {}).get("BLOCK_M") or grouped_block_m(ids_flat.numel(), num_experts))
+    sorted_rows, block_expert = align(ids_flat, num_experts, bm)
+    return sorted_rows, block_expert, bm
+
+
+def projection(
+    mode: str,
+    a: torch.Tensor,  # [rows_a, K] activations (row of pair p: p // a_div)
+    w: torch.Tensor,  # [E, C, K] e4m3 or [E, C, K/2] fp4 bytes
+    s: torch.Tensor,  # scales
+    routing: tuple[torch.Tensor, ...],
+    num_pairs: int,
+    *,
+    num_experts: int,
+    a_div: int,
+    fp4: bool,
+    ue8m0: bool,
+    block_n: int,
+    block_k: int,
+    split_inter: int | None = None,  # gated + concatenated: I (gate and up blocked separately)
+    act_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    topk_w: torch.Tensor | None = None,
+    gated: bool = False,
+    interleaved: bool = False,
+    activation: str = "none",
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """One projection for every (token, slot) pair -> [num_pairs, N] (N = I when `gated`, else C).
+
+    Sentinel pairs' rows are left unwritten (the combine skips them).
+    """
+    c = w.shape[1]
+    k_dim = w.shape[2] * (2 if fp4 else 1)
+    n_out = c // 2 if gated else c
+    out = torch.empty((num_pairs, n_out), dtype=out_dtype or a.dtype, device=a.device)
+    if num_pairs == 0 or n_out == 0:
+        return out
+    if split_inter is not None and not fp4:
+        n_split, split_rows = split_inter, triton.cdiv(split_inter, block_n)
+    else:
+        n_split, split_rows = c, 0
+    _launch(
+        mode, a, w, s, act_scale, bias, out, routing, topk_w,
+        num_experts=num_experts, n_out=n_out, k_dim=k_dim, a_div=a_div, up_offset=c // 2 if gated else 0,
+        n_split=n_split, split_rows=split_rows, block_n_w=block_n, block_k=block_k, gated=gated,
+        interleaved=interleaved, act=K.ACT_CODE[activation], fp4=fp4, ue8m0=ue8m0, config=config,
+    )  # fmt: skip
+    return out
+
+
+def quant_experts_impl(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    as1: torch.Tensor | None,
+    as2: torch.Tensor | None,
+    num_experts: int,
+    activation: str,
+    gated: bool,
+    interleaved: bool,
+    fp4: bool,
+    ue8m0: bool,
+    block_n: int,
+    block_k: int,
+    mode: str,
+    config: dict | None = None,
+) -> torch.Tensor:
+    t, h = x.shape
+    top_k = top_k_index.shape[1]
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0 or top_k == 0:
+        return out.zero_()
+    ids = top_k_index.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    wts = top_k_weights.reshape(-1)
+    wts = wts if wts.is_contiguous() else wts.contiguous()
+    n_pairs = ids.numel()
+    routing = route(mode, ids, num_experts, config)
+    common = dict(num_experts=num_experts, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k, config=config)
+    inter = projection(
+        mode, x, w1, s1, routing, n_pairs, a_div=top_k, act_scale=as1, bias=b1, gated=gated,
+        interleaved=interleaved, activation=activation, split_inter=(w1.shape[1] // 2) if gated and not interleaved else None,
+        **common,
+    )  # fmt: skip
+    y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, **common)
+    combine(y, ids, out, top_k, num_experts)
+    return out
+
+
+def _encode(config: dict | None) -> list[int] | None:
+    if not config:
+        return None
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "GROUP_M")
+    return [int(config.get(k, 0) or 0) for k in keys]
+
+
+def _decode(config: list[int] | None) -> dict | None:
+    if not config:
+        return None
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "GROUP_M")
+    return {k: v for k, v in zip(keys, config) if v}
+
+
+@torch.library.custom_op("selector::quant_experts", mutates_args=())
+def _quant_experts_op(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    as1: torch.Tensor | None,
+    as2: torch.Tensor | None,
+    num_experts: int,
+    activation: str,
+    gated: bool,
+    interleaved: bool,
+    fp4: bool,
+    ue8m0: bool,
+    block_n: int,
+    block_k: int,
+    mode: str,
+    config: list[int] | None,
+) -> torch.Tensor:
+    return quant_experts_impl(
+        x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
+        interleaved, fp4, ue8m0, block_n, block_k, mode, _decode(config),
+    )  # fmt: skip
+
+
+@_quant_experts_op.register_fake
+def _(x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
+      interleaved, fp4, ue8m0, block_n, block_k, mode, config):  # fmt: skip
+    return x.new_empty(x.shape)
+
+
+def quant_experts(
+    x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, *, num_experts, activation, gated,
+    interleaved, fp4, ue8m0, block_n, block_k, mode, config=None,
+):  # fmt: skip
+    """The whole layer through the custom op ``selector::quant_experts`` (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    return torch.ops.selector.quant_experts(
+        x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
+        interleaved, fp4, ue8m0, block_n, block_k, mode, _encode(config),
+    )  # fmt: skip
+
+
+__all__ = ["MODES", "grouped_block_m", "max_blocks_for", "projection", "quant_experts", "quant_experts_impl", "route"]

@@ -1,0 +1,470 @@
+"""Load pre-quantised experts from safetensors checkpoints (DeepSeek naming) into experts modules; save them.
+
+DeepSeek-V3 naming, one tensor per expert and projection (``prefix`` is the experts module's path, e.g.
+``model.layers.3.mlp.experts``)::
+
+    {prefix}.{e}.gate_proj.weight            float8_e4m3fn [I, H]     (fp4: int8 [I, H/2])
+    {prefix}.{e}.gate_proj.weight_scale_inv  float32 [ceil(I/128), ceil(H/128)]  (ue8m0: float8_e8m0fnu or uint8;
+                                             fp4: [I, ceil(H/32)]); also read as `.scale` or `.qscale_weight`
+    {prefix}.{e}.up_proj.weight / .weight_scale_inv      (same shapes)
+    {prefix}.{e}.down_proj.weight / .weight_scale_inv    [H, I] ...
+    {prefix}.{e}.{gate,up,down}_proj.activation_scale    float32 scalar, only with static activation quantisation
+
+The fused naming Transformers uses for experts modules (``{prefix}.gate_up_proj``, ``{prefix}.gate_up_proj_scale_inv``,
+``{prefix}.down_proj``, ...) is read too. Non-gated experts have no ``gate_proj``.
+
+The format comes from the checkpoint's quantisation config (``config.json``'s ``quantization_config``:
+``weight_block_size``, ``scale_fmt``, ``expert_dtype``, ``activation_scheme``, ``dequantize``), read through
+Transformers' ``FineGrainedFP8Config`` where Transformers is installed (which validates it) and as a plain
+dict otherwise; what the config leaves out is read off the tensors (dtypes, scale grid). ``dequantize=True``
+(or the config's own ``dequantize``) turns the experts into dense ones in the compute dtype, as
+``FineGrainedFP8Config(dequantize=True)`` does in Transformers: the bf16 backends then run them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selector import quant as Q
+
+SCALE_SUFFIXES = ("weight_scale_inv", "scale", "qscale_weight")
+ACTIVATION_SCALE_SUFFIXES = ("activation_scale", "input_scale")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Quantisation config.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _transformers_config_class() -> Any:
+    try:
+        from transformers import FineGrainedFP8Config
+    except Exception:  # Transformers missing or broken: read the dict ourselves
+        return None
+    return FineGrainedFP8Config
+
+
+def read_quantization_config(config: Any) -> dict[str, Any]:
+    """Normalise a quantisation config to {weight_format, scale_format, block_size, activation_quant, dequantize}.
+
+    `config`: None, a dict (a config.json's ``quantization_config``, or the whole config.json), a Transformers
+    ``FineGrainedFP8Config``, or a path to a checkpoint directory / config.json. Keys it does not give are None.
+    """
+    if config is None:
+        return {"weight_format": None, "scale_format": None, "block_size": None, "activation_quant": None,
+                "dequantize": False}  # fmt: skip
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        config = json.loads(path.read_text()) if path.exists() else {}
+    if isinstance(config, Mapping) and "quantization_config" in config:
+        config = config["quantization_config"]
+    if isinstance(config, Mapping):
+        method = str(config.get("quant_method", "fp8")).lower()
+        if method != "fp8":
+            raise ValueError(f"quantization_config.quant_method is {method!r}: only fine-grained 'fp8' checkpoints load here")
+        cls = _transformers_config_class()
+        if cls is not None:
+            config = cls(**{k: v for k, v in config.items() if k != "quant_method"})  # validates, like from_pretrained
+        else:
+            config = _PlainConfig(config)
+    expert_dtype = getattr(config, "expert_dtype", "fp8") or "fp8"
+    scale_fmt = getattr(config, "scale_fmt", None)
+    block = getattr(config, "weight_block_size", None)
+    return {
+        "weight_format": "fp4" if expert_dtype == "fp4" else "fp8_block",
+        "scale_format": None if scale_fmt is None else ("ue8m0" if scale_fmt == "ue8m0" else "float32"),
+        "block_size": None if block is None or expert_dtype == "fp4" else tuple(int(b) for b in block),
+        "activation_quant": getattr(config, "activation_scheme", None),
+        "dequantize": bool(getattr(config, "dequantize", False)),
+    }
+
+
+class _PlainConfig:
+    """The same checks FineGrainedFP8Config.post_init makes, for when Transformers is not installed."""
+
+    def __init__(self, d: Mapping[str, Any]) -> None:
+        self.activation_scheme = str(d.get("activation_scheme", "dynamic")).lower()
+        self.weight_block_size = d.get("weight_block_size", (128, 128))
+        self.dequantize = bool(d.get("dequantize", False))
+        self.scale_fmt = d.get("scale_fmt", "float")
+        self.expert_dtype = d.get("expert_dtype", "fp8")
+        if self.activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"Activation scheme {self.activation_scheme} not supported")
+        if self.weight_block_size is not None and (len(self.weight_block_size) != 2 or min(self.weight_block_size) <= 0):
+            raise ValueError("weight_block_size must be a tuple of two positive integers")
+        if self.scale_fmt not in ("float", "ue8m0"):
+            raise ValueError(f"scale_fmt must be 'float' or 'ue8m0'; got {self.scale_fmt!r}")
+        if self.expert_dtype not in ("fp8", "fp4"):
+            raise ValueError(f"expert_dtype must be 'fp8' or 'fp4'; got {self.expert_dtype!r}")
+
+
+def quantization_config_dict(fmt: Q.QuantFormat) -> dict[str, Any]:
+    """The config.json ``quantization_config`` for a format (what Transformers and DeepSeek write)."""
+    out: dict[str, Any] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": fmt.activation_quant,
+        "scale_fmt": "ue8m0" if fmt.scale_format == "ue8m0" else "float",
+        "weight_block_size": [128, 128] if fmt.weight_format == "fp4" else list(fmt.block_size),
+    }
+    if fmt.weight_format == "fp4":
+        out["expert_dtype"] = "fp4"
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading safetensors.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Checkpoint:
+    """Lazy access to the tensors of one or more safetensors files."""
+
+    def __init__(self, source: str | os.PathLike | Iterable[str | os.PathLike]) -> None:
+        from safetensors import safe_open
+
+        files = self._files(source)
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files at {source}")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where: dict[str, Any] = {}
+        for handle in self._handles:
+            for key in handle.keys():
+                self._where[key] = handle
+        self.files = files
+
+    @staticmethod
+    def _files(source: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            if path.is_dir():
+                index = path / INDEX_FILE
+                if index.exists():
+                    names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                    return [path / n for n in names]
+                return sorted(path.glob("*.safetensors"))
+            return [path]
+        return [Path(p) for p in source]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._where[key].get_tensor(key)
+
+    def first(self, base: str, suffixes: Iterable[str]) -> torch.Tensor | None:
+        for suffix in suffixes:
+            if f"{base}.{suffix}" in self:
+                return self.get(f"{base}.{suffix}")
+        return None
+
+
+def _as_weight(t: torch.Tensor) -> torch.Tensor:
+    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+    if fp4 is not None and t.dtype == fp4:
+        return t.view(torch.int8)
+    if t.dtype == torch.uint8:
+        return t.view(torch.int8)
+    return t
+
+
+def _as_scale(t: torch.Tensor, ue8m0: bool) -> torch.Tensor:
+    if ue8m0 and t.dtype == torch.uint8 and Q.ue8m0_dtype() != torch.uint8:
+        return t.view(Q.ue8m0_dtype())
+    return t
+
+
+def _infer_block(rows: int, cols: int, scale: torch.Tensor) -> tuple[int, int]:
+    """The block size that turns [rows, cols] into the scale grid's shape (128 preferred)."""
+    sr, sc = scale.shape[-2:]
+    picks = []
+    for total, count in ((rows, sr), (cols, sc)):
+        found = [b for b in (128, 64, 32, 256, 16, 512, 1) if -(-total // b) == count]
+        if not found:
+            raise ValueError(f"cannot infer the block size: {total} channels with {count} scale blocks")
+        picks.append(found[0])
+    return picks[0], picks[1]
+
+
+def _stack_projection(ckpt: _Checkpoint, prefix: str, proj: str, num_experts: int) -> tuple[list, list, list]:
+    weights, scales, act = [], [], []
+    for e in range(num_experts):
+        base = f"{prefix}.{e}.{proj}"
+        if f"{base}.weight" not in ckpt:
+            raise KeyError(f"checkpoint has no {base}.weight (looked in {', '.join(map(str, ckpt.files))})")
+        weights.append(_as_weight(ckpt.get(f"{base}.weight")))
+        scales.append(ckpt.first(base, SCALE_SUFFIXES))
+        act.append(ckpt.first(base, ACTIVATION_SCALE_SUFFIXES))
+    return weights, scales, act
+
+
+def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, gated: bool, interleaved: bool) -> dict:
+    """{up, up_scale, down, down_scale, act1, act2} stacked over experts; scales None for dense checkpoints."""
+    fused_up = f"{prefix}.gate_up_proj" if gated else f"{prefix}.up_proj"
+    if fused_up in ckpt:  # Transformers' fused experts naming
+        def opt(key):  # noqa: ANN001, ANN202
+            return ckpt.get(key) if key in ckpt else None
+
+        return {
+            "up": _as_weight(ckpt.get(fused_up)), "up_scale": opt(f"{fused_up}_scale_inv"),
+            "down": _as_weight(ckpt.get(f"{prefix}.down_proj")), "down_scale": opt(f"{prefix}.down_proj_scale_inv"),
+            "act1": opt(f"{prefix}.gate_up_proj_activation_scale"), "act2": opt(f"{prefix}.down_proj_activation_scale"),
+        }  # fmt: skip
+    dw, ds, da = _stack_projection(ckpt, prefix, "down_proj", num_experts)
+    uw, us, ua = _stack_projection(ckpt, prefix, "up_proj", num_experts)
+    quantised = us[0] is not None
+    if gated:
+        gw, gs, ga = _stack_projection(ckpt, prefix, "gate_proj", num_experts)
+        if interleaved:
+            up = torch.stack([torch.stack([g, u], dim=1).reshape(-1, g.shape[-1]) for g, u in zip(gw, uw)])
+            up_scale = None
+            if quantised:
+                if gs[0].shape[0] != gw[0].shape[0]:
+                    raise ValueError(
+                        "interleaved gate/up experts need one scale row per weight row (fp4, or fp8 with block n = 1) "
+                        "to interleave DeepSeek-style gate_proj/up_proj scales"
+                    )
+                up_scale = torch.stack([torch.stack([a, b], dim=1).reshape(-1, a.shape[-1]) for a, b in zip(gs, us)])
+        else:
+            up = torch.stack([torch.cat([g, u]) for g, u in zip(gw, uw)])
+            up_scale = torch.stack([torch.cat([a, b]) for a, b in zip(gs, us)]) if quantised else None
+        act1 = [g if g is not None else u for g, u in zip(ga, ua)]
+    else:
+        up = torch.stack(uw)
+        up_scale = torch.stack(us) if quantised else None
+        act1 = ua
+    act2 = da
+    stack_act = lambda xs: None if xs[0] is None else torch.stack([x.reshape(()).float() for x in xs])  # noqa: E731
+    return {
+        "up": up, "up_scale": up_scale, "down": torch.stack(dw), "down_scale": torch.stack(ds) if quantised else None,
+        "act1": stack_act(act1), "act2": stack_act(act2),
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _module_dense_dtype(module: torch.nn.Module) -> torch.dtype:
+    compute = getattr(module, "selector_compute_dtype", None)
+    if compute is not None:
+        return compute
+    w = getattr(module, "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj")
+    return w.dtype if w.is_floating_point() and w.element_size() > 1 else torch.bfloat16
+
+
+@torch.no_grad()
+def load_experts(
+    module: torch.nn.Module,
+    source: str | os.PathLike | Iterable[str | os.PathLike],
+    prefix: str,
+    *,
+    quantization_config: Any = None,
+    dequantize: bool | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> torch.nn.Module:
+    """Load one experts module's weights from safetensors (DeepSeek or Transformers naming), in place.
+
+    `quantization_config` as in `read_quantization_config`; when None and `source` is a directory, its
+    config.json is read. `dequantize` (default: the config's) turns the experts into dense `dtype` experts
+    (default: the module's current dtype, bf16 for a module built on the meta device or already quantised).
+    """
+    if quantization_config is None and isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        quantization_config = source
+    qc = read_quantization_config(quantization_config)
+    dequantize = qc["dequantize"] if dequantize is None else dequantize
+    compute = dtype or _module_dense_dtype(module)
+    gated = bool(getattr(module, "has_gate", True))
+    interleaved = gated and not getattr(module, "is_concatenated", True)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    old = getattr(module, up_name)
+    device = torch.device(device) if device is not None else (old.device if old.device.type != "meta" else torch.device("cpu"))
+    num_experts = int(getattr(module, "num_experts", old.shape[0]))
+
+    ckpt = _Checkpoint(source)
+    t = _up_down_from_checkpoint(ckpt, prefix, num_experts, gated, interleaved)
+    up, down = t["up"], t["down"]
+    if up.shape[0] != num_experts or down.shape[0] != num_experts:
+        raise ValueError(f"{prefix}: checkpoint has {up.shape[0]} experts, the module {num_experts}")
+
+    if t["up_scale"] is None:  # a dense checkpoint
+        if getattr(module, "is_transposed", False):
+            up, down = up.transpose(1, 2), down.transpose(1, 2)
+        _replace_dense(module, up_name, up.to(device=device, dtype=compute), down.to(device=device, dtype=compute))
+        return module
+
+    fp4 = up.dtype == torch.int8
+    weight_format = qc["weight_format"] if qc["weight_format"] is not None else ("fp4" if fp4 else "fp8_block")
+    if (weight_format == "fp4") != fp4:
+        raise ValueError(f"{prefix}: the config says {weight_format} experts but the checkpoint holds {up.dtype} weights")
+    ue8m0 = Q.is_ue8m0_tensor(t["up_scale"])
+    scale_format = qc["scale_format"] or ("ue8m0" if ue8m0 else "float32")
+    if scale_format == "ue8m0" and not ue8m0:
+        raise ValueError(f"{prefix}: the config says ue8m0 scales but the checkpoint holds {t['up_scale'].dtype} scales")
+    block = qc["block_size"]
+    if block is None and not fp4:
+        block = _infer_block(down.shape[1], down.shape[2], t["down_scale"])
+    activation_quant = qc["activation_quant"] or ("static" if t["act1"] is not None else "dynamic")
+    fmt = Q.make_format(weight_format, scale_format, block, activation_quant)
+    if activation_quant == "static" and (t["act1"] is None or t["act2"] is None):
+        raise ValueError(f"{prefix}: static activation quantisation but the checkpoint has no activation_scale tensors")
+
+    hidden = down.shape[1]
+    want_hidden = up.shape[2] * (2 if fp4 else 1)
+    if want_hidden != hidden:
+        raise ValueError(f"{prefix}: up projection takes {want_hidden} inputs but down_proj gives {hidden} outputs")
+    scales = (_as_scale(t["up_scale"], ue8m0).to(device), _as_scale(t["down_scale"], ue8m0).to(device))
+    acts = (t["act1"].to(device), t["act2"].to(device)) if activation_quant == "static" else None
+    Q.set_quantized(module, fmt, up.to(device), scales[0], down.to(device), scales[1], compute, acts)
+    if dequantize:
+        Q.dequantize_experts(module, compute)  # dense [E, out, in] (is_transposed False)
+    return module
+
+
+def _replace_dense(module: torch.nn.Module, up_name: str, up: torch.Tensor, down: torch.Tensor) -> None:
+    for name, value in ((up_name, up), ("down_proj", down)):
+        if name in module._parameters:
+            del module._parameters[name]
+        elif hasattr(module, name):
+            delattr(module, name)
+        module.register_parameter(name, torch.nn.Parameter(value.contiguous()))
+    module.__dict__.pop("_selector_problem", None)
+
+
+def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of every experts module: selector-decorated, or Transformers-style (gate_up_proj/down_proj)."""
+    out = []
+    for path, m in model.named_modules():
+        if getattr(type(m), "_selector_experts", False) or (
+            hasattr(m, "down_proj") and (hasattr(m, "gate_up_proj") or hasattr(m, "up_proj"))
+            and isinstance(getattr(m, "down_proj"), torch.Tensor)
+        ):  # fmt: skip
+            out.append((path, m))
+    return out
+
+
+def load_model_experts(
+    model: torch.nn.Module,
+    source: str | os.PathLike | Iterable[str | os.PathLike],
+    *,
+    quantization_config: Any = None,
+    dequantize: bool | None = None,
+    dtype: torch.dtype | None = None,
+    key_prefix: str = "",
+) -> list[str]:
+    """Load every experts module of `model` (checkpoint keys `key_prefix + module path`); returns the paths."""
+    loaded = []
+    for path, module in experts_modules(model):
+        load_experts(module, source, key_prefix + path, quantization_config=quantization_config,
+                     dequantize=dequantize, dtype=dtype)  # fmt: skip
+        loaded.append(path)
+    return loaded
+
+
+def experts_state_dict(module: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """The module's experts as DeepSeek-named tensors (per expert, gate/up/down), quantised or dense."""
+    fmt = Q.quant_format(module)
+    gated = bool(getattr(module, "has_gate", True))
+    interleaved = gated and not getattr(module, "is_concatenated", True)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    up, down = getattr(module, up_name).detach(), module.down_proj.detach()
+    up_s = down_s = None
+    if fmt is None and getattr(module, "is_transposed", False):
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
+    if fmt is not None:
+        up_s, down_s = getattr(module, f"{up_name}_scale_inv").detach(), module.down_proj_scale_inv.detach()
+    out: dict[str, torch.Tensor] = {}
+
+    def put(e: int, proj: str, w: torch.Tensor, s: torch.Tensor | None, act: torch.Tensor | None) -> None:
+        base = f"{prefix}.{e}.{proj}"
+        out[f"{base}.weight"] = w.contiguous().cpu()
+        if s is not None:
+            out[f"{base}.weight_scale_inv"] = s.contiguous().cpu()
+        if act is not None:
+            out[f"{base}.activation_scale"] = act.reshape(()).float().cpu()
+
+    static = fmt is not None and fmt.activation_quant == "static"
+    a1 = module.gate_up_proj_activation_scale.detach() if static else None
+    a2 = module.down_proj_activation_scale.detach() if static else None
+    inter = down.shape[2] * (2 if fmt is not None and fmt.weight_format == "fp4" else 1)
+    for e in range(up.shape[0]):
+        act1 = None if a1 is None else a1[e]
+        if gated:
+            if interleaved:
+                if fmt is not None and up_s.shape[1] != up.shape[1]:
+                    raise ValueError(
+                        "interleaved gate/up fp8 experts with block n > 1 cannot be split into DeepSeek's "
+                        "gate_proj/up_proj (a scale block spans gate and up rows)"
+                    )
+                gate_w, up_w = up[e, 0::2], up[e, 1::2]
+                gate_s, up_sc = (None, None) if up_s is None else (up_s[e, 0::2], up_s[e, 1::2])
+            else:
+                gate_w, up_w = up[e, :inter], up[e, inter:]
+                if up_s is None:
+                    gate_s = up_sc = None
+                else:
+                    rows = inter if fmt.weight_format == "fp4" else -(-inter // fmt.block_size[0])
+                    gate_s, up_sc = up_s[e, :rows], up_s[e, rows:]
+            put(e, "gate_proj", gate_w, gate_s, act1)
+            put(e, "up_proj", up_w, up_sc, act1)
+        else:
+            put(e, "up_proj", up[e], None if up_s is None else up_s[e], act1)
+        put(e, "down_proj", down[e], None if down_s is None else down_s[e], None if a2 is None else a2[e])
+    return out
+
+
+def save_experts(
+    modules: torch.nn.Module | Mapping[str, torch.nn.Module],
+    path: str | os.PathLike,
+    prefix: str = "experts",
+    *,
+    write_config: bool = True,
+) -> Path:
+    """Save experts in DeepSeek naming to `path` (a directory: model.safetensors + config.json's
+    quantization_config; or a .safetensors file). `modules`: one module (keys under `prefix`) or {prefix: module}."""
+    from safetensors.torch import save_file
+
+    items = {prefix: modules} if isinstance(modules, torch.nn.Module) else dict(modules)
+    tensors: dict[str, torch.Tensor] = {}
+    formats = set()
+    for pre, module in items.items():
+        tensors.update(experts_state_dict(module, pre))
+        formats.add(Q.quant_format(module))
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file, directory = path, None
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        file, directory = path / "model.safetensors", path
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    if directory is not None and write_config:
+        fmts = [f for f in formats if f is not None]
+        if len(fmts) > 1:
+            raise ValueError(f"modules in different formats cannot share one quantization_config: {fmts}")
+        config: dict[str, Any] = {}
+        if fmts:
+            config["quantization_config"] = quantization_config_dict(fmts[0])
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return file
+
+
+__all__ = [
+    "experts_modules",
+    "experts_state_dict",
+    "load_experts",
+    "load_model_experts",
+    "quantization_config_dict",
+    "read_quantization_config",
+    "save_experts",
+]
