@@ -30,6 +30,7 @@ generation ends or raises. "auto" needs no swap: it re-ranks per token-count buc
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 
+from selector import layers
 from selector import model as _model
 from selector.types import Availability, Problem, Ranking
 
@@ -55,7 +57,7 @@ DECODE_SWAPS: Mapping[str, str] = {PREFIX + "grouped_mm": PREFIX + "batched_mm"}
 REPORT_TOKENS: tuple[int, ...] = (1, 16, 256, 4096)
 
 _LOCK = threading.RLock()
-_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {}  # Transformers name -> our registered function
+_FORWARDS: dict[tuple[bool, str], Callable[..., torch.Tensor]] = {}  # (fp8 interface?, name) -> our function
 _LOGGED: set[tuple[Any, ...]] = set()
 
 
@@ -104,8 +106,13 @@ def check_transformers() -> Any:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _make_forward(request: str) -> Callable[..., torch.Tensor]:
-    """The function Transformers calls for one name: selector's dispatch with that request."""
+def _make_forward(request: str, quantized: bool = False) -> Callable[..., torch.Tensor]:
+    """The function Transformers calls for one name: selector's dispatch with that request.
+
+    `quantized`: the function for Transformers' FP8 experts interface (FP8Experts modules, fp8 or fp4
+    weights): the module is marked with the selector_* quantisation attributes first, and "auto" falls back
+    to Transformers' own FP8 functions where no selector backend takes the format.
+    """
 
     def selector_experts_forward(
         module: torch.nn.Module,
@@ -113,13 +120,18 @@ def _make_forward(request: str) -> Callable[..., torch.Tensor]:
         top_k_index: torch.Tensor,  # [T, k]
         top_k_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, H]
+        if quantized:
+            _adopt_quantized(module, hidden_states.dtype)
+            if request == AUTO:
+                return _quantized_auto(module, hidden_states, top_k_index, top_k_weights)
         out = _model.run_experts(module, hidden_states, top_k_index, top_k_weights, implementation=request)
         if request == AUTO and not torch.compiler.is_compiling() and logger.isEnabledFor(logging.INFO):
             _log_auto_choice(module, hidden_states.shape[0], top_k_index.shape[1])
         return out
 
+    kind = "fp8 " if quantized else ""
     selector_experts_forward.__qualname__ = selector_experts_forward.__name__ = (
-        f"selector_experts_forward[{request}]"
+        f"selector_experts_forward[{kind}{request}]"
     )
     selector_experts_forward._selector_request = request  # type: ignore[attr-defined]
     return selector_experts_forward
@@ -146,43 +158,120 @@ def _ours(fn: object) -> str | None:
     return getattr(fn, "_selector_request", None)
 
 
+def _interfaces(moe: Any) -> list[tuple[Any, bool]]:
+    """[(experts interface, holds quantised modules)]: the dense one, and the FP8 one where it exists."""
+    out = [(moe.ALL_EXPERTS_FUNCTIONS, False)]
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:  # pragma: no cover - a Transformers without FP8 experts
+        return out
+    return out + [(ALL_FP8_EXPERTS_FUNCTIONS, True)]
+
+
 def transformers_names() -> dict[str, str]:
     """{name Transformers accepts: selector request it runs} for every name selector registered."""
-    register_with_transformers()
-    with _LOCK:
-        return {name: _ours(fn) for name, fn in _FORWARDS.items()}  # type: ignore[misc]
+    return register_with_transformers()
 
 
 def register_with_transformers() -> dict[str, str]:
-    """Register "auto" and every selector backend into Transformers' experts interface. Idempotent.
+    """Register "auto" and every selector backend into Transformers' experts interfaces. Idempotent.
 
-    Calling it again after a plugin was added registers the new names. Returns {Transformers name:
-    selector request} for what is registered. Raises ImportError when Transformers is missing or too old.
+    Both interfaces get the same names: the dense one and, where Transformers has it, the FP8 one (its
+    FP8Experts modules dispatch through it). Calling it again after a plugin was added registers the new
+    names and drops those of backends that left. Returns {Transformers name: selector request}.
+    Raises ImportError when Transformers is missing or too old.
     """
     moe = check_transformers()
-    interface = moe.ALL_EXPERTS_FUNCTIONS
+    interfaces = _interfaces(moe)
     registry = _model._RESOLVER.get_registry()
     with _LOCK:
-        existing = dict(interface.items())
+        existing = [dict(interface.items()) for interface, _ in interfaces]
         wanted: dict[str, str] = {AUTO: AUTO}
         for backend in registry.names:
             wanted[PREFIX + backend] = backend
-            held = existing.get(backend)
-            if backend != EAGER and (held is None or _ours(held) == backend):
-                wanted[backend] = backend  # a name Transformers does not use itself
-        mapping = type(interface)._global_mapping
-        for name in [n for n in _FORWARDS if n not in wanted]:  # a backend that left the registry
-            if _ours(mapping.get(name)) is not None:
-                del mapping[name]
-            del _FORWARDS[name]
-        for name, request in wanted.items():
-            fn = _FORWARDS.get(name)
-            if fn is None or _ours(fn) != request:
-                fn = _FORWARDS[name] = _make_forward(request)
-            if existing.get(name) is not fn:
-                type(interface).register(name, fn)
+            # the bare name only where no interface of Transformers uses it for its own function
+            if backend != EAGER and all(backend not in held or _ours(held[backend]) == backend for held in existing):
+                wanted[backend] = backend
+        for (interface, quantized), held in zip(interfaces, existing):
+            mapping = type(interface)._global_mapping
+            for key in [k for k in _FORWARDS if k[0] == quantized and k[1] not in wanted]:  # backend gone
+                if _ours(mapping.get(key[1])) is not None:
+                    del mapping[key[1]]
+                del _FORWARDS[key]
+            for name, request in wanted.items():
+                fn = _FORWARDS.get((quantized, name))
+                if fn is None or _ours(fn) != request:
+                    fn = _FORWARDS[(quantized, name)] = _make_forward(request, quantized)
+                if held.get(name) is not fn:
+                    type(interface).register(name, fn)
         _install_decode_hook()
         return dict(wanted)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantised experts (Transformers' FP8Experts: fp8 block-scaled or fp4 weights)
+# ---------------------------------------------------------------------------------------------------------
+
+_DECODING: contextvars.ContextVar[bool] = contextvars.ContextVar("selector_hf_decoding", default=False)
+_QUANT_PLANS: dict[tuple[Any, ...], str] = {}
+TRANSFORMERS_FALLBACK = "transformers:"  # prefix of a plan that runs Transformers' own FP8 function
+
+
+def _adopt_quantized(module: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+    """Mark an FP8Experts module with the selector_* attributes the ranking reads (once)."""
+    if "selector_weight_format" in module.__dict__:
+        return
+    try:
+        from selector.quant import adopt_transformers_experts
+
+        adopt_transformers_experts(module, compute_dtype=compute_dtype)
+        return
+    except (ImportError, ValueError) as exc:  # no quantisation module, or a format selector does not describe
+        logger.debug("selector: %s: weight format described by dtype only (%s)", type(module).__name__, exc)
+    weight = layers.up_weight(module)
+    module.selector_weight_format = "fp4" if weight.dtype in (torch.int8, torch.uint8) else "fp8_block"
+    module.__dict__.pop("_selector_problem", None)
+
+
+def _quantized_plan(module: torch.nn.Module, num_tokens: int, top_k: int, decoding: bool) -> str:
+    """A selector backend for this quantised layer, or Transformers' own FP8 function where none takes it.
+
+    The fallback is what Transformers itself runs: grouped_mm, and batched_mm for the decode steps on an
+    accelerator (its own decode-phase rule)."""
+    problem = _model._static_problem(module, top_k)
+    bucket = _model.token_bucket(num_tokens)
+    swap = decoding and _accelerator_check(layers.up_weight(module).device)
+    key = (problem, bucket, swap)
+    plan = _QUANT_PLANS.get(key)
+    if plan is None:
+        best = _model.explain_module(module, num_tokens=bucket, top_k=top_k).best
+        if best is None:
+            best = TRANSFORMERS_FALLBACK + ("batched_mm" if swap else "grouped_mm")
+        plan = _QUANT_PLANS[key] = best
+    return plan
+
+
+@torch.compiler.assume_constant_result
+def _quantized_plan_constant(module: torch.nn.Module, num_tokens: int, top_k: int, decoding: bool) -> str:
+    return _quantized_plan(module, num_tokens, top_k, decoding)
+
+
+def _quantized_auto(
+    module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
+    if torch.compiler.is_compiling():
+        plan = _quantized_plan_constant(module, num_tokens, top_k, _DECODING.get())
+    else:
+        plan = _quantized_plan(module, num_tokens, top_k, _DECODING.get())
+    if plan.startswith(TRANSFORMERS_FALLBACK):
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+
+        if not torch.compiler.is_compiling():
+            module.__dict__[_model.LAST_ATTR] = plan
+        fn = FP8ExpertsInterface._global_mapping[plan[len(TRANSFORMERS_FALLBACK) :]]
+        return fn(module, hidden_states, top_k_index, top_k_weights)
+    return _model.run_experts(module, hidden_states, top_k_index, top_k_weights, implementation=plan)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,8 +466,12 @@ def _install_decode_hook() -> None:
 
 @contextmanager
 def _composed_decode(model: Any, original: Callable[[Any], Any]) -> Iterator[None]:
-    with decode_phase(model), original(model):
-        yield
+    token = _DECODING.set(True)  # read by quantised "auto" when it falls back to Transformers' FP8 functions
+    try:
+        with decode_phase(model), original(model):
+            yield
+    finally:
+        _DECODING.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -439,7 +532,9 @@ class ScopeSelection:
         scope = self.scope or "(model)"
         shape = _describe(self.problem) if self.problem else "?"
         head = f"{scope}: {self.requested} -> {self.chosen or 'nothing runnable'} [{len(self.modules)} layer(s), {shape}]"
-        if self.runs == "transformers":
+        if self.runs == "transformers" and self.requested == AUTO:
+            head += " (no selector backend takes this weight format: Transformers' own FP8 function)"
+        elif self.runs == "transformers":
             head += " (Transformers' own implementation)"
         out = [head]
         if self.by_tokens:
@@ -486,6 +581,18 @@ class SelectionReport:
         return "\n".join(line for e in self.entries for line in e.lines())
 
 
+def is_quantized(module: torch.nn.Module) -> bool:
+    """Experts with one-byte weights (Transformers' FP8Experts: fp8, or fp4 packed in int8)."""
+    return layers.up_weight(module).element_size() == 1
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize > 1 else torch.bfloat16
+
+
 def _top_k(module: torch.nn.Module) -> int:
     return int(getattr(module, "top_k", 0) or getattr(module.config, "num_experts_per_tok", 0) or 1)
 
@@ -499,6 +606,8 @@ def selection_report(model: torch.nn.Module, tokens: Sequence[int] = REPORT_TOKE
         first: dict[Problem, torch.nn.Module] = {}
         requested: dict[Problem, str | None] = {}
         for path, module in members:
+            if is_quantized(module):
+                _adopt_quantized(module, _config_dtype(module.config))
             problem = _model._static_problem(module, _top_k(module))
             groups.setdefault(problem, []).append(path)
             first.setdefault(problem, module)
@@ -522,6 +631,11 @@ def _scope_entry(
     if request is None:  # Transformers' own ("eager", "grouped_mm", ...)
         return ScopeSelection(scope, requested, "transformers", paths, problem, requested)
     ranking = _model.explain_module(module, top_k=problem.top_k)
+    if request == AUTO and is_quantized(module):  # no selector backend for the format: Transformers' FP8 one
+        by_tokens = {t: _quantized_plan(module, t, problem.top_k, decoding=False) for t in tokens}
+        chosen = ranking.best or TRANSFORMERS_FALLBACK + "grouped_mm"
+        runs = "selector" if ranking.best else "transformers"
+        return ScopeSelection(scope, requested, runs, paths, problem, chosen, by_tokens, ranking)
     if request == AUTO:
         by_tokens = {t: _model.explain_module(module, num_tokens=t, top_k=problem.top_k).best for t in tokens}
         return ScopeSelection(scope, requested, "selector", paths, problem, ranking.best, by_tokens, ranking)

@@ -527,3 +527,130 @@ def test_composes_with_transformers_own_decode_swap(models):
     assert inside["text_config"] == "selector:batched_mm" and inside[""] == "batched_mm"
     assert hf.get_experts_implementation(model) == before
     model.set_experts_implementation("eager")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantised experts (Transformers' FP8Experts): "auto" must not break them, and must see the format
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fp8_model(monkeypatch):
+    """A tiny Qwen2-MoE whose experts are Transformers' FP8Experts; Transformers' FP8 functions are spied on
+    (their kernels need a GPU) and return zeros."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers.integrations.moe import use_experts_implementation
+
+    calls: list[tuple[str, int]] = []
+
+    def spy(name):
+        def forward(module, hidden_states, top_k_index, top_k_weights):
+            calls.append((name, hidden_states.shape[0]))
+            return torch.zeros_like(hidden_states)
+
+        return forward
+
+    for name in ("grouped_mm", "batched_mm"):
+        monkeypatch.setitem(fp8.FP8ExpertsInterface._global_mapping, name, spy(name))
+    model = _build("qwen2_moe", implementation="auto")
+    cls = use_experts_implementation(fp8.FP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    gen = torch.Generator().manual_seed(3)
+    for layer in model.model.layers:
+        layer.mlp.experts = cls(model.config, block_size=(32, 32))
+        with torch.no_grad():
+            for param in layer.mlp.experts.parameters():
+                if param.dtype.is_floating_point and param.element_size() == 1:  # fp8 weights
+                    param.copy_((torch.randn(param.shape, generator=gen) * 0.5).to(param.dtype))
+                else:  # scales
+                    param.fill_(0.05)
+    hf.register_with_transformers()
+    return model, calls
+
+
+@contextmanager
+def _deny_all_backends(tmp_path, monkeypatch):
+    """A config that keeps "auto" away from every selector backend (so it must fall back)."""
+    path = tmp_path / "selector.yaml"
+    path.write_text("deny: [" + ", ".join(selector.get_registry().names) + "]\n")
+    monkeypatch.setenv("SELECTOR_CONFIG", str(path))
+    reset_selection_caches()
+    hf._QUANT_PLANS.clear()
+    try:
+        yield
+    finally:
+        monkeypatch.delenv("SELECTOR_CONFIG")
+        reset_selection_caches()
+        hf._QUANT_PLANS.clear()
+
+
+def test_quantized_auto_falls_back_to_transformers_fp8_with_its_decode_rule(monkeypatch, tmp_path):
+    model, calls = _fp8_model(monkeypatch)
+    with _deny_all_backends(tmp_path, monkeypatch):
+        _check_fp8_fallback(model, calls)
+
+
+def _check_fp8_fallback(model, calls):
+    layers = len(_experts(model))
+    ids = _prompt(batch=2, length=5)
+    report = hf.selection_report(model)[""]
+    assert report.problem.weight_format == "fp8_block" and report.runs == "transformers"
+    assert report.chosen == "transformers:grouped_mm"
+    assert set(report.excluded) == set(selector.get_registry().names)  # each with its reason
+    assert "Transformers' own FP8 function" in str(hf.selection_report(model))
+
+    with torch.no_grad():  # CPU: grouped_mm throughout, as Transformers does
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert calls == [("grouped_mm", 10)] * layers + [("grouped_mm", 2)] * (2 * layers)
+    calls.clear()
+    hf.set_accelerator_check(lambda device: True)  # GPU rule: batched_mm for the decode steps
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert calls == [("grouped_mm", 10)] * layers + [("batched_mm", 2)] * (2 * layers)
+    assert {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"transformers:batched_mm"}
+
+
+
+def test_quantized_explicit_name_runs_or_fails_loudly(monkeypatch):
+    model, calls = _fp8_model(monkeypatch)
+    model.set_experts_implementation("selector:grouped_mm")
+    hf.selection_report(model)  # marks the FP8Experts modules with their format, as the first forward does
+    ranking = selector.model.explain_module(_experts(model)[0])
+    assert ranking.problem.weight_format == "fp8_block"
+    if "grouped_mm" in ranking.excluded:  # explicit: fails loudly, naming why
+        why = ranking.excluded["grouped_mm"]
+        with pytest.raises(why.status.error_type, match="grouped_mm"):
+            with torch.no_grad():
+                model(_prompt())
+    else:  # selector's grouped_mm reads this format here
+        with torch.no_grad():
+            model(_prompt())
+        assert calls == [] and {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"grouped_mm"}
+
+
+class _Fp8Plugin:
+    @staticmethod
+    @selector.hookimpl
+    def selector_backends():
+        def forward(module, hidden_states, top_k_index, top_k_weights):
+            return torch.zeros_like(hidden_states)
+
+        dtypes = frozenset({"bfloat16", "float16", "float32", "float8_e4m3fn"})
+        return [selector.BackendSpec(name="fake_fp8", load=lambda: forward, estimate=lambda p, e: 1e-12,
+                                     requirements=selector.Requirements(weight_formats=frozenset({"fp8_block"}),
+                                                                        dtypes=dtypes))]
+
+
+def test_quantized_auto_takes_a_selector_backend_for_the_format(monkeypatch):
+    model, calls = _fp8_model(monkeypatch)
+    register_plugin(_Fp8Plugin, "fp8_test_plugin")
+    reset_selection_caches()
+    hf._QUANT_PLANS.clear()
+    try:
+        assert hf.selection_report(model)[""].chosen == "fake_fp8"
+        with torch.no_grad():
+            model(_prompt())
+        assert calls == [] and {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"fake_fp8"}
+    finally:
+        unregister_plugin("fp8_test_plugin")
+        reset_selection_caches()
+        hf._QUANT_PLANS.clear()
+        hf.register_with_transformers()
