@@ -246,6 +246,7 @@ def main():
     p.add_argument("--shapes", default=",".join(GRID))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--with-default", action="store_true", help="also time the default heuristics")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip tuning once this much time has passed")
     p.add_argument("--rep-ms", type=float, default=10.0, help="do_bench rep per tuning candidate")
     a = p.parse_args()
@@ -306,7 +307,10 @@ def main():
                 sets = [make_inputs(T, H, E, k, seed=1000 + s) for s in range(4)]
                 fl, flops = floor_s(T, E, H, I, k, sets[0][1], bw, peak)
                 cell.update(floor_s=fl, flops=flops)
-                cfgs = {"fused_default": C.default_config(E, H, I, T, k, torch.bfloat16, num_sms=132)}
+                # "fused": the production path (config=None: the shipped JSON, else the heuristics)
+                cfgs = {"fused": None}
+                if a.with_default:
+                    cfgs["fused_default"] = C.default_config(E, H, I, T, k, torch.bfloat16, num_sms=132)
                 if tuned_doc is not None:
                     ent = C.lookup({kk: {int(t): C.normalize(v) for t, v in per.items()}
                                     for kk, per in tuned_doc["configs"].items()}, C.shape_key(E, H, I, k), T)  # fmt: skip
@@ -321,6 +325,12 @@ def main():
                         for x, ids, wts in sets
                     ]
                 mod = _Experts(w1, w2, E)
+                if T <= 64:  # the same call through the torch custom op (what torch.compile sees)
+                    backends["fused_viaop"] = [
+                        (lambda x=x, ids=ids, wts=wts: torch.ops.selector.triton_fused_experts(
+                            x, w1, w2, ids, wts, E, "silu", True, False, False, None, None, None))
+                        for x, ids, wts in sets
+                    ]  # fmt: skip
                 if "grouped_mm" in pe:
                     backends["grouped_mm"] = [
                         (lambda x=x, ids=ids, wts=wts: pe["grouped_mm"](mod, x, ids, wts)) for x, ids, wts in sets
@@ -358,32 +368,50 @@ def main():
         torch.cuda.empty_cache()
         log(f"{name} done in {time.perf_counter() - t_shape:.0f}s")
 
-    # --- custom-op overhead (host): op path vs direct impl, Qwen3 shape, T=1 ---
+    # --- host overhead: op vs direct, fast launch vs Triton's dispatch; profile of the direct path ---
     try:
         E, H, I, k = GRID["Qwen3-30B-A3B"]
         w1, w2 = make_weights(E, H, I)
         x, ids, wts = make_inputs(1, H, E, k, seed=5)
-        f_op = lambda: K.fused_experts(x, w1, w2, ids, wts, num_experts=E)  # noqa: E731
-        f_imp = lambda: K.fused_experts_impl(x, w1, w2, ids, wts, E)  # noqa: E731
-        for f in (f_op, f_imp):
-            f()
-        torch.cuda.synchronize()
+        f_op = lambda: torch.ops.selector.triton_fused_experts(  # noqa: E731
+            x, w1, w2, ids, wts, E, "silu", True, False, False, None, None, None
+        )
+        f_dir = lambda: K.fused_experts(x, w1, w2, ids, wts, num_experts=E)  # noqa: E731
         host = {}
-        for label, f in (("op", f_op), ("impl", f_imp)):
+        for label, f, fast in (("op", f_op, True), ("direct", f_dir, True), ("direct_jit_launch", f_dir, False)):
+            K._FAST_LAUNCH = fast
+            for _ in range(3):
+                f()
+            torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(300):
                 f()
             host[label] = (time.perf_counter() - t0) / 300
             torch.cuda.synchronize()
+        K._FAST_LAUNCH = True
         RESULTS["host_overhead_s"] = host
-        log(f"host time per call (T=1 Qwen3, no sync): op {host['op'] * 1e6:.1f}us, impl {host['impl'] * 1e6:.1f}us")
+        log("host time per call (T=1 Qwen3, no sync): " + ", ".join(f"{kk} {v * 1e6:.1f}us" for kk, v in host.items()))
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            f_dir()
+        pr.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+        RESULTS["host_profile"] = buf.getvalue()
+        log("\n".join(buf.getvalue().splitlines()[:40]))
         del w1, w2
     except Exception:
         traceback.print_exc()
     save()
 
     # --- short table last ---
-    log("\nshape                T      floor   fused(def) fused(tuned)  grouped_mm  batched_mm   [eager | graph] x floor")
+    log("\nshape                T      floor       fused fused(tuned)  fused(op)  grouped_mm  batched_mm   [eager | graph] x floor")
     for c in summary:
         fl = c.get("floor_s")
         if not fl:
@@ -397,9 +425,9 @@ def main():
                 s += f"|{g / fl:4.2f}"
             return f"{s:>11}"
 
-        best_f = min([c[kk] for kk in ("fused_default_eager_s", "fused_tuned_eager_s") if kk in c] or [float("nan")])
+        best_f = min([c[kk] for kk in ("fused_eager_s", "fused_tuned_eager_s") if kk in c] or [float("nan")])
         tf = c["flops"] / best_f / 1e12 if best_f == best_f else float("nan")
-        log(f"{c['shape']:<20} {c['T']:>6} {fl * 1e6:8.1f}us {r('fused_default')} {r('fused_tuned')} "
+        log(f"{c['shape']:<20} {c['T']:>6} {fl * 1e6:8.1f}us {r('fused')} {r('fused_tuned')} {r('fused_viaop')} "
             f"{r('grouped_mm')} {r('batched_mm')}   fused {best_f * 1e6:9.1f}us {tf:6.0f} TF/s")  # fmt: skip
     bad = [c for c in RESULTS["checks"] if "error" in c or not c.get("finite") or c.get("rel_err", 1) > 2e-2]
     log(f"checks: {len(RESULTS['checks'])} run, {len(bad)} bad {bad[:3]}")

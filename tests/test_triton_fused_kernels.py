@@ -237,6 +237,13 @@ def test_align(n, E, bm):
     _check_align(ids, E, bm)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,E,bm", [(70000, 256, 64), (131072, 128, 128), (5000, 60, 16)])
+def test_gpu_align_large(n, E, bm):
+    g = torch.Generator().manual_seed(n)
+    _check_align(torch.randint(0, E + 1, (n,), generator=g).to("cuda"), E, bm)
+
+
 def test_validation_errors():
     case = make_case(2, 32, 16, 4, 2)
     args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
@@ -258,6 +265,18 @@ def test_api_constants():
     assert K.SUPPORTED_ACTIVATIONS == frozenset({"silu", "gelu", "gelu_tanh", "relu"})
     assert K.SUPPORTED_DTYPES == frozenset({torch.bfloat16, torch.float16, torch.float32})
     assert hasattr(torch.ops.selector, "triton_fused_experts")
+
+
+def test_custom_op_path_matches_direct(monkeypatch):
+    case = make_case(5, 32, 24, 4, 2, bias=True)
+    args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
+    direct = K.fused_experts(*args, num_experts=4, gate_up_bias=case["b1"], down_bias=case["b2"])
+    monkeypatch.setattr(K, "_EAGER_BYPASS_OP", False)
+    via_op = K.fused_experts(*args, num_experts=4, gate_up_bias=case["b1"], down_bias=case["b2"],
+                             config={"BLOCK_M": 16})  # fmt: skip
+    assert torch.equal(direct, via_op) or torch.allclose(direct, via_op, rtol=1e-6, atol=1e-6)
+    op = torch.ops.selector.triton_fused_experts(*args, 4, "silu", True, False, False, case["b1"], case["b2"], None)
+    assert torch.allclose(direct, op, rtol=1e-6, atol=1e-6)
 
 
 def test_fake_impl_shapes():
@@ -389,6 +408,21 @@ def test_gpu_skewed_sentinel_empty(T):
     ids = case["ids"].clone()
     ids[ids >= 12] += E  # experts 12..15 get nothing; those slots become sentinels (>= E)
     run_and_check(case, E, TOL[torch.bfloat16], ids=ids)
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_fast_launch(monkeypatch):
+    # the second and later calls with the same shapes go through the compiled-kernel cache (kernels._launch)
+    outs = []
+    for seed in range(3):
+        case = make_case(70, 512, 256, 16, 4, dtype=torch.bfloat16, device="cuda", seed=seed, bias=seed == 2)
+        outs.append(run_and_check(case, 16, TOL[torch.bfloat16]))
+    case = make_case(70, 512, 256, 16, 4, dtype=torch.bfloat16, device="cuda", seed=9)
+    args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
+    fast = K.fused_experts(*args, num_experts=16)
+    monkeypatch.setattr(K, "_FAST_LAUNCH", False)
+    slow = K.fused_experts(*args, num_experts=16)
+    assert torch.equal(fast, slow)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,8 @@ Temporaries: intermediate (T*k*I) and y (T*k*H) in the input dtype plus a few sm
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -73,21 +75,16 @@ def _align_count_kernel(
     num_pairs,
     num_experts,
     CHUNK: tl.constexpr,
-    SUB: tl.constexpr,
     E_PAD: tl.constexpr,
 ):
     """partial[pid, e] = number of pairs of chunk pid routed to expert e (every entry written)."""
     pid = tl.program_id(0)
-    e_range = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for s in range(0, CHUNK, SUB):
-        offs = pid * CHUNK + s + tl.arange(0, SUB)
-        in_range = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-        valid = in_range & (ids >= 0) & (ids < num_experts)
-        onehot = ((ids[:, None] == e_range[None, :]) & valid[:, None]).to(tl.int32)
-        counts += tl.sum(onehot, axis=0)
-    tl.store(partial_ptr + pid * E_PAD + e_range, counts)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    in_range = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    valid = in_range & (ids >= 0) & (ids < num_experts)
+    counts = tl.histogram(tl.where(valid, ids, 0), E_PAD, mask=valid)
+    tl.store(partial_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
@@ -111,8 +108,8 @@ def _align_kernel(
     """Scatter pair indices into expert-sorted, BLOCK_M-padded order; write per-block experts and padding.
 
     SINGLE: one program does everything (counts too). Otherwise program pid scatters chunk pid using the
-    per-chunk counts of ``_align_count_kernel``. The order of pairs inside one expert's group is the pair
-    order (ranks come from a prefix sum, no atomics), so the layout is deterministic.
+    per-chunk counts of ``_align_count_kernel``. Inside one expert's group the pairs keep their order (ranks
+    come from prefix counts, no atomics), so the layout itself is deterministic.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -121,13 +118,12 @@ def _align_kernel(
 
     if SINGLE:
         total = tl.zeros([E_PAD], dtype=tl.int32)
-        for s in range(0, num_pairs, SUB):
-            offs = s + tl.arange(0, SUB)
+        for s in range(0, num_pairs, CHUNK):
+            offs = s + tl.arange(0, CHUNK)
             in_range = offs < num_pairs
             ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
             valid = in_range & (ids >= 0) & (ids < num_experts)
-            onehot = ((ids[:, None] == e_range[None, :]) & valid[:, None]).to(tl.int32)
-            total += tl.sum(onehot, axis=0)
+            total += tl.histogram(tl.where(valid, ids, 0), E_PAD, mask=valid)
         before = tl.zeros([E_PAD], dtype=tl.int32)
         lo = 0
         hi = num_pairs
@@ -149,17 +145,19 @@ def _align_kernel(
     pstart = pend - padded
     run = pstart + before
 
-    # Scatter: destination = start of the expert's group + rank of the pair inside it.
+    # Scatter: destination = next free slot of the expert's group + rank among the same expert in this piece.
+    i_sub = tl.arange(0, SUB)
     for s in range(lo, hi, SUB):
-        offs = s + tl.arange(0, SUB)
+        offs = s + i_sub
         in_range = offs < hi
         ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
         valid = in_range & (ids >= 0) & (ids < num_experts)
-        onehot = ((ids[:, None] == e_range[None, :]) & valid[:, None]).to(tl.int32)
-        incl = tl.cumsum(onehot, axis=0)
-        dest = tl.sum(onehot * (incl - 1 + run[None, :]), axis=1)
+        ids_c = tl.where(valid, ids, 0)
+        earlier = (ids_c[:, None] == ids_c[None, :]) & valid[None, :] & (i_sub[None, :] < i_sub[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        dest = tl.gather(run, ids_c, 0) + rank
         tl.store(sorted_ptr + dest, offs, mask=valid)
-        run += tl.sum(onehot, axis=0)
+        run += tl.histogram(ids_c, E_PAD, mask=valid)
 
     # Per-block expert ids and padding slots, spread over the programs (disjoint from the scatter above).
     total_padded = tl.sum(padded, axis=0)
@@ -172,7 +170,7 @@ def _align_kernel(
         used = bstart < total_padded
         eb = tl.sum(((pend[None, :] <= bstart[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, tl.where(used, eb, -1), mask=b_ok)
-        ve = tl.sum(tl.where(e_range[None, :] == eb[:, None], vend[None, :], 0), axis=1)
+        ve = tl.gather(vend, tl.minimum(eb, E_PAD - 1), 0)
         r = bstart[:, None] + m_range[None, :]
         pad_val = tl.zeros([B_TILE, BLOCK_M], dtype=tl.int32) + num_pairs
         tl.store(sorted_ptr + r, pad_val, mask=(used & b_ok)[:, None] & (r >= ve[:, None]))
@@ -364,24 +362,62 @@ def _combine_kernel(
     stride_ym,
     stride_om,
     BLOCK_H: tl.constexpr,
+    K_PAD: tl.constexpr,
 ):
+    """out[t] = sum_j y[t*k + j] over the non-sentinel slots; all k rows loaded at once, fixed-shape fp32 sum."""
     t = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(0, top_k):
-        row = t * top_k + j
-        e = tl.load(ids_ptr + row)
-        h_lim = tl.where((e >= 0) & (e < num_experts), H, 0)  # sentinel slot: nothing to add
-        v = tl.load(y_ptr + row.to(tl.int64) * stride_ym + offs, mask=offs < h_lim, other=0.0)
-        acc += v.to(tl.float32)
+    j = tl.arange(0, K_PAD)
+    j_ok = j < top_k
+    rows = t * top_k + j
+    e = tl.load(ids_ptr + rows, mask=j_ok, other=-1)
+    ok = j_ok & (e >= 0) & (e < num_experts)
+    v = tl.load(
+        y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0
+    )
+    acc = tl.sum(v.to(tl.float32), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Host side.
 # --------------------------------------------------------------------------------------------------------------
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Launch through a cache of compiled kernels keyed by everything Triton specialises on (constexprs, launch
+# options, argument dtypes, 16-byte pointer alignment, ints ==1 / %16 / 32-bit), skipping the JIT's own
+# dispatch. Off with SELECTOR_TRITON_FUSED_FAST_LAUNCH=0 (then every launch goes through kernel[grid](...)).
+_EAGER_BYPASS_OP = os.environ.get("SELECTOR_TRITON_FUSED_VIA_OP", "0") in ("", "0")
+_FAST_LAUNCH = os.environ.get("SELECTOR_TRITON_FUSED_FAST_LAUNCH", "1") != "0"
+_LAUNCH_CACHE: dict = {}
+
+
+def _spec(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if isinstance(a, int) and not isinstance(a, bool):
+        return a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31)
+    return a
+
+
+def _launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
+    if _INTERPRET or not _FAST_LAUNCH:
+        fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
+        return
+    dev = args[0].device
+    key = (fn, dev.index, num_warps, num_stages, *consts.values(), *map(_spec, args))
+    kernel = _LAUNCH_CACHE.get(key)
+    if kernel is None:
+        kernel = fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
+        if kernel is not None and hasattr(kernel, "__getitem__"):
+            _LAUNCH_CACHE[key] = kernel
+        return
+    names = fn.arg_names[len(args) :]  # the constexprs, declared after the runtime arguments, in order
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    kernel[grid3](*args, *[consts[n] for n in names], stream=torch.cuda.current_stream(dev).cuda_stream)
 
 
 def _next_pow2(n: int) -> int:
@@ -414,26 +450,31 @@ def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
     block_expert = _empty(mb, torch.int32, dev, -1)
     e_pad = max(16, _next_pow2(num_experts))
     b_tile = 16 if block_m >= 64 else 32
+    warps = 8 if e_pad >= 128 else 4
     if n <= _SINGLE_ALIGN_MAX:
-        sub = max(16, min(64 if e_pad <= 128 else 32, _next_pow2(n)))
-        _align_kernel[(1,)](
-            top_k_ids_flat, sorted_rows, sorted_rows, block_expert, n, num_experts, 1, mb,
-            BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, SUB=sub, E_PAD=e_pad, NCH_SUB=16, B_TILE=b_tile, SINGLE=True,
-            num_warps=8 if e_pad >= 128 else 4,
+        chunk = max(16, _next_pow2(n))
+        sub = min(64, chunk)
+        _launch(
+            _align_kernel, (1,),
+            (top_k_ids_flat, sorted_rows, sorted_rows, block_expert, n, num_experts, 1, mb),
+            dict(BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, NCH_SUB=16, B_TILE=b_tile, SINGLE=True),
+            warps,
         )  # fmt: skip
     else:
-        chunks = triton.cdiv(n, _ALIGN_CHUNK)
+        # at most ~64 chunks: each scatter program reads the whole [chunks, E] count table
+        chunk = max(_ALIGN_CHUNK, _next_pow2(triton.cdiv(n, 64)))
+        chunks = triton.cdiv(n, chunk)
         partial = _empty(chunks * e_pad, torch.int32, dev, 1 << 20)
-        sub = 64 if e_pad <= 128 else 32
-        _align_count_kernel[(chunks,)](
-            top_k_ids_flat, partial, n, num_experts, CHUNK=_ALIGN_CHUNK, SUB=sub, E_PAD=e_pad,
-            num_warps=8 if e_pad >= 128 else 4,
+        _launch(
+            _align_count_kernel, (chunks,), (top_k_ids_flat, partial, n, num_experts),
+            dict(CHUNK=chunk, E_PAD=e_pad), warps,
         )  # fmt: skip
-        nch_sub = 16 if e_pad <= 256 else 8
-        _align_kernel[(chunks,)](
-            top_k_ids_flat, partial, sorted_rows, block_expert, n, num_experts, chunks, mb,
-            BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, SUB=sub, E_PAD=e_pad, NCH_SUB=nch_sub, B_TILE=b_tile,
-            SINGLE=False, num_warps=8 if e_pad >= 128 else 4,
+        _launch(
+            _align_kernel, (chunks,),
+            (top_k_ids_flat, partial, sorted_rows, block_expert, n, num_experts, chunks, mb),
+            dict(BLOCK_M=block_m, CHUNK=chunk, SUB=64, E_PAD=e_pad, NCH_SUB=16 if e_pad <= 256 else 8,
+                 B_TILE=b_tile, SINGLE=False),
+            warps,
         )  # fmt: skip
     return sorted_rows, block_expert
 
@@ -446,24 +487,28 @@ def _launch_gemm(
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (num_blocks_m * triton.cdiv(n_out, bn),)
     has_bias = bias is not None
-    _moe_gemm_kernel[grid](
-        a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a,
-        num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset,
-        a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
-        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-        out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], GATED=gated, INTERLEAVED=interleaved,
-        ACT=act, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0), EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    _launch(
+        _moe_gemm_kernel, grid,
+        (a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a,
+         num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset,
+         a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
+         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
+         out.stride(0), out.stride(1)),
+        dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], GATED=gated, INTERLEAVED=interleaved,
+             ACT=act, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0), EVEN_N=(n_out % bn == 0),
+             DOT_PREC=dot_prec),
+        cfg["num_warps"], cfg["num_stages"],
     )  # fmt: skip
 
 
 def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: int, num_experts: int) -> None:
     t, h = out.shape
-    block_h = min(1024, max(128, _next_pow2(h)))
-    _combine_kernel[(t, triton.cdiv(h, block_h))](
-        y, ids_flat, out, h, top_k, num_experts, y.stride(0), out.stride(0), BLOCK_H=block_h,
-        num_warps=4 if block_h >= 512 else 2,
+    k_pad = max(2, _next_pow2(top_k))
+    block_h = min(max(128, 4096 // k_pad), max(128, _next_pow2(h)))
+    _launch(
+        _combine_kernel, (t, triton.cdiv(h, block_h)),
+        (y, ids_flat, out, h, top_k, num_experts, y.stride(0), out.stride(0)),
+        dict(BLOCK_H=block_h, K_PAD=k_pad), 4,
     )  # fmt: skip
 
 
@@ -644,12 +689,21 @@ def fused_experts(
       gate_up_bias [E, 2I] (or [E, I] not gated), down_bias [E, H]; both added before activation / weighting.
     Ids outside [0, num_experts) (expert-parallel sentinel) contribute nothing. ``config`` overrides the tile
     configuration (see ``configs.normalize``); by default it comes from the shipped JSON or the heuristics.
-    The call goes through the torch custom op ``selector::triton_fused_experts``.
+    Under torch.compile the call goes through the torch custom op ``selector::triton_fused_experts`` (opaque,
+    fullgraph-safe); in eager mode it calls the same implementation directly unless _EAGER_BYPASS_OP is False
+    (env SELECTOR_TRITON_FUSED_VIA_OP=1).
     """
     _validate(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
         transposed, gate_up_bias, down_bias,
     )  # fmt: skip
+    if _EAGER_BYPASS_OP and not torch.compiler.is_compiling():
+        # Eager (and CUDA-graph capture): the op's dispatcher costs ~50 us of host time per call on the H200
+        # machine (measured), more than the whole decode step; the op only matters to torch.compile.
+        return fused_experts_impl(
+            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
+            interleaved, transposed, gate_up_bias, down_bias, config,
+        )  # fmt: skip
     return torch.ops.selector.triton_fused_experts(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
         interleaved, transposed, gate_up_bias, down_bias,

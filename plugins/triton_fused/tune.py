@@ -32,7 +32,16 @@ TOKEN_COUNTS = (1, 8, 64, 512, 4096, 16384)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N of the gated gate_up GEMM counts intermediate channels
 # (the program reads twice as many weight rows).
 _SMALL_M = [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5), (128, 128, 4, 3)]
-_LARGE_M = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 64, 8, 3), (64, 128, 8, 3), (256, 64, 8, 3)]
+_LARGE_M = [
+    (64, 64, 4, 4),
+    (128, 64, 4, 4),
+    (128, 64, 8, 4),
+    (128, 64, 8, 3),
+    (64, 128, 8, 3),
+    (128, 128, 8, 3),
+    (256, 64, 8, 3),
+    (256, 64, 8, 4),
+]
 
 
 def block_m_candidates(num_tokens: int, top_k: int, num_experts: int) -> list[int]:
