@@ -222,8 +222,10 @@ def _check_align(ids_flat, E, bm):
             seen.append(r)
     assert sorted(seen) == [i for i in range(n) if 0 <= flat[i] < E]
     # inside one expert the pairs keep their order (deterministic layout)
-    for e in set(used):
-        rows = [r for bi, be in enumerate(used) if be == e for r in s[bi * bm : (bi + 1) * bm] if r != n]
+    per_expert: dict[int, list[int]] = {}
+    for bi, e in enumerate(used):
+        per_expert.setdefault(e, []).extend(r for r in s[bi * bm : (bi + 1) * bm] if r != n)
+    for rows in per_expert.values():
         assert rows == sorted(rows)
 
 
