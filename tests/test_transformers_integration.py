@@ -654,3 +654,24 @@ def test_quantized_auto_takes_a_selector_backend_for_the_format(monkeypatch):
         reset_selection_caches()
         hf._QUANT_PLANS.clear()
         hf.register_with_transformers()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.compile: the Transformers path through selector traces as one graph
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["selector:grouped_mm", "selector:batched_mm"])
+def test_selector_names_trace_fullgraph(models, name):
+    model = _model(models, "qwen3_moe")
+    model.set_experts_implementation(name)
+    ids = _prompt()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            ref = model(ids).logits
+            compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
+            torch.testing.assert_close(compiled(ids).logits, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+        model.set_experts_implementation("eager")

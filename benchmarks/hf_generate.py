@@ -1,0 +1,457 @@
+"""generate() on a randomly initialised, full-size Qwen1.5-MoE-A2.7B-shaped model: selector's "auto" beside
+Transformers' own experts backends (eager, batched_mm, grouped_mm), in one run, no download.
+
+    cd <repo> && python benchmarks/hf_generate.py --out DIR            # on the GPU machine (~3 minutes)
+    python benchmarks/hf_generate.py --out /tmp/hf --tiny --device cpu # smoke test of the script itself
+
+For each setting (batch x prompt length: 1x16, 4x128, 16x512) and backend:
+- prefill ms: one generate() call with max_new_tokens=1 (time to first token, as a user sees it);
+- decode ms/token: (generate with 1 + N new tokens - generate with 1) / N;
+uncompiled (dynamic cache) and compiled (static cache; Transformers compiles the decode step; the compile
+mode suits the backend: "reduce-overhead" (CUDA graphs) where the backend is CUDA-graph safe, else "default").
+Transformers' "grouped_mm" is timed as Transformers runs it in generate(): it swaps to batched_mm for the
+decode steps on a GPU. The decode floor is the weight (and KV) bytes one step must read, over the bandwidth
+of a device copy measured in the same run. Cells run in priority order under a time budget (--budget-s,
+counted from the start); what does not fit is recorded as skipped. JSON is rewritten after every cell, so
+a run cut short keeps what it measured. Prints a short markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+START = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+TRANSFORMERS_BACKENDS = ("eager", "batched_mm", "grouped_mm")
+DEFAULT_SETTINGS = "1x16,4x128,16x512"
+
+# Qwen/Qwen1.5-MoE-A2.7B config.json (the shape only; weights are random)
+QWEN15_MOE_A27B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    hidden_act="silu",
+    max_position_embeddings=8192,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    decoder_sparse_step=1,
+    moe_intermediate_size=1408,
+    shared_expert_intermediate_size=5632,
+    num_experts_per_tok=4,
+    num_experts=60,
+    norm_topk_prob=False,
+    use_sliding_window=False,
+)
+TINY = dict(QWEN15_MOE_A27B, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - START:6.1f}s] {msg}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for hf_generate.json and hf_generate.md")
+    p.add_argument("--settings", default=DEFAULT_SETTINGS, help="batch x prompt length, comma separated")
+    p.add_argument("--backends", default="auto,eager,batched_mm,grouped_mm")
+    p.add_argument("--compiled-backends", default="auto,batched_mm,grouped_mm,eager",
+                   help="in priority order; cells that do not fit the budget are skipped")
+    p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed, uncompiled")
+    p.add_argument("--compiled-new-tokens", type=int, default=32, help="decode steps timed, compiled")
+    p.add_argument("--repeats", type=int, default=2, help="timed generate() calls per point (the minimum is kept)")
+    p.add_argument("--budget-s", type=float, default=185.0, help="stop starting cells after this (from start)")
+    p.add_argument("--compiled-cell-s", type=float, default=45.0,
+                   help="a compiled cell is only started with at least this much budget left")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke test)")
+    p.add_argument("--validate", choices=("full", "shapes", "off"), default=None,
+                   help="SELECTOR_VALIDATE for the run (default: leave as is; selector's default is 'full')")
+    return p.parse_args()
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ensure_backends() -> list[str]:
+    """selector's registry; when selector is not pip-installed (no entry points), register the built-ins."""
+    import selector
+    from selector.model import reset_selection_caches
+
+    names = selector.get_registry().names
+    if not names:
+        import importlib
+
+        for name in ("eager", "batched_mm", "grouped_mm", "triton_fused"):
+            try:
+                selector.register_plugin(importlib.import_module(f"plugins.{name}"), name)
+            except Exception as exc:  # noqa: BLE001
+                log(f"built-in plugin {name} not registered: {exc}")
+        reset_selection_caches()
+        names = selector.get_registry().names
+        log(f"selector is not installed as a distribution: registered built-ins in code: {names}")
+    return names
+
+
+def measure_bandwidth(device: torch.device) -> float | None:
+    """Bytes per second of a device-to-device copy (read + write)."""
+    if device.type != "cuda":
+        return None
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    reps = 10
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / reps
+    del a, b
+    return 2 * n / seconds
+
+
+def decode_floor_bytes(model: torch.nn.Module, cfg: dict, batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step must read: every weight but the embedding table and the experts, the experts a
+    batch of `batch` tokens hits (uniform routing: E(1 - (1 - k/E)^B) per layer), and the KV cache."""
+    import selector.hf as hf
+
+    experts = [m for members in hf.experts_modules(model).values() for _, m in members]
+    expert_params = {id(p) for m in experts for p in m.parameters()}
+    embed = model.get_input_embeddings().weight
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()
+                if id(p) not in expert_params and p is not embed)
+    e, k, layers = cfg["num_experts"], cfg["num_experts_per_tok"], len(experts)
+    per_expert = sum(p.numel() * p.element_size() for p in experts[0].parameters()) / e
+    hit = e * (1 - (1 - k / e) ** batch)
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    elt = embed.element_size()
+    kv = batch * context * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * elt
+    return {"dense": dense, "experts": hit * per_expert * layers, "kv": kv, "experts_hit_per_layer": hit}
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    import selector
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    cfg = dict(TINY if args.tiny else QWEN15_MOE_A27B)
+    config = Qwen2MoeConfig(**cfg)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = selector.from_config(AutoModelForCausalLM, config, experts_implementation="auto", dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    model.generation_config.pad_token_id = 0
+    return model, cfg
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(model, ids, mask, new_tokens: int, device, extra: dict) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, **extra)
+    sync(device)
+    assert out.shape[1] == ids.shape[1] + new_tokens, f"generated {out.shape[1] - ids.shape[1]} tokens"
+    return time.perf_counter() - t0
+
+
+def observe_auto(model, ids, mask) -> dict[str, Any]:
+    """Which selector backend ran the experts at prefill and at each decode step (uncompiled run)."""
+    import selector.hf as hf
+    from selector.model import LAST_ATTR
+
+    module = next(m for members in hf.experts_modules(model).values() for _, m in members)
+    seen: list[tuple[int, str | None]] = []
+
+    def pre(mod, args):
+        mod.__dict__.pop(LAST_ATTR, None)
+
+    def post(mod, args, output):
+        seen.append((int(args[0].shape[0]), mod.__dict__.get(LAST_ATTR)))
+
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {"prefill": seen[0] if seen else None, "decode": sorted({name for _, name in seen[1:]}, key=str)}
+
+
+def compile_mode_for(backend: str, model, batch: int) -> str:
+    """reduce-overhead (CUDA graphs) where what runs the decode step is graph safe, else default."""
+    import selector
+    import selector.hf as hf
+    from selector.model import explain_module
+
+    if backend == "eager":
+        return "default"  # the module's own loop reads expert ids on the host
+    if backend != "auto":
+        return "reduce-overhead"  # Transformers' batched_mm / grouped_mm have no host sync
+    module = next(m for members in hf.experts_modules(model).values() for _, m in members)
+    pick = explain_module(module, num_tokens=batch).best
+    spec = selector.get_registry().specs.get(pick)
+    return "reduce-overhead" if spec is not None and spec.cuda_graph_safe else "default"
+
+
+def run_cell(model, cfg, args, device, mode: str, backend: str, batch: int, length: int, bw: float | None):
+    from transformers import CompileConfig
+
+    import selector.hf as hf
+
+    cell: dict[str, Any] = {"mode": mode, "backend": backend, "batch": batch, "prompt": length}
+    model.set_experts_implementation(backend)
+    gen = torch.Generator().manual_seed(batch * 1000 + length)
+    ids = torch.randint(1, cfg["vocab_size"], (batch, length), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    n = args.compiled_new_tokens if mode == "compiled" else args.new_tokens
+    extra: dict[str, Any] = {}
+    if mode == "compiled":
+        cell["compile_mode"] = compile_mode_for(backend, model, batch)
+        extra = {"cache_implementation": "static",
+                 "compile_config": CompileConfig(mode=cell["compile_mode"], fullgraph=False)}
+    if backend == "grouped_mm" and device.type == "cuda":
+        cell["note"] = "Transformers swaps grouped_mm for batched_mm during decode on GPU"
+    t_cell = time.perf_counter()
+    try:
+        warm = 2 if mode == "compiled" else 1
+        for _ in range(warm):  # compile, CUDA-graph recording, autotuning caches
+            timed_generate(model, ids, mask, 1 + n, device, extra)
+        cell["warmup_s"] = round(time.perf_counter() - t_cell, 2)
+        t1 = min(timed_generate(model, ids, mask, 1, device, extra) for _ in range(args.repeats))
+        tn = min(timed_generate(model, ids, mask, 1 + n, device, extra) for _ in range(args.repeats))
+        cell["prefill_ms"] = t1 * 1e3
+        cell["decode_ms_per_token"] = max(tn - t1, 0.0) / n * 1e3
+        cell["decode_tokens"] = n
+        if backend == "auto" and mode == "uncompiled":
+            cell["auto_ran"] = observe_auto(model, ids, mask)
+        if backend == "auto":
+            cell["auto_picks"] = {str(t): p for t, p in hf.selection_report(model, tokens=(batch, batch * length))[""].by_tokens.items()}
+        cell["status"] = "ok"
+    except torch.cuda.OutOfMemoryError as exc:
+        cell["status"] = "oom"
+        cell["error"] = str(exc).splitlines()[0][:300]
+    except Exception as exc:  # noqa: BLE001 - record and go on with the next cell
+        cell["status"] = "error"
+        cell["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        traceback.print_exc()
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    cell["cell_s"] = round(time.perf_counter() - t_cell, 2)
+    floor = decode_floor_bytes(model, cfg, batch, length + n)
+    cell["floor_bytes"] = floor
+    if bw:
+        cell["decode_floor_ms"] = (floor["dense"] + floor["experts"] + floor["kv"]) / bw * 1e3
+        if cell.get("decode_ms_per_token"):
+            cell["decode_vs_floor"] = cell["decode_ms_per_token"] / cell["decode_floor_ms"]
+    return cell
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}x"
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| mode | bs x len | backend | prefill ms | decode ms/token | decode / floor | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in result["cells"]:
+        note = c.get("status", "")
+        if c.get("status") == "ok":
+            note = ""
+            if "auto_ran" in c:
+                ran = c["auto_ran"]
+                note = f"ran: prefill {ran['prefill'][1] if ran['prefill'] else '?'}, decode {'/'.join(map(str, ran['decode']))}"
+            elif "auto_picks" in c:
+                note = "picks: " + ", ".join(f"T={t}: {p}" for t, p in c["auto_picks"].items())
+            if c.get("compile_mode"):
+                note = (note + "; " if note else "") + c["compile_mode"]
+        elif c.get("error"):
+            note = f"{c['status']}: {c['error'][:60]}"
+        lines.append(
+            f"| {c['mode']} | {c['batch']}x{c['prompt']} | {c['backend']} | {fmt(c.get('prefill_ms'))} | "
+            f"{fmt(c.get('decode_ms_per_token'))} | {ratio(c.get('decode_vs_floor'))} | {note} |"
+        )
+    lines.append("")
+    lines.append("auto vs the best Transformers backend in the same setting (lower is better for auto):")
+    lines.append("")
+    lines.append("| mode | bs x len | prefill auto / best (best) | decode auto / best (best) |")
+    lines.append("|---|---|---|---|")
+    for key, row in comparisons(result).items():
+        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {row['prefill']} | {row['decode']} |")
+    return "\n".join(lines) + "\n"
+
+
+def comparisons(result: dict) -> dict[tuple, dict[str, str]]:
+    out: dict[tuple, dict[str, str]] = {}
+    groups: dict[tuple, list[dict]] = {}
+    for c in result["cells"]:
+        groups.setdefault((c["mode"], c["batch"], c["prompt"]), []).append(c)
+    for key, cells in groups.items():
+        auto = next((c for c in cells if c["backend"] == "auto" and c.get("status") == "ok"), None)
+        peers = [c for c in cells if c["backend"] != "auto" and c.get("status") == "ok"]
+        row = {}
+        for metric, field in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token")):
+            if auto is None or not peers:
+                row[metric] = "-"
+                continue
+            best = min(peers, key=lambda c: c[field])
+            row[metric] = f"{auto[field] / best[field]:.2f}x ({best['backend']} {best[field]:.2f} ms)"
+        out[key] = row
+    return out
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hf_generate.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "hf_generate.md").write_text(markdown(result))
+
+
+def main() -> int:
+    args = parse_args()
+    if args.validate:
+        os.environ["SELECTOR_VALIDATE"] = args.validate
+    out = Path(args.out)
+    device = torch.device(args.device if (args.device != "cuda" or torch.cuda.is_available()) else "cpu")
+    dtype = getattr(torch, args.dtype)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    if hasattr(torch._dynamo.config, "cache_size_limit"):
+        torch._dynamo.config.cache_size_limit = 64
+
+    import transformers
+
+    import selector
+    import selector.hf as hf
+
+    names = ensure_backends()
+    hf.register_with_transformers()
+    settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",") if s]
+    result: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "env": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "triton": _version("triton"),
+            "selector": selector.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "selector_backends": names,
+            "selector_validate": os.environ.get("SELECTOR_VALIDATE", "full (default)"),
+        },
+        "model": "random Qwen1.5-MoE-A2.7B shape" if not args.tiny else "tiny Qwen2-MoE (smoke test)",
+        "dtype": args.dtype,
+        "cells": [],
+        "skipped": [],
+    }
+    log(f"building the model on {device} ({result['model']}, {args.dtype})")
+    model, cfg = build_model(args, device, dtype)
+    result["config"] = cfg
+    result["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
+    log(f"model ready: {result['params_b']:.2f} B parameters")
+    bw = measure_bandwidth(device)
+    result["copy_bandwidth_tb_s"] = bw / 1e12 if bw else None
+    report = hf.selection_report(model)
+    result["auto_report"] = str(report)
+    result["auto_report_json"] = report.to_dict()
+    log("selection report:\n" + str(report))
+    write(result, out)
+
+    backends = [b for b in args.backends.split(",") if b]
+    compiled = [b for b in args.compiled_backends.split(",") if b]
+    plan: list[tuple[str, str, int, int]] = []
+    for batch, length in settings:
+        plan += [("uncompiled", b, batch, length) for b in backends]
+    if not args.no_compile and device.type == "cuda":
+        # auto and the first peer over every setting (bs=1 first: the compiled decode target), then the rest
+        for tier in (compiled[:2], compiled[2:]):
+            for batch, length in settings:
+                plan += [("compiled", b, batch, length) for b in tier]
+    elif not args.no_compile:
+        result["skipped"].append("compiled cells: Transformers compiles generate() only on an accelerator")
+
+    for mode, backend, batch, length in plan:
+        left = args.budget_s - (time.perf_counter() - START)
+        need = args.compiled_cell_s if mode == "compiled" else 5.0
+        if left < need:
+            result["skipped"].append(f"{mode} {backend} {batch}x{length}: time budget ({left:.0f}s left)")
+            continue
+        log(f"{mode:10s} {backend:10s} {batch}x{length} ...")
+        cell = run_cell(model, cfg, args, device, mode, backend, batch, length, bw)
+        log(f"  -> {cell.get('status')} prefill {fmt(cell.get('prefill_ms'))} ms, decode "
+            f"{fmt(cell.get('decode_ms_per_token'))} ms/token ({cell['cell_s']} s)")
+        result["cells"].append(cell)
+        write(result, out)
+    model.set_experts_implementation("auto")
+    result["total_s"] = time.perf_counter() - START
+    write(result, out)
+    if result["skipped"]:
+        print("skipped: " + "; ".join(result["skipped"]))
+    print(f"\n{result['model']}, {result['env']['device']}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; copy bandwidth {fmt(result['copy_bandwidth_tb_s'])} TB/s; "
+          f"results in {out / 'hf_generate.json'}\n")
+    print(markdown(result))
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
