@@ -192,7 +192,20 @@ def temp_bytes_estimate(name: str, tokens: int, problem: Any, elem: int) -> int:
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def run_bench(
+def run_bench(*args: Any, **kwargs: Any) -> BenchResult:
+    """Time the grid (see `_run_bench`), with the per-call value checks off: the layer is timed, not them."""
+    import os
+
+    before = os.environ.get("SELECTOR_VALIDATE")
+    os.environ["SELECTOR_VALIDATE"] = before or "shapes"
+    try:
+        return _run_bench(*args, **kwargs)
+    finally:
+        if before is None:
+            del os.environ["SELECTOR_VALIDATE"]
+
+
+def _run_bench(
     presets: Sequence[str],
     tokens: Sequence[int],
     dtype_name: str = "bfloat16",
@@ -211,9 +224,6 @@ def run_bench(
     from selector.presets import preset
     from selector.registry import get_registry
 
-    import os
-
-    os.environ.setdefault("SELECTOR_VALIDATE", "shapes")  # time the layer, not a per-call value check
     if not torch.cuda.is_available():
         raise RuntimeError("selector bench needs a CUDA GPU (it times kernels against the GPU's floor)")
     device = torch.device("cuda")
