@@ -25,9 +25,13 @@ MAX_REQUEST_BYTES = 8 * 2**20
 
 
 def default_socket_path() -> Path:
-    import platformdirs
+    """$XDG_RUNTIME_DIR/selector/daemon.sock, else a per-user folder in the temp dir."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "selector" / "daemon.sock"
+    import tempfile
 
-    return Path(platformdirs.user_runtime_dir("selector")) / "daemon.sock"
+    return Path(tempfile.gettempdir()) / f"selector-{os.getuid()}" / "daemon.sock"
 
 
 def socket_path(environ: Mapping[str, str] | None = None) -> Path:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from selector import layers
@@ -26,15 +24,19 @@ def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
     return x.new_empty(x.shape[0], weight.shape[2])
 
 
-@functools.cache
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # device index -> compute capability, asked once
+
+
 def _native_ok(device_type: str, dtype: torch.dtype, device_index: int) -> bool:
     """Whether torch's grouped GEMM runs this device and dtype (CUDA: bf16 on compute capability >= 8.0)."""
     if not hasattr(torch.nn.functional, "grouped_mm"):
         return False
     if device_type == "cpu":
         return True
-    if device_type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device_index) >= (8, 0)
+    if device_type == "cuda" and dtype == torch.bfloat16:
+        if device_index not in _CAPABILITY:
+            _CAPABILITY[device_index] = torch.cuda.get_device_capability(device_index)
+        return _CAPABILITY[device_index] >= (8, 0)
     return False
 
 
