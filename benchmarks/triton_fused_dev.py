@@ -239,6 +239,87 @@ def floor_s(T, E, H, I, k, ids, bw, peak):
 # ------------------------------------------------------------------------------------------------------------
 
 
+def profile_mode(bw, peak):
+    """Where the eager time goes at large T (kernel times from torch.profiler), GROUP_M variants, clocks."""
+    import subprocess
+
+    smi = None
+    try:
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
+             "--format=csv,noheader", "-lms", "250"],
+            stdout=open(OUT / "smi.csv", "w"), stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    except Exception as exc:
+        log(f"nvidia-smi sampling unavailable: {exc!r}")
+    # sustained vs burst matmul rate
+    m = 8192
+    xa = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    xb = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ev = [torch.cuda.Event(True) for _ in range(201)]
+    ev[0].record()
+    for i in range(200):
+        xa @ xb
+        ev[i + 1].record()
+    torch.cuda.synchronize()
+    per = [ev[i].elapsed_time(ev[i + 1]) * 1e-3 for i in range(200)]
+    rate = lambda ts: 2 * m**3 * len(ts) / sum(ts) / 1e12  # noqa: E731
+    RESULTS["matmul_burst_vs_sustained_tflops"] = [rate(per[:10]), rate(per[-50:])]
+    log(f"matmul 8192^3: first 10 {rate(per[:10]):.0f} TF/s, last 50 of 200 {rate(per[-50:]):.0f} TF/s")
+    del xa, xb
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, T, variants in (
+        ("Qwen3-30B-A3B", 16384, (8, 16, 32, 4)),
+        ("DeepSeek-V3", 16384, (8, 16)),
+        ("Qwen3-30B-A3B", 4096, (8, 16)),
+    ):
+        E, H, I, k = GRID[name]
+        w1, w2 = make_weights(E, H, I)
+        sets = [make_inputs(T, H, E, k, seed=1000 + s) for s in range(2)]
+        base = C.get_config(E, H, I, T, k, torch.bfloat16, device="cuda")
+        fl, flops = floor_s(T, E, H, I, k, sets[0][1], bw, peak)
+        for gm in variants:
+            cfg = {"BLOCK_M": base["BLOCK_M"], "gate_up": dict(base["gate_up"], GROUP_M=gm),
+                   "down": dict(base["down"], GROUP_M=gm)}  # fmt: skip
+            fns = [(lambda x=x, ids=ids, wts=wts: K.fused_experts(x, w1, w2, ids, wts, num_experts=E, config=cfg))
+                   for x, ids, wts in sets]  # fmt: skip
+            t = time_eager(fns)
+            RESULTS["cells"].append(dict(shape=name, T=T, group_m=gm, fused_eager_s=t, floor_s=fl, flops=flops))
+            log(f"{name} T={T} GROUP_M={gm}: {t * 1e6:.0f} us ({t / fl:.2f}x floor, {flops / t / 1e12:.0f} TF/s)")
+        x, ids, wts = sets[0]
+        for _ in range(2):
+            K.fused_experts(x, w1, w2, ids, wts, num_experts=E)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                K.fused_experts(x, w1, w2, ids, wts, num_experts=E)
+            torch.cuda.synchronize()
+        rows = []
+        for ev_ in prof.key_averages():
+            dt = getattr(ev_, "device_time_total", None) or getattr(ev_, "cuda_time_total", 0)
+            if dt:
+                rows.append((dt / 3, ev_.key[:60], ev_.count // 3))
+        rows.sort(reverse=True)
+        RESULTS.setdefault("kernel_profile", {})[f"{name}:{T}"] = rows
+        log(f"{name} T={T} per-call kernel times (us): " + "; ".join(f"{r[1]} {r[0]:.0f}" for r in rows[:6]))
+        del w1, w2, sets
+        torch.cuda.empty_cache()
+        save()
+    if smi is not None:
+        smi.terminate()
+        smi.wait()
+        try:
+            lines = (OUT / "smi.csv").read_text().splitlines()
+            clk = [int(ln.split(",")[1].split()[0]) for ln in lines]
+            pw = [float(ln.split(",")[2].split()[0]) for ln in lines]
+            RESULTS["smi"] = dict(sm_mhz=clk, power_w=pw)
+            log(f"nvidia-smi: {len(lines)} samples, SM clock {min(clk)}..{max(clk)} MHz, power {min(pw):.0f}..{max(pw):.0f} W")
+        except Exception as exc:
+            log(f"nvidia-smi parse failed: {exc!r}")
+    save()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tune", action="store_true")
@@ -247,6 +328,7 @@ def main():
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--with-default", action="store_true", help="also time the default heuristics")
+    p.add_argument("--profile", action="store_true", help="only: kernel-time profile, GROUP_M variants, clocks")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip tuning once this much time has passed")
     p.add_argument("--rep-ms", type=float, default=10.0, help="do_bench rep per tuning candidate")
     a = p.parse_args()
@@ -260,6 +342,9 @@ def main():
     RESULTS["bw"], RESULTS["peak"] = bw, peak
     log(f"copy BW {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     save()
+    if a.profile:
+        profile_mode(bw, peak)
+        return
     shapes = [s for s in a.shapes.split(",") if s]
     tokens = [int(t) for t in a.tokens.split(",")]
     if a.quick:
