@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install selector there (no network: wheels carried in .whl/), then
+# One call on the GPU machine: install selector there (no network: wheels carried in .carry/wheels/), then
 #   part1: doctor, the whole test suite on CUDA, the bench grid;   part2: generate(), quantised and hub cells.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
@@ -7,8 +7,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/selector-out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if ls .carry/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/wheels/*.whl
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"
@@ -20,7 +20,7 @@ part1)
   (time python3 -m selector.cli doctor) 2>&1 | tee -a "$LOG"
   python3 -m selector.cli doctor --json > "$OUT/doctor.json"
   stamp tests
-  timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tail -40 | tee -a "$LOG"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -40 | tee -a "$LOG"
   stamp bench
   timeout 330 python3 -m selector.cli bench --out "$OUT/bench" --graph-max-tokens 512 2>>"$LOG" | tee -a "$LOG"
   cp "$OUT/bench/bench.json" "$OUT/bench/bench.md" "$OUT/" 2>/dev/null
