@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -262,7 +260,8 @@ def run_cell(model, cfg, args, device, mode: str, backend: str, batch: int, leng
         if backend == "auto" and mode == "uncompiled":
             cell["auto_ran"] = observe_auto(model, ids, mask)
         if backend == "auto":
-            cell["auto_picks"] = {str(t): p for t, p in hf.selection_report(model, tokens=(batch, batch * length))[""].by_tokens.items()}
+            entry = hf.selection_report(model, tokens=(batch, batch * length)).entries[0]
+            cell["auto_picks"] = {str(t): p for t, p in entry.by_tokens.items()}
         cell["status"] = "ok"
     except torch.cuda.OutOfMemoryError as exc:
         cell["status"] = "oom"
@@ -311,7 +310,8 @@ def markdown(result: dict) -> str:
             note = ""
             if "auto_ran" in c:
                 ran = c["auto_ran"]
-                note = f"ran: prefill {ran['prefill'][1] if ran['prefill'] else '?'}, decode {'/'.join(map(str, ran['decode']))}"
+                prefill = ran["prefill"][1] if ran["prefill"] else "?"
+                note = f"ran: prefill {prefill}, decode {'/'.join(map(str, ran['decode']))}"
             elif "auto_picks" in c:
                 note = "picks: " + ", ".join(f"T={t}: {p}" for t, p in c["auto_picks"].items())
             if c.get("compile_mode"):

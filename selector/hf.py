@@ -407,8 +407,10 @@ def _scope_device(model: torch.nn.Module, members: Sequence[tuple[str, torch.nn.
 def decode_request(model: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """(current request, request for the decode steps): selector's grouped_mm -> batched_mm on accelerators."""
     current = dict(model.get_experts_implementation())
-    scopes = experts_modules(model)
     target = dict(current)
+    if not any(isinstance(name, str) and name in DECODE_SWAPS for name in current.values()):
+        return current, target  # the common case: nothing to walk
+    scopes = experts_modules(model)
     for key, name in current.items():
         swap = DECODE_SWAPS.get(name) if isinstance(name, str) else None
         if swap is None:
@@ -531,7 +533,8 @@ class ScopeSelection:
     def lines(self) -> list[str]:
         scope = self.scope or "(model)"
         shape = _describe(self.problem) if self.problem else "?"
-        head = f"{scope}: {self.requested} -> {self.chosen or 'nothing runnable'} [{len(self.modules)} layer(s), {shape}]"
+        chosen = self.chosen or "nothing runnable"
+        head = f"{scope}: {self.requested} -> {chosen} [{len(self.modules)} layer(s), {shape}]"
         if self.runs == "transformers" and self.requested == AUTO:
             head += " (no selector backend takes this weight format: Transformers' own FP8 function)"
         elif self.runs == "transformers":
@@ -544,7 +547,8 @@ class ScopeSelection:
             if others:
                 out.append("  runnable, best first: " + ", ".join(others))
             for name, why in self.ranking.excluded.items():
-                out.append(f"  not {name}: {why.status.value}: {why.reason}" + (f" (fix: {why.remedy})" if why.remedy else ""))
+                fix = f" (fix: {why.remedy})" if why.remedy else ""
+                out.append(f"  not {name}: {why.status.value}: {why.reason}{fix}")
         if self.error:
             out.append(f"  the first forward will raise: {self.error}")
         return out
@@ -590,7 +594,8 @@ def _config_dtype(config: Any) -> torch.dtype:
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize > 1 else torch.bfloat16
+    usable = isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize > 1
+    return dtype if usable else torch.bfloat16
 
 
 def _top_k(module: torch.nn.Module) -> int:
