@@ -79,7 +79,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compiled-new-tokens", type=int, default=32, help="decode steps timed, compiled")
     p.add_argument("--repeats", type=int, default=2, help="timed generate() calls per point (the minimum is kept)")
     p.add_argument("--budget-s", type=float, default=185.0, help="stop starting cells after this (from start)")
-    p.add_argument("--compiled-cell-s", type=float, default=45.0,
+    p.add_argument("--compiled-cell-s", type=float, default=60.0,
                    help="a compiled cell is only started with at least this much budget left")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--device", default="cuda")
