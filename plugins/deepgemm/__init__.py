@@ -1,0 +1,117 @@
+"""`deepgemm`: expert matmuls through DeepGEMM's M-grouped contiguous GEMMs, from the kernel hub.
+
+The kernel (`kernels-community/deep-gemm`, pinned in `selector.hub.PINS`) is loaded at the first forward and
+JIT-compiles its GEMMs with the system nvcc, so beyond a Hopper/Blackwell GPU it needs a full CUDA toolkit:
+nvcc >= 12.3 on Hopper, >= 12.9 on Blackwell (a runtime-only install has no nvcc and is rejected). It runs
+bf16 experts and FP8 block-quantised experts (dynamic per-row activation scales only); FP4 experts need
+Blackwell. On Blackwell DeepGEMM reads UE8M0 scales only, so a checkpoint with float32 block scales is
+refused there (it would be silently rounded to powers of two).
+
+Nothing here imports torch: declaring and judging the backend stays cheap for `selector doctor`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from probes import Environment
+from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl
+from selector import hub
+from selector.costmodel import ceilings, experts_hit, flops, tokens, weight_bytes_per_expert
+
+KERNEL = hub.PINS["deep-gemm"]
+
+HOPPER = ToolkitRule(min_cc=(9, 0), max_cc=(10, 0), nvcc=(12, 3), family="Hopper")
+BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 9), family="Blackwell")
+
+REQUIREMENTS = Requirements(
+    devices=frozenset({"cuda"}),
+    min_compute_capability=(9, 0),
+    # DeepGEMM ships SM90 and SM100 kernels only (Transformers' own gate says the same): not Ada, not SM120.
+    max_compute_capability=(11, 0),
+    toolkit=(HOPPER, BLACKWELL),
+    packages={"kernels": hub.KERNELS_MIN_VERSION},
+    dtypes=frozenset({"bfloat16"}),  # quantised experts report their compute dtype (selector/quant.py)
+    weight_formats=frozenset({"dense", "fp8_block", "fp4"}),
+    scale_formats=frozenset({"float32", "ue8m0"}),
+    activation_quant=frozenset({"dynamic"}),
+    # The activation (and any custom gate, bias, post-expert norm) runs in torch between the two GEMMs.
+)
+
+FIRST_CALL_COST = (
+    f"downloads {KERNEL} on first use unless cached or local; JIT-compiles each GEMM shape with nvcc on its "
+    "first call (DeepGEMM caches the builds on disk; not measured here)"
+)
+
+
+def _gpu(problem: Problem, env: Environment) -> tuple[str, tuple[int, int]] | None:
+    cc = env.compute_capability(problem.device_index)
+    if cc is None:
+        return None
+    return env.gpu.devices[problem.device_index].name, cc
+
+
+def machine_check(problem: Problem, env: Environment) -> Availability | None:
+    """FP4 experts have no Hopper kernel."""
+    gpu = _gpu(problem, env)
+    if gpu and problem.weight_format == "fp4" and gpu[1] < (10, 0):
+        name, cc = gpu
+        return Availability(
+            Status.UNSUPPORTED_HARDWARE,
+            f"DeepGEMM runs FP4 experts on Blackwell only (compute capability >= 10.0); {name} has {cc[0]}.{cc[1]}",
+            "use an FP8 or bf16 checkpoint on this GPU, or pick grouped_mm",
+            found=f"{name}, compute capability {cc[0]}.{cc[1]} (from {env.gpu.source})",
+        )
+    return None
+
+
+def config_check(problem: Problem, env: Environment) -> Availability | None:
+    """On Blackwell, UE8M0 scales only."""
+    gpu = _gpu(problem, env)
+    if gpu and gpu[1] >= (10, 0) and problem.weight_format != "dense" and problem.scale_format == "float32":
+        name, cc = gpu
+        return Availability(
+            Status.UNSUPPORTED_CONFIG,
+            f"DeepGEMM has no float32 block-scale path on Blackwell ({name}, compute capability {cc[0]}.{cc[1]}): "
+            "rounding these float32 scales to UE8M0 would silently corrupt the output",
+            "use a checkpoint quantised with UE8M0 scales (scale_fmt='ue8m0'), or pick grouped_mm or batched_mm, "
+            "which read float32 block scales",
+        )
+    return None
+
+
+def _estimate(problem: Problem, env: Environment) -> float:
+    """Not measured here (DeepGEMM was not built on the device machine). A guess from DeepGEMM's published
+    FP8 grouped-GEMM rates (1.2-1.35k TFLOP/s on H800): near the floor, plus the padding to its M alignment
+    (128 rows per expert hit) and ~120 us of sort/pad/gather launches. Tuning measurements replace it."""
+    c = ceilings(problem, env)
+    pairs = max(tokens(problem) * problem.top_k, 1)
+    padded = pairs + experts_hit(problem) * 64  # on average half an alignment block per expert hit
+    moved = experts_hit(problem) * weight_bytes_per_expert(problem) + 4 * tokens(problem) * problem.hidden_size
+    floor = max(moved / c.bandwidth, flops(problem) * padded / pairs / c.peak)
+    return 120e-6 + 1.3 * floor
+
+
+def _load():  # noqa: ANN202
+    from plugins.deepgemm.forward import deepgemm_experts_forward
+
+    return deepgemm_experts_forward
+
+
+SPEC = BackendSpec(
+    name="deepgemm",
+    load=_load,
+    requirements=REQUIREMENTS,
+    description=f"DeepGEMM M-grouped GEMMs from {KERNEL} (bf16, FP8; FP4 on Blackwell)",
+    check=hub.kernel_check(KERNEL, machine=machine_check, config=config_check),
+    estimate=_estimate,
+    compile_compatible=False,  # an opaque hub kernel: torch.compile breaks the graph around it
+    cuda_graph_safe=False,  # its JIT compiles on first call of a shape: not capturable cold; not verified warm
+    first_call_cost=FIRST_CALL_COST,
+    url="https://huggingface.co/kernels-community/deep-gemm",
+)
+
+
+@hookimpl
+def selector_backends() -> Sequence[BackendSpec]:
+    return [SPEC]

@@ -1,0 +1,296 @@
+"""DeepGEMM adapter: the M-grouped contiguous layout around the hub kernel's grouped GEMMs.
+
+Shapes: T tokens, k slots, S = T*k (token, slot) pairs, E experts, H hidden, I intermediate, M padded rows.
+
+1. Sort the S pairs by expert (stable; expert-parallel sentinels, id == E, sort to the tail).
+2. Give each expert a block of rows that starts on the kernel's M alignment (128 by default): pair j goes to
+   row j + (padding of the experts before it). M is a static upper bound, so no host sync is needed.
+3. Tell the kernel which rows belong to which expert. Hopper (SM90): one expert id per row, -1 for padding
+   and sentinels. Blackwell (SM100, `use_psum_layout=True`): the cumulative sum of the aligned block sizes.
+4. Up GEMM, activation/gate (in torch, any activation), down GEMM, then gather the S real rows back, weight
+   them, zero sentinels, restore (token, slot) order and sum over slots in a fixed order.
+
+FP8/FP4 experts add dynamic per-row activation quantisation (the kernel's `per_token_cast_to_fp8`) and hand
+scales to the kernel in the layout each architecture wants: float32 as they are on Hopper (UE8M0 widened to
+float32), packed UE8M0 in an MN-major TMA-aligned layout on Blackwell.
+
+On CUDA tensors the architecture is the device's; on other devices (only the fake kernels of the tests run
+there) it is the compute capability the probe facts report for GPU 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from selector import hub, layers
+from selector.environment import current_environment
+from selector.quant import is_ue8m0_tensor, ue8m0_bytes, ue8m0_to_float
+
+from . import KERNEL
+
+BF16_SYMBOLS = (
+    "m_grouped_bf16_gemm_nt_contiguous",
+    "m_grouped_bf16_gemm_nn_contiguous",
+    "get_mk_alignment_for_contiguous_layout",
+)
+QUANTISED_SYMBOLS = (
+    "m_grouped_fp8_fp4_gemm_nt_contiguous",
+    "m_grouped_fp8_fp4_gemm_nn_contiguous",
+    "utils.per_token_cast_to_fp8",
+)
+
+
+@dataclass(frozen=True)
+class DeepGemm:
+    """The entry points of `kernels-community/deep-gemm` this adapter calls."""
+
+    bf16_nt: Callable
+    bf16_nn: Callable
+    fp8_fp4_nt: Callable
+    fp8_fp4_nn: Callable
+    per_token_cast_to_fp8: Callable
+    alignment: int  # M alignment of the contiguous layout (the build's default; never changed here)
+    module: object
+
+
+_DEEPGEMM: DeepGemm | None = None
+
+
+def load_deepgemm(extra: tuple[str, ...] = ()) -> DeepGemm:
+    global _DEEPGEMM
+    module = hub.load_kernel(KERNEL, BF16_SYMBOLS + QUANTISED_SYMBOLS + extra, backend="deepgemm")
+    if _DEEPGEMM is None or _DEEPGEMM.module is not module:
+        get = lambda name: hub.resolve_symbol(module, name)  # noqa: E731
+        _DEEPGEMM = DeepGemm(
+            bf16_nt=get("m_grouped_bf16_gemm_nt_contiguous"),
+            bf16_nn=get("m_grouped_bf16_gemm_nn_contiguous"),
+            fp8_fp4_nt=get("m_grouped_fp8_fp4_gemm_nt_contiguous"),
+            fp8_fp4_nn=get("m_grouped_fp8_fp4_gemm_nn_contiguous"),
+            per_token_cast_to_fp8=get("utils.per_token_cast_to_fp8"),
+            alignment=int(get("get_mk_alignment_for_contiguous_layout")()),
+            module=module,
+        )
+    return _DEEPGEMM
+
+
+def arch_major(device: torch.device) -> int:
+    """9 on Hopper, 10 on Blackwell: the device's, or the probe facts' for non-CUDA tensors (fakes in tests)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0]
+    cc = current_environment().compute_capability(0)
+    if cc is None:
+        raise RuntimeError("DeepGEMM runs on CUDA GPUs; no GPU is visible and the tensors are not on CUDA")
+    return cc[0]
+
+
+# --- the contiguous layout -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupedLayout:
+    order: torch.Tensor  # [S] int64: sorted position -> flat (token, slot) index
+    expert_ids: torch.Tensor  # [S] int64: expert of each sorted pair (sentinels == E kept)
+    rows: torch.Tensor  # [S] int64: padded row of each sorted pair
+    layout: torch.Tensor  # int32; Hopper [M]: expert per row, -1 = skip; Blackwell [E]: cumulative aligned ends
+    num_rows: int  # M
+    psum: bool
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[S, ...] in sorted order -> [M, ...] with each expert's rows on its aligned block, zeros elsewhere."""
+        padded = x.new_zeros(self.num_rows, *x.shape[1:])
+        padded[self.rows] = x
+        return padded
+
+
+def contiguous_layout(top_k_index: torch.Tensor, num_experts: int, alignment: int, psum: bool) -> GroupedLayout:
+    ids = top_k_index.reshape(-1).long()
+    expert_ids, order = torch.sort(ids, stable=True)
+    pairs = ids.numel()
+    # histc, not bincount: no host sync; ids above E-1 (sentinels) fall outside and are not counted
+    counts_in = expert_ids.float() if ids.device.type == "cpu" else expert_ids.int()
+    counts = torch.histc(counts_in, bins=num_experts, min=0, max=num_experts - 1).long()
+    aligned = (counts + alignment - 1) // alignment * alignment
+    # padding before each expert's block; entry E is all the padding, so sentinels land past every block
+    pad_before = torch.nn.functional.pad((aligned - counts).cumsum(0), (1, 0))
+    rows = torch.arange(pairs, device=ids.device) + pad_before[expert_ids]
+    bound = pairs + min(pairs, num_experts) * (alignment - 1)
+    num_rows = -(-bound // alignment) * alignment
+    if psum:
+        layout = aligned.cumsum(0).to(torch.int32)
+    else:
+        layout = torch.full((num_rows,), -1, dtype=torch.int32, device=ids.device)
+        layout[rows] = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return GroupedLayout(order, expert_ids, rows, layout, num_rows, psum)
+
+
+def combine(
+    out: torch.Tensor,  # [S, H] per sorted pair
+    top_k_weights: torch.Tensor,  # [T, k]
+    lay: GroupedLayout,
+    num_experts: int,
+    expert_parallel: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [T, H]
+    num_tokens, top_k = top_k_weights.shape
+    weighted = out.float() * top_k_weights.reshape(-1)[lay.order].float().unsqueeze(-1)
+    if expert_parallel:  # sentinel rows were never computed: zero them (NaN * 0 is NaN)
+        weighted = weighted.masked_fill((lay.expert_ids >= num_experts).unsqueeze(-1), 0.0)
+    unsorted = torch.empty_like(weighted)
+    unsorted[lay.order] = weighted
+    return unsorted.view(num_tokens, top_k, out.shape[-1]).sum(dim=1).to(dtype)
+
+
+# --- scales ----------------------------------------------------------------------------------------------
+
+
+def weight_format(module: torch.nn.Module) -> str:
+    dtype = layers.up_weight(module).dtype
+    if dtype == torch.int8 or dtype == torch.uint8:
+        return "fp4"
+    if dtype == torch.float8_e4m3fn:
+        return "fp8_block"
+    return "dense"
+
+
+def _scale_of(module: torch.nn.Module, name: str) -> torch.Tensor:
+    scale = getattr(module, f"{name}_scale_inv", None)
+    if scale is None:
+        raise ValueError(f"quantised experts need `{name}_scale_inv` next to `{name}`; the module has none")
+    return scale
+
+
+def check_quantised(module: torch.nn.Module, scale: torch.Tensor, blackwell: bool) -> None:
+    """The same rules the requirement check applies, for modules whose Problem could not say them."""
+    if getattr(module, "activation_scheme", "dynamic") == "static":
+        raise ValueError(
+            "experts backend 'deepgemm' cannot run static activation quantisation: DeepGEMM quantises activations "
+            "per row at run time (dynamic). fix: use a checkpoint with dynamic activation scales, or pick grouped_mm."
+        )
+    if weight_format(module) == "fp4" and not blackwell:
+        raise ImportError(
+            "experts backend 'deepgemm' runs FP4 experts on Blackwell only (compute capability >= 10.0). "
+            "fix: use an FP8 or bf16 checkpoint on this GPU, or pick grouped_mm."
+        )
+    if blackwell and not is_ue8m0_tensor(scale) and scale.dtype != torch.int32:
+        raise ValueError(
+            "experts backend 'deepgemm' has no float32 block-scale path on Blackwell: rounding these scales to "
+            "UE8M0 would silently corrupt the output. fix: use a checkpoint quantised with UE8M0 scales "
+            "(scale_fmt='ue8m0'), or pick grouped_mm or batched_mm, which read float32 block scales."
+        )
+
+
+def cast_options(module: torch.nn.Module, blackwell: bool) -> dict[str, object]:
+    """Arguments of per_token_cast_to_fp8 for this module's weights on this architecture."""
+    if weight_format(module) == "fp4":
+        return {"use_ue8m0": True, "gran_k": 32, "use_packed_ue8m0": True}
+    block = getattr(module, "selector_block_size", None) or getattr(module, "block_size", None) or (128, 128)
+    block = tuple(int(b) for b in block)
+    if block not in ((128, 128), (1, 128)):
+        raise ValueError(f"DeepGEMM reads FP8 blocks of (128, 128) or (1, 128), got block_size={block}")
+    if blackwell:  # UE8M0 only (float32 was refused before)
+        return {"use_ue8m0": True, "gran_k": 128, "use_packed_ue8m0": True}
+    return {"use_ue8m0": False, "gran_k": 128}
+
+
+def _tma_aligned_mn_major(sf: torch.Tensor) -> torch.Tensor:
+    """Same values, strides DeepGEMM's Blackwell path checks: MN-major, MN padded to 16 bytes."""
+    mn, kf = sf.shape[-2], sf.shape[-1]
+    step = 16 // sf.element_size()
+    aligned_mn = -(-mn // step) * step
+    strides = (1, aligned_mn) if sf.dim() == 2 else (kf * aligned_mn, 1, aligned_mn)
+    if tuple(sf.stride()) == strides:
+        return sf
+    out = torch.empty_strided(sf.shape, strides, dtype=sf.dtype, device=sf.device)
+    out.copy_(sf)
+    return out
+
+
+def scales_for_kernel(sf: torch.Tensor, blackwell: bool, rows: int) -> torch.Tensor:
+    """Hopper: float32, row-major (DeepGEMM lays it out itself). Blackwell: per-row UE8M0 packed 4 to an int32."""
+    if is_ue8m0_tensor(sf):  # float8_e8m0fnu, or uint8 holding the same exponent byte
+        if not blackwell:  # Hopper reads float32: widening a power of two is exact
+            sf = ue8m0_to_float(sf)
+        else:
+            if sf.shape[-2] < rows:  # block scales (one per 128 rows) -> one per row, as the packed path wants
+                sf = sf.repeat_interleave(-(-rows // sf.shape[-2]), dim=-2)[..., :rows, :]
+            sf = ue8m0_bytes(sf).contiguous().view(torch.int32)
+    elif sf.dtype == torch.float32 and blackwell:
+        raise ValueError("float32 scales cannot be handed to DeepGEMM on Blackwell (see check_quantised)")
+    if sf.dim() not in (2, 3):
+        raise ValueError(f"DeepGEMM scales must be 2-D or 3-D, got {sf.dim()}-D")
+    return _tma_aligned_mn_major(sf) if blackwell else sf.contiguous()
+
+
+# --- forward ---------------------------------------------------------------------------------------------
+
+
+def _gemm(dg: DeepGemm, quantised: bool, transposed: bool) -> Callable:
+    # weights [E, N, K] -> the NT kernel; transposed [E, K, N] -> the NN kernel
+    if quantised:
+        return dg.fp8_fp4_nn if transposed else dg.fp8_fp4_nt
+    return dg.bf16_nn if transposed else dg.bf16_nt
+
+
+def deepgemm_experts_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, k]
+    top_k_weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:  # [T, H]
+    num_tokens, top_k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    if num_tokens == 0:
+        return hidden_states.new_zeros(0, hidden)
+    fmt = weight_format(module)
+    quantised = fmt != "dense"
+    up_w, down_w = layers.up_weight(module), module.down_proj
+    if not quantised and up_w.dtype != torch.bfloat16:
+        raise ValueError(f"experts backend 'deepgemm' runs dense experts in bfloat16 only, got {up_w.dtype}")
+    blackwell = arch_major(hidden_states.device) >= 10
+    if quantised:
+        up_name = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+        up_s, down_s = _scale_of(module, up_name), _scale_of(module, "down_proj")
+        check_quantised(module, down_s, blackwell)
+        cast = cast_options(module, blackwell)
+        recipe = (1, 1, cast["gran_k"]) if cast.get("use_packed_ue8m0") else None
+
+    dg = load_deepgemm()
+    num_experts = module.num_experts
+    transposed = bool(getattr(module, "is_transposed", False))
+    gemm = _gemm(dg, quantised, transposed)
+    lay = contiguous_layout(top_k_index, num_experts, dg.alignment, psum=blackwell)
+    safe_ids = lay.expert_ids.clamp(max=num_experts - 1)  # sentinel rows read expert E-1's bias, then are zeroed
+    x = hidden_states.to(torch.bfloat16)[lay.order // top_k]  # [S, H]
+
+    def project(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out_dim: int) -> torch.Tensor:
+        out = torch.empty(lay.num_rows, out_dim, dtype=torch.bfloat16, device=a.device)
+        if scale is None:
+            gemm(lay.pad(a), weight, out, lay.layout, use_psum_layout=blackwell)
+            return out
+        aq, a_sf = dg.per_token_cast_to_fp8(a, **cast)
+        n_rows = weight.shape[-1] if transposed else weight.shape[-2]
+        gemm(
+            (lay.pad(aq), scales_for_kernel(lay.pad(a_sf), blackwell, lay.num_rows)),
+            (weight, scales_for_kernel(scale, blackwell, n_rows)),
+            out,
+            lay.layout,
+            recipe=recipe,
+            use_psum_layout=blackwell,
+        )
+        return out
+
+    up_dim = up_w.shape[-1] if transposed else up_w.shape[-2]
+    h = project(x, up_w, up_s if quantised else None, up_dim)  # [M, up_dim]
+    h = h[lay.rows]  # [S, up_dim]: the real rows only, so the gate never sees padding
+    up_b, down_b = layers.up_bias(module), layers.down_bias(module)
+    if up_b is not None:
+        h = h + up_b[safe_ids].to(h.dtype)
+    h = layers.activate(module, h).to(torch.bfloat16)
+    out = project(h, down_w, down_s if quantised else None, hidden)[lay.rows]  # [S, H]
+    if down_b is not None:
+        out = out + down_b[safe_ids].to(out.dtype)
+    out = layers.post_norm(module, out)
+    return combine(out, top_k_weights, lay, num_experts, layers.is_expert_parallel(module), hidden_states.dtype)

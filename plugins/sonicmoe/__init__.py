@@ -1,0 +1,205 @@
+"""`sonicmoe`: SonicMoE's fused MoE forward (`moe_general_routing_inputs`) from `kernels-community/sonic-moe`.
+
+Gated experts only: silu, gelu (and tanh-gelu), relu map to the kernel's SwiGLU, GeGLU, ReGLU; its GeGLU uses
+the tanh approximation of GELU. Any other activation, a non-gated layer or a custom gate function has no
+SonicMoE kernel: the first forward raises ImportError telling the user to pick another backend.
+
+First-call cost (measured on the H200 with sonic-moe 0.1.2.post1, ../shared/perf.md): the CuTe-DSL kernels
+JIT-compile for 25-144 s on the first call of a layer shape, and about 2 s more for each new token count.
+Two things follow here:
+
+- **Token buckets.** The adapter pads the token count up to a quarter-octave bucket (4, 5, 6, 7, 8, 10, 12,
+  14, 16, 20, ...: at most 25 % extra rows, dummy rows of weight 0), so a decode loop with changing batch
+  sizes compiles at most four token counts per doubling instead of one per batch size.
+  `SELECTOR_SONICMOE_PAD_TOKENS=0` turns it off.
+- **Ranking rule.** The estimate is the steady-state time plus the compile time still ahead for this problem
+  in this process (shape not compiled yet: 60 s, the middle of the measured range; token bucket not compiled
+  yet, or token count unknown: 2 s), spread over `SELECTOR_JIT_AMORTIZE_CALLS` calls (default 1000). So
+  `auto` does not pick a cold SonicMoE unless it would still win after paying the compile; it picks a warm
+  one (compiled by an explicit `sonicmoe` run or `warm_up()`) where it is fastest. Measured tuning results
+  replace estimates entirely and say nothing of the compile: tune in the serving process, or warm up.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from probes import Environment, probe_packages
+from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
+from selector import hub
+from selector.costmodel import floor_seconds, tokens
+
+KERNEL = hub.PINS["sonic-moe"]
+
+# layer activation (selector.problem.activation_name) -> the kernel's ActivationType member
+ACTIVATION_TYPES = {"silu": "SWIGLU", "gelu": "GEGLU", "gelu_tanh": "GEGLU", "relu": "REGLU"}
+
+REQUIREMENTS = Requirements(
+    devices=frozenset({"cuda"}),
+    min_compute_capability=(9, 0),
+    # the set that ran on the H200 (gpu-notes): cutlass-dsl 4.4.2; apache-tvm-ffi is checked in `_packages`
+    packages={"kernels": hub.KERNELS_MIN_VERSION, "nvidia-cutlass-dsl": "4.4"},
+    dtypes=frozenset({"bfloat16"}),
+    # activations, gating and custom gates are judged by `_activation` (ImportError, as the issue asks)
+    activations=None,
+    custom_gate=True,
+    bias=True,
+    transposed=True,  # copied once into the kernel's (E, 2I, H) layout, cached on the module
+    interleaved=True,  # the kernel's own default layout; concatenated gate|up is a flag
+    post_expert_norm=False,  # the kernel fuses the weighted sum over experts: no per-expert hook
+    expert_parallel=True,  # sentinel slots are routed to expert 0 with weight 0
+)
+
+TVM_FFI_MIN = "0.1.10"
+HOST_SECONDS = 0.9e-3  # measured: ~0.75-1.5 ms per call at T <= 64 on the H200 (host-bound)
+EFFICIENCY = 1.65  # measured: 1.3-1.8x the floor at T >= 4096
+SHAPE_JIT_SECONDS = 60.0  # measured 25-144 s on the first call of a shape
+TOKEN_JIT_SECONDS = 2.0  # measured ~2 s for each new token count
+AMORTIZE_VARIABLE = "SELECTOR_JIT_AMORTIZE_CALLS"
+PAD_VARIABLE = "SELECTOR_SONICMOE_PAD_TOKENS"
+
+FIRST_CALL_COST = (
+    f"downloads {KERNEL} on first use unless cached or local; JIT-compiles 25-144 s on the first call of a "
+    "layer shape and ~2 s per new token bucket (token counts padded to quarter-octave buckets); auto spreads "
+    f"that over {AMORTIZE_VARIABLE} (1000) calls, so it waits for a warm shape (plugins.sonicmoe.warm_up)"
+)
+
+# Compiled in this process: shape keys, and (shape key, padded token count) pairs. Filled by the forward.
+_WARM_SHAPES: set[tuple] = set()
+_WARM_TOKENS: set[tuple] = set()
+
+
+def padded_tokens(num_tokens: int) -> int:
+    """The token bucket the kernel sees: quarter-octave steps above 4 (<= 25 % padding), exact when disabled."""
+    if num_tokens <= 4 or os.environ.get(PAD_VARIABLE, "1") in ("0", "false", "no", "off"):
+        return num_tokens
+    step = 1 << (num_tokens.bit_length() - 3)
+    return -(-num_tokens // step) * step
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: str, activation: str, bias: bool,
+              interleaved: bool) -> tuple:
+    return (num_experts, hidden, inter, top_k, dtype, ACTIVATION_TYPES.get(activation, activation), bias, interleaved)
+
+
+def problem_key(problem: Problem) -> tuple:
+    return shape_key(
+        problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k, problem.dtype,
+        problem.activation, problem.has_bias, problem.interleaved,
+    )
+
+
+def record_compiled(key: tuple, num_tokens: int) -> None:
+    """Called by the forward after a successful kernel call with `num_tokens` (already padded) rows."""
+    _WARM_SHAPES.add(key)
+    _WARM_TOKENS.add((key, num_tokens))
+
+
+def forget_compiled() -> None:
+    _WARM_SHAPES.clear()
+    _WARM_TOKENS.clear()
+
+
+def amortize_calls() -> float:
+    try:
+        calls = float(os.environ.get(AMORTIZE_VARIABLE, "1000"))
+    except ValueError:
+        calls = 1000.0
+    return calls if calls > 0 else 1000.0
+
+
+def pending_compile_seconds(problem: Problem) -> float:
+    """Compile time still ahead of this problem in this process, by the measured figures."""
+    key = problem_key(problem)
+    pending = 0.0 if key in _WARM_SHAPES else SHAPE_JIT_SECONDS
+    if problem.num_tokens is None or (key, padded_tokens(problem.num_tokens)) not in _WARM_TOKENS:
+        pending += TOKEN_JIT_SECONDS
+    return pending
+
+
+def _estimate(problem: Problem, env: Environment) -> float:
+    """max(host time, 1.65 x the floor of the padded token count) + pending compile time / amortised calls."""
+    padded = problem if problem.num_tokens is None else problem.with_tokens(padded_tokens(tokens(problem)))
+    steady = max(HOST_SECONDS, EFFICIENCY * floor_seconds(padded, env))
+    return steady + pending_compile_seconds(problem) / amortize_calls()
+
+
+def _packages(problem: Problem, env: Environment) -> Availability | None:
+    """apache-tvm-ffi is not among the default probes: ask for it here (SELECTOR_PACKAGE_APACHE_TVM_FFI works)."""
+    from selector.requirements import version_tuple
+
+    facts = env.package("apache-tvm-ffi") or probe_packages(("apache-tvm-ffi",))[0]
+    if facts.version is None:
+        return Availability(
+            Status.MISSING_PACKAGE,
+            "needs the Python package 'apache-tvm-ffi' (SonicMoE's CuTe-DSL kernels call through it), which is not "
+            "installed",
+            f"pip install 'apache-tvm-ffi>={TVM_FFI_MIN}'",
+            found=f"apache-tvm-ffi: not found ({facts.source})",
+        )
+    if version_tuple(facts.version) < version_tuple(TVM_FFI_MIN):
+        return Availability(
+            Status.PACKAGE_TOO_OLD,
+            f"needs apache-tvm-ffi >= {TVM_FFI_MIN}; {facts.version} is installed",
+            f"pip install -U 'apache-tvm-ffi>={TVM_FFI_MIN}'",
+            found=f"apache-tvm-ffi {facts.version} ({facts.source})",
+        )
+    return None
+
+
+def unsupported_activation(problem: Problem) -> str | None:
+    if not problem.gated:
+        return "non-gated experts"
+    if problem.custom_gate:
+        return "a custom gate function"
+    if problem.activation not in ACTIVATION_TYPES:
+        return f"the gated activation {problem.activation!r}"
+    return None
+
+
+def _activation(problem: Problem, env: Environment) -> Availability | None:
+    what = unsupported_activation(problem)
+    if what is None:
+        return None
+    # Status MISSING_PACKAGE: the kernel this layer needs does not exist (an ImportError when requested).
+    return Availability(
+        Status.MISSING_PACKAGE,
+        f"SonicMoE has no kernel for {what}: it fuses gated silu/gelu/relu only (SwiGLU, GeGLU, ReGLU)",
+        "pick another experts backend for this layer, e.g. grouped_mm, triton_fused or eager",
+        found=f"{KERNEL}: ActivationType SWIGLU, GEGLU, REGLU",
+    )
+
+
+def _load():  # noqa: ANN202
+    from plugins.sonicmoe.forward import sonicmoe_experts_forward
+
+    return sonicmoe_experts_forward
+
+
+def warm_up(module: object, token_counts: Sequence[int], top_k: int) -> None:
+    """Compile SonicMoE for `module`'s shape and these token counts now (zeros in, nothing kept)."""
+    from plugins.sonicmoe.forward import warm_up as _warm_up
+
+    _warm_up(module, token_counts, top_k)
+
+
+SPEC = BackendSpec(
+    name="sonicmoe",
+    load=_load,
+    requirements=REQUIREMENTS,
+    description=f"SonicMoE fused gated MoE (CuTe DSL) from {KERNEL}",
+    check=hub.kernel_check(KERNEL, machine=_packages, config=_activation),
+    estimate=_estimate,
+    compile_compatible=False,  # the kernel asserts it is not being compiled
+    cuda_graph_safe=False,  # JIT on first call of a shape/token bucket; capture not verified
+    first_call_cost=FIRST_CALL_COST,
+    url="https://huggingface.co/kernels-community/sonic-moe",
+)
+
+
+@hookimpl
+def selector_backends() -> Sequence[BackendSpec]:
+    return [SPEC]
