@@ -23,6 +23,7 @@ The directory facts mirror `kernels` 0.17 (variant names, cache layout, `LOCAL_K
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -106,6 +107,29 @@ def local_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Path]
             repo_id, path = entry.split("=", 1)
             out[repo_id.strip()] = Path(path.strip())
     return out
+
+
+LOCK_VARIABLE = "SELECTOR_KERNELS_LOCK"  # a kernels.lock (from `kernels lock`): pins resolve to its commits
+
+
+def lock_commit(kernel: HubKernel, environ: Mapping[str, str] | None = None) -> str | None:
+    """The commit a kernels.lock named by SELECTOR_KERNELS_LOCK gives this pin, or None."""
+    env = os.environ if environ is None else environ
+    path = env.get(LOCK_VARIABLE)
+    if not path:
+        return None
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    for entry in entries if isinstance(entries, list) else []:
+        dep = entry.get("dependency", {}) if isinstance(entry, dict) else {}
+        if dep.get("repo-id") != kernel.repo_id:
+            continue
+        if dep.get("version") == kernel.version or (kernel.revision and dep.get("revision") == kernel.revision):
+            commit = entry.get("lock", {}).get("commit")
+            return commit if isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{40}", commit) else None
+    return None
 
 
 @dataclass(frozen=True)
@@ -261,8 +285,8 @@ def _local(kernel: HubKernel, path: Path, build: SystemBuild) -> KernelLocation:
     return KernelLocation(kernel, "unusable", "LOCAL_KERNELS", path, None, searched, tuple(rejected))
 
 
-def _snapshot(kernel: HubKernel, root: Path) -> tuple[Path | None, list[str]]:
-    """The cached snapshot directory of the pin, as huggingface_hub lays it out, and what was looked at."""
+def _snapshot(kernel: HubKernel, root: Path, locked: str | None = None) -> tuple[Path | None, list[str]]:
+    """The cached snapshot directory of the pin (or of its locked commit), and what was looked at."""
     looked: list[str] = []
     slug = kernel.repo_id.replace("/", "--")
     for prefix in ("kernels", "models"):  # newer huggingface_hub uses the 'kernel' repo type; older caches 'model'
@@ -270,7 +294,7 @@ def _snapshot(kernel: HubKernel, root: Path) -> tuple[Path | None, list[str]]:
         if not repo.is_dir():
             looked.append(f"{repo}: absent")
             continue
-        ref = kernel.ref
+        ref = locked or kernel.ref
         commit = ref if re.fullmatch(r"[0-9a-f]{40}", ref) else None
         if commit is None:
             try:
@@ -293,8 +317,11 @@ def locate(kernel: HubKernel, env: Environment, environ: Mapping[str, str] | Non
         if local is not None:
             return _local(kernel, local, build)
         root, found_by = cache_root(environ)
-        snapshot, looked = _snapshot(kernel, root)
+        locked = lock_commit(kernel, environ)
+        snapshot, looked = _snapshot(kernel, root, locked)
         searched = (f"hub cache {root} (from {found_by})", *looked)
+        if locked:
+            searched += (f"commit {locked[:12]} from {LOCK_VARIABLE}",)
         if snapshot is None:
             return KernelLocation(kernel, "absent", found_by, None, None, searched)
         rejected = []
@@ -313,9 +340,10 @@ def locate(kernel: HubKernel, env: Environment, environ: Mapping[str, str] | Non
 
 def _prefetch_remedy(kernel: HubKernel) -> str:
     return (
-        f"on a machine with internet, pre-fetch it (`kernels lock DIR && kernels download DIR` with the pins from "
-        f"`python -m selector.hub pyproject`) and copy the hub cache here, or point "
-        f"LOCAL_KERNELS={kernel.repo_id}=/path/to/kernel at a local kernel directory ({DOCS})"
+        f"on a machine with internet, pre-fetch it (`python -m selector.hub download`, or `kernels lock DIR && "
+        f"kernels download DIR` with the pins from `python -m selector.hub pyproject` and {LOCK_VARIABLE}=DIR/"
+        f"kernels.lock) and copy the hub cache here, or point LOCAL_KERNELS={kernel.repo_id}=/path/to/kernel "
+        f"at a local kernel directory ({DOCS})"
     )
 
 
@@ -437,11 +465,13 @@ def load_kernel(kernel: HubKernel, required: Sequence[str] = (), backend: str = 
 
     tried: list[str] = []
     module: ModuleType | None = None
+    locked = lock_commit(kernel)
+    pin_kwargs = {"revision": locked} if locked else kernel.kwargs()
     try:
-        module = kernels.get_kernel(kernel.repo_id, **kernel.kwargs())
+        module = kernels.get_kernel(kernel.repo_id, **pin_kwargs)
         where = "LOCAL_KERNELS" if kernel.repo_id in local_overrides() else "the hub (or its cache)"
     except Exception as exc:  # ValueError (publisher check without network), FileNotFoundError, OSError, ...
-        tried.append(f"kernels.get_kernel({kernel.repo_id!r}, {kernel.kwargs()}): {type(exc).__name__}: {exc}")
+        tried.append(f"kernels.get_kernel({kernel.repo_id!r}, {pin_kwargs}): {type(exc).__name__}: {exc}")
         from selector.environment import current_environment
 
         loc = locate(kernel, current_environment())
@@ -492,6 +522,30 @@ def kernels_pyproject(pins: Iterable[HubKernel] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def download(pins: Iterable[HubKernel], variants: Sequence[str] = (), cache_dir: str | None = None) -> list[Path]:
+    """On a machine with internet: fetch each pin's build variants (all, or `variants`) into the hub cache.
+
+    Downloads by the pin's branch (vN), so the cache keeps the refs/vN pointer that `kernels.get_kernel(...,
+    version=N)` reads offline. Copy the cache directory to the GPU nodes and set HF_HUB_OFFLINE=1 there.
+    """
+    from huggingface_hub import snapshot_download
+
+    env_cache = os.environ.get("KERNELS_CACHE")
+    patterns = [f"build/{v}/*" for v in variants] or ["build/*"]
+    paths = []
+    for pin in pins:
+        path = snapshot_download(
+            pin.repo_id,
+            repo_type="kernel",
+            revision=pin.ref,
+            allow_patterns=patterns,
+            ignore_patterns=["*.pyc", "**/__pycache__/**"],
+            cache_dir=cache_dir or env_cache,
+        )
+        paths.append(Path(path))
+    return paths
+
+
 def pinned_kernels() -> dict[str, HubKernel]:
     """{backend name: its pin} for every registered backend whose check came from `kernel_check`."""
     from selector.registry import get_registry
@@ -506,14 +560,22 @@ def pinned_kernels() -> dict[str, HubKernel]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m selector.hub [status|pyproject]: where each backend's hub kernel is; the pins for `kernels lock`."""
+    """python -m selector.hub [status | pyproject | download [VARIANT ...]].
+
+    status: where each backend's hub kernel is (exit 1 when one cannot be loaded); pyproject: the pins as
+    `kernels lock` reads them; download: fetch the pinned kernels into the hub cache (needs internet).
+    """
     args = list(sys.argv[1:] if argv is None else argv) or ["status"]
+    pins = list(dict.fromkeys(pinned_kernels().values())) or list(PINS.values())
     if args[0] == "pyproject":
-        pins = list(dict.fromkeys(pinned_kernels().values())) or list(PINS.values())
         sys.stdout.write(kernels_pyproject(pins))
         return 0
+    if args[0] == "download":
+        for path in download(pins, variants=args[1:]):
+            sys.stdout.write(f"{path}\n")
+        return 0
     if args[0] != "status":
-        sys.stderr.write("usage: python -m selector.hub [status|pyproject]\n")
+        sys.stderr.write("usage: python -m selector.hub [status | pyproject | download [VARIANT ...]]\n")
         return 2
     from selector.environment import current_environment
 
@@ -531,5 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if broken else 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # run the imported module's main: plugins hold selector.hub's classes, not __main__'s
+    from selector.hub import main as _main
+
+    raise SystemExit(_main())

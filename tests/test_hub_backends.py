@@ -50,7 +50,7 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """No real hub cache, no LOCAL_KERNELS from the shell, fresh selector caches, fakes forgotten."""
     monkeypatch.setenv("KERNELS_CACHE", str(tmp_path / "hub-cache"))
     for variable in ("LOCAL_KERNELS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "SELECTOR_JIT_AMORTIZE_CALLS",
-                     "SELECTOR_SONICMOE_PAD_TOKENS"):
+                     "SELECTOR_SONICMOE_PAD_TOKENS", "SELECTOR_KERNELS_LOCK"):
         monkeypatch.delenv(variable, raising=False)
     import plugins.sonicmoe as sonic
 
@@ -470,6 +470,51 @@ def test_cached_variant_matching(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         assert verdict.status is Status.MISSING_PACKAGE and "no build variant" in verdict.reason
 
 
+def test_kernels_lock_file_pins_the_commit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`kernels lock` + `kernels download` store snapshots by commit, without refs/vN: the lock file names it."""
+    import kernels
+
+    commit = "fedcba9876543210fedcba9876543210fedcba98"
+    repo = tmp_path / "hub-cache" / "kernels--kernels-community--deep-gemm"
+    variant = repo / "snapshots" / commit / "build" / "torch-cpu"
+    variant.mkdir(parents=True)
+    for f in (FAKES / "deep-gemm" / "build" / "torch-cpu").iterdir():
+        if f.is_file():
+            (variant / f.name).write_bytes(f.read_bytes())
+    lock = tmp_path / "kernels.lock"
+    lock.write_text(json.dumps([{"dependency": {"repo-id": DEEP_GEMM.repo_id, "version": 2},
+                                 "lock": {"commit": commit}}]))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = make_env(torch_cuda="")
+    assert hub.locate(DEEP_GEMM, env).state == "absent"  # no refs/v2 without the lock
+    monkeypatch.setenv("SELECTOR_KERNELS_LOCK", str(lock))
+    loc = hub.locate(DEEP_GEMM, env)
+    assert loc.state == "cached" and loc.variant == "torch-cpu"
+    seen = {}
+
+    def get_kernel(repo_id, **kwargs):
+        seen.update(kwargs, repo_id=repo_id)
+        raise FileNotFoundError("not in this test")
+
+    monkeypatch.setattr(kernels, "get_kernel", get_kernel)
+    set_environment(env)
+    assert hub.load_kernel(DEEP_GEMM, backend="deepgemm").FAKE  # falls back to the locked snapshot
+    assert seen == {"repo_id": DEEP_GEMM.repo_id, "revision": commit}
+
+
+def test_download_fetches_pins_by_branch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: calls.append((repo_id, kw)) or
+                        str(tmp_path))
+    hub.download([DEEP_GEMM, SONIC_MOE], variants=["torch211-cxx11-cu130-x86_64-linux"])
+    assert [c[0] for c in calls] == [DEEP_GEMM.repo_id, SONIC_MOE.repo_id]
+    assert calls[0][1]["revision"] == "v2" and calls[0][1]["repo_type"] == "kernel"
+    assert calls[0][1]["allow_patterns"] == ["build/torch211-cxx11-cu130-x86_64-linux/*"]
+    assert calls[0][1]["cache_dir"] == str(tmp_path / "hub-cache")
+
+
 def test_cache_root_order(tmp_path: Path) -> None:
     assert hub.cache_root({"KERNELS_CACHE": "/k", "HF_HUB_CACHE": "/h"}) == (Path("/k"), "KERNELS_CACHE")
     assert hub.cache_root({"HF_HUB_CACHE": "/h", "HF_HOME": "/home"}) == (Path("/h"), "HF_HUB_CACHE")
@@ -541,6 +586,16 @@ def test_doctor_reports_the_kernel_state(monkeypatch: pytest.MonkeyPatch) -> Non
     text = render_text(report)
     assert "kernels download" in text and "first call:" in text
     assert "sonicmoe" in report.ranking.excluded
+
+
+def test_hub_status_command_lists_each_pinned_kernel(fake_kernels: None) -> None:
+    env = {**os.environ, "SELECTOR_GPUS": H200, "SELECTOR_TORCH_CUDA": "", "HF_HUB_OFFLINE": "1",
+           "LOCAL_KERNELS": f"{SONIC_MOE.repo_id}={FAKES / 'sonic-moe'}"}
+    done = subprocess.run([sys.executable, "-m", "selector.hub", "status"], env=env, capture_output=True, text=True)
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line and not line.startswith(" ")}
+    assert set(lines) == {"deepgemm", "deepgemm_megamoe", "sonicmoe"}
+    assert "ok" in lines["sonicmoe"] and "local kernel directory" in lines["sonicmoe"]
+    assert "missing_package" in lines["deepgemm"] and done.returncode == 1
 
 
 def test_kernels_pyproject_is_what_kernels_lock_reads(tmp_path: Path) -> None:
