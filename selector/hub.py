@@ -426,6 +426,30 @@ def kernel_check(
     return check
 
 
+# --- first-call cost in the ranking ------------------------------------------------------------------------
+
+AMORTIZE_VARIABLE = "SELECTOR_JIT_AMORTIZE_CALLS"
+DEFAULT_AMORTIZE_CALLS = 1000.0
+DOWNLOAD_SECONDS = 30.0  # a guess for fetching one kernel variant from the Hub (tens to hundreds of MB)
+
+
+def amortize_calls(environ: Mapping[str, str] | None = None) -> float:
+    """Over how many calls a one-time cost (download, JIT compile) is spread in an estimate."""
+    env = os.environ if environ is None else environ
+    try:
+        calls = float(env.get(AMORTIZE_VARIABLE, DEFAULT_AMORTIZE_CALLS))
+    except ValueError:
+        return DEFAULT_AMORTIZE_CALLS
+    return calls if calls > 0 else DEFAULT_AMORTIZE_CALLS
+
+
+def pending_download_seconds(kernel: HubKernel, env: Environment) -> float:
+    """DOWNLOAD_SECONDS unless the kernel is already loaded, local or cached; 0 otherwise."""
+    if kernel in _LOADED:
+        return 0.0
+    return 0.0 if locate(kernel, env).loadable_offline else DOWNLOAD_SECONDS
+
+
 # --- loading ---------------------------------------------------------------------------------------------
 
 _LOADED: dict[HubKernel, ModuleType] = {}

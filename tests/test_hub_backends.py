@@ -52,9 +52,11 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     for variable in ("LOCAL_KERNELS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "SELECTOR_JIT_AMORTIZE_CALLS",
                      "SELECTOR_SONICMOE_PAD_TOKENS", "SELECTOR_KERNELS_LOCK"):
         monkeypatch.delenv(variable, raising=False)
+    import plugins.deepgemm as deepgemm
     import plugins.sonicmoe as sonic
 
     sonic.forget_compiled()
+    deepgemm.forget_compiled()
     hub.forget_loaded()
     selector.reset_selection_caches()
     yield
@@ -62,6 +64,7 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     selector.reset_selection_caches()
     hub.forget_loaded()
     sonic.forget_compiled()
+    deepgemm.forget_compiled()
 
 
 @pytest.fixture
@@ -628,9 +631,12 @@ def test_estimate_charges_pending_compiles(monkeypatch: pytest.MonkeyPatch) -> N
     import plugins.sonicmoe as sonic
     from selector.costmodel import floor_seconds
 
-    env = make_env(H200)
+    env = make_env(H200, torch_cuda="")
     prob = problem(num_tokens=16384)
+    not_here = sonic._estimate(prob, env)
+    monkeypatch.setenv("LOCAL_KERNELS", f"{SONIC_MOE.repo_id}={FAKES / 'sonic-moe'}")  # now it is local
     cold = sonic._estimate(prob, env)
+    assert not_here - cold == pytest.approx(hub.DOWNLOAD_SECONDS / 1000)
     sonic.record_compiled(sonic.problem_key(prob), 16384)
     warm = sonic._estimate(prob, env)
     assert cold - warm == pytest.approx((sonic.SHAPE_JIT_SECONDS + sonic.TOKEN_JIT_SECONDS) / 1000)
@@ -644,7 +650,21 @@ def test_estimate_charges_pending_compiles(monkeypatch: pytest.MonkeyPatch) -> N
     assert sonic._estimate(prob.with_tokens(12000), env) - warm < 1e-5
 
 
-def test_auto_waits_for_a_warm_sonicmoe(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deepgemm_estimate_charges_download_and_jit(fake_kernels: None) -> None:
+    import plugins.deepgemm as dg
+
+    env = make_env(H100, torch_cuda="")  # the fake's torch-cpu variant fits: the kernel is local
+    prob = problem(num_tokens=4096)
+    cold = dg._estimate(prob, env)
+    dg.record_compiled(dg.problem_key(prob))
+    try:
+        assert cold - dg._estimate(prob, env) == pytest.approx(dg.JIT_SECONDS / 1000)
+        assert dg._estimate(prob, make_env(H100)) - dg._estimate(prob, env) == pytest.approx(hub.DOWNLOAD_SECONDS / 1000)
+    finally:
+        dg.forget_compiled()
+
+
+def test_auto_waits_for_a_warm_sonicmoe(monkeypatch: pytest.MonkeyPatch, fake_kernels: None) -> None:
     """Cold, SonicMoE's compile keeps it out of first place; warm, it wins large batches, loses T=1."""
     import plugins.sonicmoe as sonic
     from selector.config import SelectorConfig
@@ -653,7 +673,7 @@ def test_auto_waits_for_a_warm_sonicmoe(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setenv("SELECTOR_PLUGINS_ALLOW", "sonicmoe,grouped_mm")
     registry = build_registry()
-    env = make_env(H200)
+    env = make_env(H200, torch_cuda="")  # the FAKE kernel directory is local (torch-cpu fits a CPU torch)
     big = problem(num_tokens=16384)
     assert rank(big, env, registry, SelectorConfig()).best == "grouped_mm"
     sonic.record_compiled(sonic.problem_key(big), 16384)

@@ -39,8 +39,9 @@ REQUIREMENTS = Requirements(
 )
 
 FIRST_CALL_COST = (
-    f"downloads {KERNEL} on first use unless cached or local; JIT-compiles each GEMM shape with nvcc on its "
-    "first call (DeepGEMM caches the builds on disk; not measured here)"
+    f"downloads {KERNEL} on first use unless cached or local; JIT-compiles each layer shape's GEMMs with nvcc "
+    "on its first call (DeepGEMM caches builds on disk; not measured here: auto counts a guessed 20 s, spread "
+    "over SELECTOR_JIT_AMORTIZE_CALLS calls, until this process has run the shape)"
 )
 
 
@@ -80,16 +81,42 @@ def config_check(problem: Problem, env: Environment) -> Availability | None:
     return None
 
 
+# NOT measured: a guess at DeepGEMM's nvcc JIT for one layer shape (its two GEMMs; M is a run-time dim).
+# DeepGEMM keeps its builds on disk across processes, which this in-process record does not see.
+JIT_SECONDS = 20.0
+_COMPILED: set[tuple] = set()  # layer shapes this process has run (filled by the forward)
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, gated: bool, transposed: bool, weight_format: str,
+              scale_format: str | None) -> tuple:
+    return (num_experts, hidden, inter, gated, transposed, weight_format, scale_format if weight_format != "dense" else None)
+
+
+def problem_key(problem: Problem) -> tuple:
+    return shape_key(problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.gated,
+                     problem.is_transposed, problem.weight_format, problem.scale_format)
+
+
+def record_compiled(key: tuple) -> None:
+    _COMPILED.add(key)
+
+
+def forget_compiled() -> None:
+    _COMPILED.clear()
+
+
 def _estimate(problem: Problem, env: Environment) -> float:
     """Not measured here (DeepGEMM was not built on the device machine). A guess from DeepGEMM's published
     FP8 grouped-GEMM rates (1.2-1.35k TFLOP/s on H800): near the floor, plus the padding to its M alignment
-    (128 rows per expert hit) and ~120 us of sort/pad/gather launches. Tuning measurements replace it."""
+    (128 rows per expert hit) and ~120 us of sort/pad/gather launches; plus the one-time JIT (guessed) and
+    download still ahead, spread over SELECTOR_JIT_AMORTIZE_CALLS calls. Tuning measurements replace it."""
     c = ceilings(problem, env)
     pairs = max(tokens(problem) * problem.top_k, 1)
     padded = pairs + experts_hit(problem) * 64  # on average half an alignment block per expert hit
     moved = experts_hit(problem) * weight_bytes_per_expert(problem) + 4 * tokens(problem) * problem.hidden_size
     floor = max(moved / c.bandwidth, flops(problem) * padded / pairs / c.peak)
-    return 120e-6 + 1.3 * floor
+    pending = (0.0 if problem_key(problem) in _COMPILED else JIT_SECONDS) + hub.pending_download_seconds(KERNEL, env)
+    return 120e-6 + 1.3 * floor + pending / hub.amortize_calls()
 
 
 def _load():  # noqa: ANN202

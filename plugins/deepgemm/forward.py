@@ -29,7 +29,7 @@ from selector import hub, layers
 from selector.environment import current_environment
 from selector.quant import is_ue8m0_tensor, ue8m0_bytes, ue8m0_to_float
 
-from . import KERNEL
+from . import KERNEL, record_compiled, shape_key
 
 BF16_SYMBOLS = (
     "m_grouped_bf16_gemm_nt_contiguous",
@@ -293,4 +293,8 @@ def deepgemm_experts_forward(
     if down_b is not None:
         out = out + down_b[safe_ids].to(out.dtype)
     out = layers.post_norm(module, out)
-    return combine(out, top_k_weights, lay, num_experts, layers.is_expert_parallel(module), hidden_states.dtype)
+    result = combine(out, top_k_weights, lay, num_experts, layers.is_expert_parallel(module), hidden_states.dtype)
+    inter = layers.dims(module)[2]
+    record_compiled(shape_key(num_experts, hidden, inter, bool(getattr(module, "has_gate", True)), transposed, fmt,
+                              getattr(module, "selector_scale_format", None)))
+    return result

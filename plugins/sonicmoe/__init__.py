@@ -12,9 +12,10 @@ Two things follow here:
   14, 16, 20, ...: at most 25 % extra rows, dummy rows of weight 0), so a decode loop with changing batch
   sizes compiles at most four token counts per doubling instead of one per batch size.
   `SELECTOR_SONICMOE_PAD_TOKENS=0` turns it off.
-- **Ranking rule.** The estimate is the steady-state time plus the compile time still ahead for this problem
+- **Ranking rule.** The estimate is the steady-state time plus the one-time costs still ahead for this problem
   in this process (shape not compiled yet: 60 s, the middle of the measured range; token bucket not compiled
-  yet, or token count unknown: 2 s), spread over `SELECTOR_JIT_AMORTIZE_CALLS` calls (default 1000). So
+  yet, or token count unknown: 2 s; kernel neither local nor cached: a 30 s download), spread over
+  `SELECTOR_JIT_AMORTIZE_CALLS` calls (default 1000). So
   `auto` does not pick a cold SonicMoE unless it would still win after paying the compile; it picks a warm
   one (compiled by an explicit `sonicmoe` run or `warm_up()`) where it is fastest. Measured tuning results
   replace estimates entirely and say nothing of the compile: tune in the serving process, or warm up.
@@ -58,7 +59,7 @@ HOST_SECONDS = 0.9e-3  # measured: ~0.75-1.5 ms per call at T <= 64 on the H200 
 EFFICIENCY = 1.65  # measured: 1.3-1.8x the floor at T >= 4096
 SHAPE_JIT_SECONDS = 60.0  # measured 25-144 s on the first call of a shape
 TOKEN_JIT_SECONDS = 2.0  # measured ~2 s for each new token count
-AMORTIZE_VARIABLE = "SELECTOR_JIT_AMORTIZE_CALLS"
+AMORTIZE_VARIABLE = hub.AMORTIZE_VARIABLE
 PAD_VARIABLE = "SELECTOR_SONICMOE_PAD_TOKENS"
 
 FIRST_CALL_COST = (
@@ -103,14 +104,6 @@ def forget_compiled() -> None:
     _WARM_TOKENS.clear()
 
 
-def amortize_calls() -> float:
-    try:
-        calls = float(os.environ.get(AMORTIZE_VARIABLE, "1000"))
-    except ValueError:
-        calls = 1000.0
-    return calls if calls > 0 else 1000.0
-
-
 def pending_compile_seconds(problem: Problem) -> float:
     """Compile time still ahead of this problem in this process, by the measured figures."""
     key = problem_key(problem)
@@ -121,10 +114,11 @@ def pending_compile_seconds(problem: Problem) -> float:
 
 
 def _estimate(problem: Problem, env: Environment) -> float:
-    """max(host time, 1.65 x the floor of the padded token count) + pending compile time / amortised calls."""
+    """max(host time, 1.65 x the floor of the padded token count) + (pending compile + download) / calls."""
     padded = problem if problem.num_tokens is None else problem.with_tokens(padded_tokens(tokens(problem)))
     steady = max(HOST_SECONDS, EFFICIENCY * floor_seconds(padded, env))
-    return steady + pending_compile_seconds(problem) / amortize_calls()
+    pending = pending_compile_seconds(problem) + hub.pending_download_seconds(KERNEL, env)
+    return steady + pending / hub.amortize_calls()
 
 
 def _packages(problem: Problem, env: Environment) -> Availability | None:
