@@ -15,6 +15,7 @@ What it does, in one process (target: under 3 minutes; SonicMoE's first call of 
    to back (CUDA events around many calls) against the floor measured in the same run.
 5. Checks the token buckets: T=60 right after T=64 (same bucket: no new compile expected), and T=61 with
    padding off (a new token count: ~2 s expected).
+6. Runs the same cells through `selector bench` (sonicmoe and grouped_mm, eager mode) into <out>/bench/.
 
 Prints a short table last; writes <out>/sonicmoe_gpu.json.
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "sonicmoe_out")))
     parser.add_argument("--tokens", default="1,64,4096")
     parser.add_argument("--budget-s", type=float, default=170.0, help="skip optional steps past this many seconds")
+    parser.add_argument("--no-bench", action="store_true", help="skip the `selector bench` cells at the end")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     elapsed = lambda: time.perf_counter() - start  # noqa: E731
@@ -227,6 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         cold = rank(problem.with_tokens(t), current_environment(), registry)
         picks[t]["cold"] = [(c.name, c.estimate) for c in cold.candidates]
     report["ranking"] = picks
+
+    # the same cells in `selector bench`'s own format (the kernel is warm now, so this is quick)
+    if not args.no_bench and elapsed() < args.budget_s:
+        from selector.bench import markdown_table, run_bench, write_outputs
+
+        try:
+            for t in tokens:  # warm again: forget_compiled above only cleared the record, not the kernel
+                sonic.record_compiled(sonic.problem_key(problem), sonic.padded_tokens(t))
+            bench = run_bench(["qwen3-30b-a3b"], tokens, backends=["sonicmoe", "grouped_mm"], modes=("eager",),
+                              with_peers=False)
+            write_outputs(bench, args.out / "bench")
+            report["selector_bench"] = str(args.out / "bench")
+            _say(markdown_table(bench))
+        except Exception as exc:
+            report["notes"].append(f"selector bench failed: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
     report["elapsed_s"] = elapsed()
     (args.out / "sonicmoe_gpu.json").write_text(json.dumps(report, indent=2, default=str))
 
