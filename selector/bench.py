@@ -361,6 +361,8 @@ def markdown_table(result: BenchResult) -> str:
     ]
     for shape, t, mode in rows:
         cells = [by_key.get((shape, t, mode, b)) for b in backends]
+        if not any(cell and cell.time_s for cell in cells):
+            continue  # e.g. graph mode above --graph-max-tokens
         texts = []
         for cell in cells:
             if cell is None or cell.time_s is None:

@@ -391,7 +391,7 @@ def experts_state_dict(module: torch.nn.Module, prefix: str) -> dict[str, torch.
         if s is not None:
             out[f"{base}.weight_scale_inv"] = s.contiguous().cpu()
         if act is not None:
-            out[f"{base}.activation_scale"] = act.reshape(()).float().cpu()
+            out[f"{base}.activation_scale"] = act.reshape(()).float().cpu().clone()  # gate and up: own storage
 
     static = fmt is not None and fmt.activation_quant == "static"
     a1 = module.gate_up_proj_activation_scale.detach() if static else None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from probes import Environment, collect_environment
+from selector.tuning import record_key
 
 SOCKET_VARIABLE = "SELECTOR_DAEMON_SOCKET"
 MAX_REQUEST_BYTES = 8 * 2**20
@@ -53,8 +54,7 @@ class _State:
         count = 0
         with self.lock:
             for r in records:
-                key = tuple(r[k] for k in ("gpu", "E", "H", "I", "k", "dtype", "tokens", "backend"))
-                self.records[key] = dict(r)
+                self.records[record_key(r)] = dict(r)
                 count += 1
         return count
 

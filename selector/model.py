@@ -15,6 +15,7 @@ with the reason and the fix; "auto" picks the best runnable backend per token-co
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -105,6 +106,7 @@ class _Resolver:
         self.forwards: dict[str, ExpertsForward] = {}
         self.auto: dict[tuple[Problem, int], str] = {}
         self.verdicts: dict[tuple[str, Problem], Any] = {}
+        self.generation = getattr(self, "generation", 0) + 1  # invalidates the per-module choice caches
 
     def get_registry(self) -> Registry:
         if self.registry is None:
@@ -125,10 +127,18 @@ class _Resolver:
         env = current_environment()
         return rank(problem, env, self.get_registry(), self.get_config(), measured=measured_for(problem, env))
 
-    def choose(self, module: torch.nn.Module, num_tokens: int, top_k: int, requested: str | None = None) -> str:
+    def choose(
+        self,
+        module: torch.nn.Module,
+        num_tokens: int,
+        top_k: int,
+        requested: str | None = None,
+        capturing: bool = False,
+    ) -> str:
         if requested is None:
             requested = getattr(module, REQUEST_ATTR, AUTO)
-        problem = _static_problem(module, top_k)
+        # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph
+        problem = replace(_static_problem(module, top_k), compile=torch.compiler.is_compiling(), cuda_graph=capturing)
         if requested == AUTO:
             key = (problem, token_bucket(num_tokens))
             if key not in self.auto:
@@ -138,6 +148,8 @@ class _Resolver:
                     raise ImportError(f"no experts backend can run this layer here ({reasons})")
                 self.auto[key] = ranking.best
             return self.auto[key]
+        # an explicit name may graph-break under torch.compile (the user's call); only auto avoids that
+        problem = replace(problem, compile=False)
         key2 = (requested, problem)
         if key2 not in self.verdicts:
             spec = self.get_registry().get(requested)
@@ -163,7 +175,7 @@ def token_bucket(num_tokens: int) -> int:
 
 def _static_problem(module: torch.nn.Module, top_k: int) -> Problem:
     weight = layers.up_weight(module)
-    key = (weight.dtype, weight.device, tuple(weight.shape), top_k)
+    key = (weight.dtype, weight.device, tuple(weight.shape), top_k, layers.is_expert_parallel(module))
     cached = module.__dict__.get("_selector_problem")
     if cached is None or cached[0] != key:
         cached = (key, problem_from_module(module, top_k=top_k))
@@ -189,19 +201,36 @@ def run_experts(
     `implementation`: a backend name or "auto" that overrides the module's own request (the Transformers
     adapter passes the name the model's config holds).
     """
-    num_experts, hidden, _ = layers.dims(module)
+    weight = layers.up_weight(module)
+    weight_key = (weight.dtype, weight.device, weight.shape)
+    facts = module.__dict__.get("_selector_facts")
+    if facts is None or facts[0] != weight_key:  # (E, H) read off the weights once per weight layout
+        facts = (weight_key, *layers.dims(module)[:2])
+        module.__dict__["_selector_facts"] = facts
+    expert_parallel = layers.is_expert_parallel(module)
     validate_inputs(
         hidden_states,
         top_k_index,
         top_k_weights,
-        num_experts=num_experts,
-        hidden_size=hidden,
-        expert_parallel=layers.is_expert_parallel(module),
+        num_experts=facts[1],
+        hidden_size=facts[2],
+        expert_parallel=expert_parallel,
     )
+    num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     if torch.compiler.is_compiling():
-        name = _choose_constant(module, hidden_states.shape[0], top_k_index.shape[1], implementation)
+        name = _choose_constant(module, num_tokens, top_k, implementation)
     else:
-        name = _RESOLVER.choose(module, hidden_states.shape[0], top_k_index.shape[1], implementation)
+        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        requested = implementation or module.__dict__.get(REQUEST_ATTR, AUTO)
+        bucket = token_bucket(num_tokens) if requested == AUTO else 0
+        key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, _RESOLVER.generation)
+        choices = module.__dict__.setdefault("_selector_choices", {})
+        name = choices.get(key)
+        if name is None:  # decided once per key; a request that cannot run raises here every time
+            name = _RESOLVER.choose(module, num_tokens, top_k, implementation, capturing)
+            if len(choices) > 64:
+                choices.clear()
+            choices[key] = name
         module.__dict__[LAST_ATTR] = name
     return _RESOLVER.forward_of(name)(module, hidden_states, top_k_index, top_k_weights)
 

@@ -171,6 +171,13 @@ def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availabil
         verdict = step()
         if verdict is not None:
             return verdict
+    if problem.compile and not spec.compile_compatible:
+        return _unsupported("cannot be traced by torch.compile", "pick a compile-friendly backend such as grouped_mm")
+    if problem.cuda_graph and not spec.cuda_graph_safe:
+        return _unsupported(
+            "cannot be captured in a CUDA graph (it reads values on the host)",
+            "pick a backend without host synchronisation, e.g. grouped_mm or triton_fused",
+        )
     if spec.check is not None:
         try:
             verdict = spec.check(problem, env)

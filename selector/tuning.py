@@ -21,7 +21,7 @@ from selector.types import Problem
 DATA_DIR = Path(__file__).parent / "tuning_data"
 SCHEMA = "selector.tuning/1"
 
-Key = tuple[str, int, int, int, int, str]  # gpu name, E, H, I, k, dtype
+Key = tuple[str, int, int, int, int, str, str]  # gpu name, E, H, I, k, dtype, mode
 
 
 def user_tuning_path() -> Path:
@@ -30,13 +30,16 @@ def user_tuning_path() -> Path:
     return Path(platformdirs.user_cache_dir("selector")) / "tuning.json"
 
 
-def records_from_bench(bench: Mapping[str, Any], mode: str = "eager") -> list[dict[str, Any]]:
-    """Turn `selector bench` JSON into tuning records (selector backends only, one mode)."""
+MODES = ("eager", "graph")  # plain calls, or replays of a captured CUDA graph
+
+
+def records_from_bench(bench: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Turn `selector bench` JSON into tuning records (selector backends only; eager and graph modes)."""
     from selector.presets import PRESETS
 
     out = []
     for cell in bench["cells"]:
-        if cell["mode"] != mode or not cell.get("time_s") or cell["backend"].startswith(("hf:", "auto")):
+        if cell["mode"] not in MODES or not cell.get("time_s") or cell["backend"].startswith(("hf:", "auto")):
             continue
         p = PRESETS.get(cell["shape"])
         if p is None:
@@ -44,17 +47,21 @@ def records_from_bench(bench: Mapping[str, Any], mode: str = "eager") -> list[di
         out.append({
             "gpu": bench["device"], "E": p.num_experts, "H": p.hidden_size, "I": p.intermediate_size,
             "k": p.top_k, "dtype": cell["dtype"], "tokens": cell["tokens"], "backend": cell["backend"],
-            "time_s": cell["time_s"],
+            "mode": cell["mode"], "time_s": cell["time_s"],
         })
     return out
+
+
+def record_key(r: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (r["gpu"], r["E"], r["H"], r["I"], r["k"], r["dtype"], r.get("mode", "eager"), r["tokens"], r["backend"])
 
 
 def write_records(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     existing = read_records(path)
-    merged = {(r["gpu"], r["E"], r["H"], r["I"], r["k"], r["dtype"], r["tokens"], r["backend"]): r for r in existing}
+    merged = {record_key(r): r for r in existing}
     for r in records:
-        merged[(r["gpu"], r["E"], r["H"], r["I"], r["k"], r["dtype"], r["tokens"], r["backend"])] = dict(r)
+        merged[record_key(r)] = dict(r)
     path.write_text(json.dumps({"schema": SCHEMA, "records": list(merged.values())}, indent=1))
 
 
@@ -71,7 +78,7 @@ def _table() -> dict[Key, dict[int, dict[str, float]]]:
     table: dict[Key, dict[int, dict[str, float]]] = {}
     paths = sorted(DATA_DIR.glob("*.json")) + [user_tuning_path()]
     for r in [r for path in paths for r in read_records(path)] + _daemon_records():
-        key = (r["gpu"], r["E"], r["H"], r["I"], r["k"], r["dtype"])
+        key = (r["gpu"], r["E"], r["H"], r["I"], r["k"], r["dtype"], r.get("mode", "eager"))
         table.setdefault(key, {}).setdefault(int(r["tokens"]), {})[r["backend"]] = float(r["time_s"])
     return table
 
@@ -101,7 +108,8 @@ def measured_for(problem: Problem, env: Environment) -> dict[str, float] | None:
     if problem.weight_format != "dense" or problem.has_bias or problem.custom_gate or not problem.gated:
         return None  # measured on plain gated bf16-style layers only
     gpu = env.gpu.devices[problem.device_index].name
-    key = (gpu, problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k, problem.dtype)
+    mode = "graph" if problem.cuda_graph else "eager"
+    key = (gpu, problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k, problem.dtype, mode)
     by_tokens = _table().get(key)
     if not by_tokens:
         return None

@@ -132,7 +132,8 @@ class Problem:
     activation_quant: str = "dynamic"
     expert_parallel: bool = False
     num_tokens: int | None = None  # None: unknown (rank for a typical mix)
-    compile: bool = False
+    compile: bool = False  # traced by torch.compile
+    cuda_graph: bool = False  # captured in a CUDA graph
 
     def with_tokens(self, num_tokens: int | None) -> Problem:
         return _replace(self, num_tokens=num_tokens)

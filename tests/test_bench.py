@@ -76,3 +76,22 @@ def test_measured_timings_steer_auto(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert tuning.measured_for(problem, other_gpu) is None
     finally:
         tuning.reload()
+
+
+def test_graph_mode_timings_apply_only_while_capturing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    result = _result()
+    result.cells.append(Cell("qwen3-30b-a3b", 1, "bfloat16", "grouped_mm", "graph", time_s=1e-6, floor_s=18e-6))
+    path = tmp_path / "tuning.json"
+    tuning.write_records(path, tuning.records_from_bench(result.to_dict()))
+    monkeypatch.setattr(tuning, "DATA_DIR", tmp_path / "none")
+    monkeypatch.setattr(tuning, "user_tuning_path", lambda: path)
+    tuning.reload()
+    try:
+        env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0", "PATH": ""})
+        problem = preset("qwen3-30b-a3b").with_tokens(1)
+        assert tuning.measured_for(problem, env) == {"triton_fused": 30e-6, "grouped_mm": 300e-6}
+        assert tuning.measured_for(replace(problem, cuda_graph=True), env) == {"grouped_mm": 1e-6}
+    finally:
+        tuning.reload()

@@ -183,3 +183,27 @@ def test_validation_level_shapes_skips_value_checks(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("SELECTOR_VALIDATE", "sometimes")
     with pytest.raises(ValueError, match="SELECTOR_VALIDATE='sometimes'"):
         module(x, idx, w)
+
+
+def test_auto_under_compile_avoids_backends_that_break_the_graph() -> None:
+    module = make_experts(4, 16, 8)
+    x, idx, w = _inputs()
+    compiled = torch.compile(module, fullgraph=True, backend="eager")
+    out = compiled(x, idx, w)  # eager (host sync) is excluded while tracing: fullgraph holds
+    assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
+    ranking = selector.explain_model(module)[""]
+    from dataclasses import replace
+
+    from selector.environment import current_environment
+    from selector.registry import get_registry
+
+    traced = selector.rank(replace(ranking.problem, compile=True), current_environment(), get_registry())
+    assert "torch.compile" in traced.excluded["eager"].reason
+
+
+def test_explicit_eager_still_runs_under_compile_with_a_graph_break() -> None:
+    module = make_experts(4, 16, 8)
+    selector.set_experts_implementation(module, "eager")
+    x, idx, w = _inputs()
+    out = torch.compile(module, backend="eager")(x, idx, w)
+    assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]

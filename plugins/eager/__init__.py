@@ -31,5 +31,6 @@ def selector_backends() -> Sequence[BackendSpec]:
             description="loop over the experts hit; one matmul pair per expert",
             estimate=_estimate,
             cuda_graph_safe=False,  # the set of experts hit is read on the host
+            compile_compatible=False,  # ... which breaks a torch.compile graph
         )
     ]

@@ -1,0 +1,52 @@
+"""The fused backend's recorded CUDA graphs at decode sizes: fresh inputs every call, new weights, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from experts_fixtures import make_experts, random_routing, reference_experts, relative_error
+
+pytestmark = pytest.mark.gpu
+
+
+def test_replays_see_fresh_inputs_each_call() -> None:
+    from plugins.triton_fused import forward
+
+    module = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):  # same shape: one graph, replayed with new values
+        x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+        idx, w = random_routing(5, 8, 2, device="cuda")
+        out = forward.triton_fused_experts_forward(module, x, idx, w)
+        assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
+    assert len(module.__dict__["_selector_graphs"]) == 1
+    first = out.clone()
+    forward.triton_fused_experts_forward(module, x * 2, idx, w)
+    assert torch.equal(out, first)  # the returned tensor is not the graph's buffer
+
+
+def test_new_weights_record_a_new_graph_and_the_cache_is_bounded() -> None:
+    from plugins.triton_fused import forward
+
+    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
+    idx, w = random_routing(2, 4, 2, device="cuda")
+    x = torch.randn(2, 32, device="cuda", dtype=torch.bfloat16)
+    forward.triton_fused_experts_forward(module, x, idx, w)
+    module.down_proj = torch.nn.Parameter(torch.randn_like(module.down_proj) * 0.2)
+    out = forward.triton_fused_experts_forward(module, x, idx, w)
+    assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
+    for t in range(1, forward.GRAPHS_PER_MODULE + 4):
+        i, ww = random_routing(t, 4, 2, device="cuda")
+        forward.triton_fused_experts_forward(module, torch.randn(t, 32, device="cuda", dtype=torch.bfloat16), i, ww)
+    assert len(module.__dict__["_selector_graphs"]) == forward.GRAPHS_PER_MODULE
+
+
+def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plugins.triton_fused import forward
+
+    monkeypatch.setenv("SELECTOR_TRITON_FUSED_GRAPHS", "0")
+    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
+    idx, w = random_routing(3, 4, 2, device="cuda")
+    x = torch.randn(3, 32, device="cuda", dtype=torch.bfloat16)
+    out = forward.triton_fused_experts_forward(module, x, idx, w)
+    assert "_selector_graphs" not in module.__dict__
+    assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
