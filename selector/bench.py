@@ -390,13 +390,16 @@ def plot(result: BenchResult, path: Path) -> bool:
         return False
     shapes = sorted({c.shape for c in result.cells})
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    backends = sorted({c.backend for c in result.cells if c.ratio})
+    colours = {b: plt.get_cmap("tab20")(i % 20) for i, b in enumerate(backends)}  # one colour per backend
     for ax, shape in zip(axes[0], shapes):
-        for backend in sorted({c.backend for c in result.cells}):
+        for backend in backends:
             for mode, style in (("eager", "-"), ("graph", "--"), ("compile", ":")):
                 pts = sorted((c.tokens, c.ratio) for c in result.cells
                              if c.shape == shape and c.backend == backend and c.mode == mode and c.ratio)
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", label=f"{backend} ({mode})")
+                    marker = "x" if backend.startswith(PEER_PREFIX) else "o"
+                    ax.plot(*zip(*pts), style, marker=marker, color=colours[backend], label=f"{backend} ({mode})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.axhline(1.0, color="black", linewidth=0.8)
