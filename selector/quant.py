@@ -486,6 +486,24 @@ def quantize_activations(x: torch.Tensor, group: int, static_scale: torch.Tensor
     return (q * s).reshape(rows, groups * group)[:, :k]
 
 
+def expert_weights(module: torch.nn.Module, expert: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(up [C, H], down [H, I]) of one expert, dequantised (only that expert's slices are touched)."""
+    fmt = quant_format(module)
+    name = _up_name(module)
+    up_q, down_q = getattr(module, name)[expert : expert + 1], module.down_proj[expert : expert + 1]
+    if fmt is None:
+        up, down = up_q.to(dtype), down_q.to(dtype)
+        if getattr(module, "is_transposed", False):
+            up, down = up.transpose(1, 2), down.transpose(1, 2)
+        return up[0], down[0]
+    up_s = getattr(module, f"{name}_scale_inv")[expert : expert + 1]
+    down_s = module.down_proj_scale_inv[expert : expert + 1]
+    split = _inter_size(module, up_q) if _split_gate_up(module) else None
+    up = _dequantize_projection(up_q, up_s, fmt, split, dtype)
+    down = _dequantize_projection(down_q, down_s, fmt, None, dtype)
+    return up[0], down[0]
+
+
 @torch.no_grad()
 def reference_forward(
     module: torch.nn.Module,
@@ -494,8 +512,9 @@ def reference_forward(
     top_k_weights: torch.Tensor,
     quantize_activations_as_kernel: bool = True,
     intermediate_dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """float64 forward from the dequantised weights, expert by expert, on the CPU.
+    """float64 forward from the dequantised weights, expert by expert (on `device`, the CPU by default).
 
     With `quantize_activations_as_kernel` the inputs of both projections are quantised as the kernels do
     (`quantize_activations`, in float32, before the float64 math), so the remaining difference to a kernel is
@@ -507,33 +526,31 @@ def reference_forward(
     fmt = quant_format(module)
     if fmt is None:
         raise ValueError("reference_forward is for quantised experts")
-    up, down = (t.detach().cpu().double() for t in dequantized_weights(module, torch.float32))
     inter_dtype = intermediate_dtype or getattr(module, "selector_compute_dtype", None) or hidden_states.dtype
-    x = hidden_states.detach().cpu().to(inter_dtype)
-    idx, wts = top_k_index.cpu(), top_k_weights.detach().cpu().double()
+    x = hidden_states.detach().to(device=device, dtype=inter_dtype)
+    idx, wts = top_k_index.to(device), top_k_weights.detach().to(device=device, dtype=torch.float64)
     up_b, down_b = layers.up_bias(module), layers.down_bias(module)
-    up_b = None if up_b is None else up_b.detach().cpu().double()
-    down_b = None if down_b is None else down_b.detach().cpu().double()
+    up_b = None if up_b is None else up_b.detach().to(device=device, dtype=torch.float64)
+    down_b = None if down_b is None else down_b.detach().to(device=device, dtype=torch.float64)
     static = fmt.activation_quant == "static"
     norm = None
     if getattr(module, "has_post_expert_norm", False):
-        norm = copy.deepcopy(module.post_expert_norm).to(device="cpu", dtype=torch.float64)
-    out = torch.zeros(x.shape, dtype=torch.float64)
+        norm = copy.deepcopy(module.post_expert_norm).to(device=device, dtype=torch.float64)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=device)
     group = fmt.activation_group
-    for e in range(up.shape[0]):
+    for e in torch.unique(idx[(idx >= 0) & (idx < module.num_experts)]).tolist():
         tok, slot = torch.nonzero(idx == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
+        up, down = (t.to(device=device, dtype=torch.float64) for t in expert_weights(module, e))
         xe = x[tok]
         if quantize_activations_as_kernel:
-            xe = quantize_activations(xe, group, module.gate_up_proj_activation_scale[e].cpu() if static else None)
-        h = xe.double() @ up[e].T
+            xe = quantize_activations(xe, group, module.gate_up_proj_activation_scale[e].to(device) if static else None)
+        h = xe.double() @ up.T
         if up_b is not None:
             h = h + up_b[e]
         h = layers.activate(module, h).to(inter_dtype)
         if quantize_activations_as_kernel:
-            h = quantize_activations(h, group, module.down_proj_activation_scale[e].cpu() if static else None)
-        y = h.double() @ down[e].T
+            h = quantize_activations(h, group, module.down_proj_activation_scale[e].to(device) if static else None)
+        y = h.double() @ down.T
         if down_b is not None:
             y = y + down_b[e]
         if norm is not None:
@@ -613,6 +630,7 @@ __all__ = [
     "dequantize_fp4",
     "dequantize_fp8_block",
     "dequantized_weights",
+    "expert_weights",
     "make_format",
     "quant_format",
     "quantize_activations",

@@ -128,7 +128,7 @@ def quant_experts_forward(
                        topk_w=None if post_norm else wts, config=config, **common)  # fmt: skip
     if post_norm:
         y = (layers.post_norm(module, y).float() * wts.float().unsqueeze(-1)).to(compute)
-    ops.combine(y, ids, out, top_k, num_experts)
+    ops.combine_slots(y, ids, out, top_k, num_experts)
     return out.to(hidden_states.dtype)
 
 

@@ -23,9 +23,10 @@ scale. The row kernel dequantises FP4 exactly in fp32.
 Epilogues: optional bias, gating act(gate) * up (concatenated or interleaved channels) or a plain activation,
 multiplication by the routing weight; rows are written at their pair index (row t*k + j).
 
-Under TRITON_INTERPRET=1 (CPU tests) the fp32 -> e4m3 cast of Triton's interpreter truncates a rounding
-carry (7.9 -> 4.0) and does not round ties to even; the kernels then round onto the e4m3 grid in fp32 first
-(``EXACT``), which makes the cast exact and the result the same RNE value the GPU's cvt.rn.satfinite gives.
+Under TRITON_INTERPRET=1 (CPU tests) Triton's interpreter narrows floats (fp32 -> e4m3, bf16, fp16) without
+carrying a mantissa round-up into the exponent (7.9 -> 4.0 in e4m3, 1.999 -> 1.0 in bf16) and without ties to
+even; the kernels then round onto the target grid in fp32 first (``EXACT``), which makes the cast exact and the
+result the RNE value the GPU's cvt.rn gives.
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ def _to_e4m3(x, EXACT: tl.constexpr):
     if EXACT:
         x = _round_e4m3(x)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _round_for_store(x, dtype: tl.constexpr, EXACT: tl.constexpr):
+    """x (fp32) ready to be cast to the output dtype; in the interpreter pre-rounded (RNE) so the cast is exact."""
+    if EXACT and dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    elif EXACT and dtype == tl.float16:
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0xFFF + ((bits >> 13) & 1)) & -8192).to(tl.float32, bitcast=True)
+        sub = (x + 0.75) - 0.75  # below 2^-14 the fp16 grid is 2^-24: fp32's ulp at 0.75
+        x = tl.where(tl.abs(x) < 6.103515625e-05, sub, normal)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -235,7 +250,9 @@ def _grouped_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
     row_ok = rows < num_valid
-    a_rows = tl.where(row_ok, rows // a_div, 0).to(tl.int64)  # padding slots read row 0, never stored
+    # padding slots read the block's first row (always a real pair): finite values, never stored
+    first = tl.load(sorted_ptr + pid_m * BLOCK_M)
+    a_rows = (tl.where(row_ok, rows, first) // a_div).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows[:, None] * stride_am
     w_base = w_ptr + expert * stride_we
@@ -291,7 +308,7 @@ def _grouped_kernel(
     if MUL_W:
         res = res * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(o_ptrs, _round_for_store(res, out_ptr.dtype.element_ty, EXACT), mask=row_ok[:, None] & n_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -371,4 +388,4 @@ def _rows_kernel(
     if MUL_W:
         res = res * tl.load(topk_w_ptr + row).to(tl.float32)
     o_ptrs = out_ptr + row.to(tl.int64) * stride_om + offs_n * stride_on
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(o_ptrs, _round_for_store(res, out_ptr.dtype.element_ty, EXACT), mask=n_ok)

@@ -234,6 +234,15 @@ def quant_experts_impl(
         **common,
     )  # fmt: skip
     y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, **common)
+    return combine_slots(y, ids, out, top_k, num_experts)
+
+
+def combine_slots(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, top_k: int, num_experts: int) -> torch.Tensor:
+    """The fused backend's combine into `out`; under the interpreter through fp32 (its bf16/fp16 cast is wrong)."""
+    if K.INTERPRET and out.dtype != torch.float32:
+        wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        combine(y, ids, wide, top_k, num_experts)
+        return out.copy_(wide)
     combine(y, ids, out, top_k, num_experts)
     return out
 
