@@ -130,7 +130,7 @@ class _Resolver:
     def choose(
         self,
         module: torch.nn.Module,
-        num_tokens: int,
+        num_tokens: int | None,
         top_k: int,
         requested: str | None = None,
         capturing: bool = False,
@@ -140,7 +140,7 @@ class _Resolver:
         # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph
         problem = replace(_static_problem(module, top_k), compile=torch.compiler.is_compiling(), cuda_graph=capturing)
         if requested == AUTO:
-            key = (problem, token_bucket(num_tokens))
+            key = (problem, None if num_tokens is None else token_bucket(num_tokens))
             if key not in self.auto:
                 ranking = self.rank(problem.with_tokens(key[1]))
                 if ranking.best is None:
@@ -183,8 +183,14 @@ def _static_problem(module: torch.nn.Module, top_k: int) -> Problem:
     return cached[1]
 
 
+def _declared_top_k(module: torch.nn.Module) -> int:
+    """k as the module or its config declares it (for symbolic shapes), else 1."""
+    config = getattr(module, "config", None)
+    return int(getattr(module, "top_k", 0) or getattr(config, "num_experts_per_tok", 0) or 1)
+
+
 @torch.compiler.assume_constant_result
-def _choose_constant(module: torch.nn.Module, num_tokens: int, top_k: int, requested: str | None = None) -> str:
+def _choose_constant(module: torch.nn.Module, num_tokens: int | None, top_k: int, requested: str | None = None) -> str:
     # Run eagerly while torch.compile traces, its result a constant: one choice per compiled shape.
     return _RESOLVER.choose(module, num_tokens, top_k, requested)
 
@@ -218,7 +224,10 @@ def run_experts(
     )
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     if torch.compiler.is_compiling():
-        name = _choose_constant(module, num_tokens, top_k, implementation)
+        # Shapes may be symbolic while tracing, and dynamo can only pass constants here: under
+        # torch.compile auto chooses once per layer, for a typical token count and the declared k.
+        static_tokens, static_k = None, _declared_top_k(module)
+        name = _choose_constant(module, static_tokens, static_k, implementation)
     else:
         capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
         requested = implementation or module.__dict__.get(REQUEST_ATTR, AUTO)
@@ -308,7 +317,7 @@ def explain_model(model: torch.nn.Module, num_tokens: int | None = None) -> dict
     out: dict[str, Ranking] = {}
     for members in experts_scopes(model).values():
         for path, module in members:
-            top_k = int(getattr(module, "top_k", 0) or getattr(getattr(module, "config", None), "num_experts_per_tok", 0) or 1)
+            top_k = _declared_top_k(module)
             out[path] = _RESOLVER.rank(_static_problem(module, top_k).with_tokens(num_tokens))
     return out
 
@@ -316,7 +325,7 @@ def explain_model(model: torch.nn.Module, num_tokens: int | None = None) -> dict
 def explain_module(module: torch.nn.Module, num_tokens: int | None = None, top_k: int | None = None) -> Ranking:
     """The ranking "auto" uses for one experts module (decorated, or a Transformers experts module)."""
     if top_k is None:
-        top_k = int(getattr(module, "top_k", 0) or getattr(getattr(module, "config", None), "num_experts_per_tok", 0) or 1)
+        top_k = _declared_top_k(module)
     problem = _static_problem(module, top_k)
     return _RESOLVER.rank(problem.with_tokens(None if num_tokens is None else token_bucket(num_tokens)))
 

@@ -136,3 +136,12 @@ def test_grouped_mm_compiles_fullgraph() -> None:
     compiled = torch.compile(module, fullgraph=True, backend="eager")
     out = compiled(x, idx, w)
     assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
+
+
+def test_auto_compiles_with_dynamic_token_counts() -> None:
+    module = make_experts(4, 16, 8)
+    compiled = torch.compile(module, fullgraph=True, backend="eager", dynamic=True)
+    for t in (3, 7):
+        x = torch.randn(t, 16)
+        idx, w = random_routing(t, 4, 2)
+        assert relative_error(compiled(x, idx, w), reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
