@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -548,6 +549,21 @@ def test_gpu_cuda_graph_capture():
 
 
 @pytest.mark.gpu
+def test_gpu_decode_graph_replay_matches_direct_launches(monkeypatch):
+    module = quantised(8, 256, 128, ("fp4", "ue8m0", None), dtype=torch.bfloat16)
+    for tokens in (1, 5, 64):
+        idx, w = random_routing(tokens, 8, 2, device="cuda")
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        for mode in MODES:
+            monkeypatch.setenv("SELECTOR_QUANT_GRAPHS", "1")
+            first, again = run(module, x, idx, w, mode), run(module, x, idx, w, mode)  # record, then replay
+            monkeypatch.setenv("SELECTOR_QUANT_GRAPHS", "0")
+            direct = run(module, x, idx, w, mode)
+            assert torch.equal(first, direct) and torch.equal(again, direct)
+    assert len(module.__dict__["_selector_quant_graphs"]) == 6
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_torch_compile(mode):
     module = quantised(8, 256, 128, ("fp8_block", "float32", None), dtype=torch.bfloat16)
@@ -555,6 +571,25 @@ def test_gpu_torch_compile(mode):
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(lambda a, b, c: run(module, a, b, c, mode), fullgraph=True)
     assert torch.equal(compiled(x, idx, w), run(module, x, idx, w, mode))
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU runs the real script")
+def test_benchmark_script_smoke(tmp_path, monkeypatch):
+    """benchmarks/quant_gpu.py end to end on tiny layers through the interpreter (its --cpu-smoke mode)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quant_gpu.py"
+    spec = importlib.util.spec_from_file_location("quant_gpu_smoke", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    bench.main(["--cpu-smoke", "--tokens", "1,20", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "quant_gpu.json").read_text())
+    timed = {(c["format"], c["backend"]) for c in data["cells"] if c["time_s"]}
+    assert {("bf16", "grouped_mm"), ("fp8-f32", "grouped_mm"), ("fp8-ue8m0", "batched_mm"), ("fp4", "grouped_mm")} <= timed
+    assert all(c["rel_error"] < 1e-2 for c in data["cells"] if c["rel_error"] is not None)
+    assert "| tiny | 1 | eager |" in (tmp_path / "quant_gpu.md").read_text()
 
 
 def test_interpreter_is_on_without_gpu():

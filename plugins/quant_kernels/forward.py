@@ -6,9 +6,18 @@ tensor-core grouped GEMM) run for fp8_block / fp4 experts. Layers whose gate is 
 activation and no post-expert norm run entirely in the kernels (one custom op); others (a module-specific
 gate such as GPT-OSS's, another activation, a post-expert norm) run the projections in the kernels and that
 code in torch between them.
+
+What the module holds is checked once per set of weights (a cached plan). At decode sizes (T <= 64) on a GPU
+the in-kernel path is recorded once per (module, shape) in a CUDA graph and replayed, as the fused backend
+does: inputs are copied into the graph's buffers, the graph replays, the output is cloned out.
+`SELECTOR_QUANT_GRAPHS=0` turns that off; it is never used while torch.compile traces or a caller captures.
 """
 
 from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -49,6 +58,151 @@ def _check_projection(name: str, w: torch.Tensor, s: torch.Tensor, fmt: QuantFor
         raise _fail(f"{name} is on {w.device} but its scales on {s.device}")
 
 
+class _Plan:
+    """What a forward needs from the module, checked once per set of weights (not on every call)."""
+
+    def __init__(self, module: torch.nn.Module, hidden: int) -> None:
+        fmt = quant_format(module)
+        if fmt is None:
+            raise _fail("the module has dense weights (selector_weight_format is 'dense')")
+        gated = bool(getattr(module, "has_gate", True))
+        interleaved = gated and not getattr(module, "is_concatenated", True)
+        if getattr(module, "is_transposed", False):
+            raise _fail("quantised weights are stored [E, out, in]; is_transposed must be False")
+        num_experts = int(module.num_experts)
+        up_name = "gate_up_proj" if gated else "up_proj"
+        w1, s1 = getattr(module, up_name), getattr(module, f"{up_name}_scale_inv")
+        w2, s2 = module.down_proj, module.down_proj_scale_inv
+        fp4 = fmt.weight_format == "fp4"
+        bn, _ = fmt.block_size
+        c = w1.shape[1]
+        inter = c // 2 if gated else c
+        if fp4:
+            rows1, rows2 = c, hidden
+        else:
+            rows1 = 2 * -(-inter // bn) if gated and not interleaved else -(-c // bn)
+            rows2 = -(-hidden // bn)
+        _check_projection(up_name, w1, s1, fmt, c, hidden, num_experts, rows1)
+        _check_projection("down_proj", w2, s2, fmt, hidden, inter, num_experts, rows2)
+        compute = getattr(module, "selector_compute_dtype", None)
+        if compute is not None and compute not in COMPUTE_DTYPES:
+            raise _fail(f"compute dtype {compute} is not supported (float32, bfloat16, float16)")
+        as1 = as2 = None
+        if fmt.activation_quant == "static":
+            as1 = getattr(module, "gate_up_proj_activation_scale", None)
+            as2 = getattr(module, "down_proj_activation_scale", None)
+            if as1 is None or as2 is None or as1.numel() != num_experts or as2.numel() != num_experts:
+                raise _fail(
+                    "static activation quantisation needs gate_up_proj_activation_scale and "
+                    f"down_proj_activation_scale with one float32 scale per expert ({num_experts})"
+                )
+            as1, as2 = as1.reshape(-1).float().contiguous(), as2.reshape(-1).float().contiguous()
+        act = activation_name(getattr(module, "act_fn", None))
+        self.post_norm = bool(getattr(module, "has_post_expert_norm", False))
+        self.in_kernel = act in KERNEL_ACTIVATIONS and not self.post_norm and not (gated and has_custom_gate(module))
+        self.tensors = (w1, s1, w2, s2, layers.up_bias(module), layers.down_bias(module), as1, as2)
+        self.compute = compute
+        self.hidden, self.inter = hidden, inter
+        self.split = inter if gated and not interleaved else None
+        self.kernel_args = dict(activation=act, gated=gated, interleaved=interleaved)
+        self.common = dict(num_experts=num_experts, fp4=fp4, ue8m0=fmt.scale_format == "ue8m0", block_n=bn,
+                           block_k=fmt.activation_group)  # fmt: skip
+
+
+def _plan_key(module: torch.nn.Module, hidden: int) -> tuple:
+    gated = getattr(module, "has_gate", True)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    names = (up_name, f"{up_name}_scale_inv", "down_proj", "down_proj_scale_inv", f"{up_name}_bias", "down_proj_bias",
+             "gate_up_proj_activation_scale", "down_proj_activation_scale")  # fmt: skip
+    tensors = tuple(getattr(module, n, None) for n in names)
+    return (
+        hidden, gated, getattr(module, "is_concatenated", True), getattr(module, "has_bias", False),
+        getattr(module, "is_transposed", False), getattr(module, "has_post_expert_norm", False),
+        id(getattr(module, "act_fn", None)), type(module), getattr(module, "selector_weight_format", None),
+        getattr(module, "selector_scale_format", None), getattr(module, "selector_block_size", None),
+        getattr(module, "selector_activation_quant", None), getattr(module, "selector_compute_dtype", None),
+        tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor) else None for t in tensors),
+    )  # fmt: skip
+
+
+def _plan(module: torch.nn.Module, hidden: int) -> _Plan:
+    key = _plan_key(module, hidden)
+    cached = module.__dict__.get("_selector_quant_plan")
+    if cached is None or cached[0] != key:
+        cached = (key, _Plan(module, hidden))
+        module.__dict__["_selector_quant_plan"] = cached
+    return cached[1]
+
+
+def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+            top_k_weights: torch.Tensor, mode: str, config: dict | None) -> torch.Tensor:  # fmt: skip
+    w1, s1, w2, s2, b1, b2, as1, as2 = plan.tensors
+    if plan.in_kernel:
+        return ops.quant_experts(
+            x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, mode=mode, config=config,
+            **plan.kernel_args, **plan.common,
+        )  # fmt: skip
+    # torch between the projections: the module's own gate / activation, and its post-expert norm
+    num_tokens, top_k = top_k_index.shape
+    out = torch.empty((num_tokens, plan.hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    ids = top_k_index.reshape(-1).contiguous()
+    wts = top_k_weights.reshape(-1).contiguous()
+    routing = ops.route(mode, ids, plan.common["num_experts"], config)
+    h = ops.projection(mode, x, w1, s1, routing, ids.numel(), a_div=top_k, act_scale=as1, bias=b1,
+                       split_inter=plan.split, config=config, **plan.common)  # fmt: skip
+    h = layers.activate(module, h).to(x.dtype).contiguous()
+    y = ops.projection(mode, h, w2, s2, routing, ids.numel(), a_div=1, act_scale=as2, bias=b2,
+                       topk_w=None if plan.post_norm else wts, config=config, **plan.common)  # fmt: skip
+    if plan.post_norm:
+        y = (layers.post_norm(module, y).float() * wts.float().unsqueeze(-1)).to(x.dtype)
+    return ops.combine_slots(y, ids, out, top_k, plan.common["num_experts"])
+
+
+# ---- decode: replay a recorded CUDA graph (launching four Triton kernels from Python costs more than they run)
+
+GRAPH_MAX_TOKENS = 64
+GRAPHS_PER_MODULE = 8
+_POOL: Any = None
+
+
+def _graphs_enabled(x: torch.Tensor, plan: _Plan, config: dict | None) -> bool:
+    return (
+        x.is_cuda
+        and plan.in_kernel
+        and config is None
+        and 0 < x.shape[0] <= GRAPH_MAX_TOKENS
+        and os.environ.get("SELECTOR_QUANT_GRAPHS", "1") != "0"
+        and not torch.compiler.is_compiling()
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+class _Recorded:
+    """One captured call: static input buffers, the graph, its output buffer."""
+
+    def __init__(self, run: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+        global _POOL
+        if _POOL is None:
+            _POOL = torch.cuda.graph_pool_handle()
+        self.inputs = (x.clone(), index.clone(), weights.clone())
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up compiles the kernels outside the capture
+            run(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=_POOL):
+            self.output = run(*self.inputs)
+
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, (x, index, weights)):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.output.clone()
+
+
 def quant_experts_forward(
     module: torch.nn.Module,
     hidden_states: torch.Tensor,  # [T, H]
@@ -57,79 +211,31 @@ def quant_experts_forward(
     mode: str = "grouped",
     config: dict | None = None,
 ) -> torch.Tensor:  # [T, H]
-    fmt = quant_format(module)
-    if fmt is None:
-        raise _fail("the module has dense weights (selector_weight_format is 'dense')")
-    gated = bool(getattr(module, "has_gate", True))
-    interleaved = gated and not getattr(module, "is_concatenated", True)
-    if getattr(module, "is_transposed", False):
-        raise _fail("quantised weights are stored [E, out, in]; is_transposed must be False")
-    num_experts = int(module.num_experts)
-    up_name = "gate_up_proj" if gated else "up_proj"
-    w1, s1 = getattr(module, up_name), getattr(module, f"{up_name}_scale_inv")
-    w2, s2 = module.down_proj, module.down_proj_scale_inv
-    fp4 = fmt.weight_format == "fp4"
-    bn, bk = fmt.block_size
-    hidden = hidden_states.shape[1]
-    c = w1.shape[1]
-    inter = c // 2 if gated else c
-    if fp4:
-        rows1, rows2 = c, hidden
-    else:
-        rows1 = 2 * -(-inter // bn) if gated and not interleaved else -(-c // bn)
-        rows2 = -(-hidden // bn)
-    _check_projection(up_name, w1, s1, fmt, c, hidden, num_experts, rows1)
-    _check_projection("down_proj", w2, s2, fmt, hidden, inter, num_experts, rows2)
-    if w1.device != hidden_states.device:
-        raise _fail(f"weights are on {w1.device}, hidden_states on {hidden_states.device}")
-
-    compute = getattr(module, "selector_compute_dtype", None) or hidden_states.dtype
-    if compute not in COMPUTE_DTYPES:
-        raise _fail(f"compute dtype {compute} is not supported (float32, bfloat16, float16)")
-    x = hidden_states.to(compute)
+    """Quantised experts forward; `mode` "grouped" or "batched"; `config` overrides the tile heuristics."""
+    if mode not in ops.MODES:
+        raise _fail(f"mode {mode!r}: expected one of {ops.MODES}")
+    plan = _plan(module, hidden_states.shape[1])
+    if plan.tensors[0].device != hidden_states.device:
+        raise _fail(f"weights are on {plan.tensors[0].device}, hidden_states on {hidden_states.device}")
+    x = hidden_states.to(plan.compute or hidden_states.dtype)
+    if x.dtype not in COMPUTE_DTYPES:
+        raise _fail(f"compute dtype {x.dtype} is not supported (float32, bfloat16, float16)")
     x = x if x.stride(1) == 1 else x.contiguous()
-    as1 = as2 = None
-    if fmt.activation_quant == "static":
-        as1 = getattr(module, "gate_up_proj_activation_scale", None)
-        as2 = getattr(module, "down_proj_activation_scale", None)
-        if as1 is None or as2 is None or as1.numel() != num_experts or as2.numel() != num_experts:
-            raise _fail(
-                "static activation quantisation needs gate_up_proj_activation_scale and down_proj_activation_scale "
-                f"with one float32 scale per expert ({num_experts})"
-            )
-        as1, as2 = as1.reshape(-1).float().contiguous(), as2.reshape(-1).float().contiguous()
-    b1, b2 = layers.up_bias(module), layers.down_bias(module)
-    act = activation_name(getattr(module, "act_fn", None))
-    post_norm = bool(getattr(module, "has_post_expert_norm", False))
-    in_kernel = act in KERNEL_ACTIVATIONS and not post_norm and not (gated and has_custom_gate(module))
-    common = dict(num_experts=num_experts, fp4=fp4, ue8m0=fmt.scale_format == "ue8m0", block_n=bn,
-                  block_k=fmt.activation_group)  # fmt: skip
+    if not _graphs_enabled(x, plan, config):
+        return _direct(plan, module, x, top_k_index, top_k_weights, mode, config).to(hidden_states.dtype)
+    graphs: OrderedDict[tuple, _Recorded] = module.__dict__.setdefault("_selector_quant_graphs", OrderedDict())
+    key = (id(plan), mode, tuple(x.shape), x.dtype, tuple(top_k_index.shape), top_k_index.dtype,
+           top_k_weights.dtype, x.device)  # fmt: skip
+    recorded = graphs.get(key)
+    if recorded is None:
+        def run(a, b, c):  # noqa: ANN001, ANN202
+            return _direct(plan, module, a, b, c, mode, None)
 
-    if in_kernel:
-        out = ops.quant_experts(
-            x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, activation=act, gated=gated,
-            interleaved=interleaved, mode=mode, config=config, **common,
-        )  # fmt: skip
-        return out.to(hidden_states.dtype)
-
-    # torch between the projections: the module's own gate / activation, and its post-expert norm
-    num_tokens, top_k = top_k_index.shape
-    out = torch.empty((num_tokens, hidden), dtype=compute, device=x.device)
-    if num_tokens == 0 or top_k == 0:
-        return out.zero_().to(hidden_states.dtype)
-    ids = top_k_index.reshape(-1).contiguous()
-    wts = top_k_weights.reshape(-1).contiguous()
-    routing = ops.route(mode, ids, num_experts, config)
-    split = inter if gated and not interleaved else None
-    h = ops.projection(mode, x, w1, s1, routing, ids.numel(), a_div=top_k, act_scale=as1, bias=b1,
-                       split_inter=split, config=config, **common)  # fmt: skip
-    h = layers.activate(module, h).to(compute).contiguous()
-    y = ops.projection(mode, h, w2, s2, routing, ids.numel(), a_div=1, act_scale=as2, bias=b2,
-                       topk_w=None if post_norm else wts, config=config, **common)  # fmt: skip
-    if post_norm:
-        y = (layers.post_norm(module, y).float() * wts.float().unsqueeze(-1)).to(compute)
-    ops.combine_slots(y, ids, out, top_k, num_experts)
-    return out.to(hidden_states.dtype)
+        recorded = graphs[key] = _Recorded(run, x, top_k_index, top_k_weights)
+        while len(graphs) > GRAPHS_PER_MODULE:
+            graphs.popitem(last=False)
+    graphs.move_to_end(key)
+    return recorded(x, top_k_index, top_k_weights).to(hidden_states.dtype)
 
 
 def quant_batched_forward(module, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201

@@ -42,29 +42,39 @@ def grouped_block_m(num_pairs: int, num_experts: int) -> int:
     return 128
 
 
-def _pick_block_n(programs_per_n: int, n_out: int, device: torch.device, widest: int) -> int:
+# (BLOCK_N, num_warps) per BLOCK_M, widest first, for sm90 (ptxas: no register spills, bf16 activations, 3 stages).
+# "wide": gated layers, whose gate_up program holds two accumulators (gate and up) or one 2 x BLOCK_N wide.
+_GROUPED_TILES = {
+    True: {16: ((128, 8), (64, 4), (32, 4)), 32: ((64, 8), (32, 4)), 64: ((64, 8), (32, 4)), 128: ((32, 8),)},
+    False: {16: ((128, 8), (64, 4), (32, 4)), 32: ((64, 4), (32, 4)), 64: ((128, 8), (64, 8)), 128: ((64, 8), (32, 8))},
+}
+_ROWS_TILES = ((128, 8), (64, 8), (32, 4))
+
+
+def _pick(options: tuple[tuple[int, int], ...], programs_per_n: int, n_out: int, device: torch.device) -> tuple[int, int]:
+    """The widest tile that still gives every SM two programs; the narrowest when none does."""
     target = _target_programs(device)
-    if target == 0:
-        return max(16, min(64, triton.next_power_of_2(n_out)))
-    for bn in (128, 64, 32):
-        if bn <= widest and programs_per_n * triton.cdiv(n_out, bn) >= target:
-            return bn
-    return 16 if programs_per_n * triton.cdiv(n_out, 32) < target // 2 else 32
+    if target == 0:  # interpreter: few, wide programs
+        bn = max(16, min(64, triton.next_power_of_2(n_out)))
+        return bn, 4
+    for bn, warps in options:
+        if programs_per_n * triton.cdiv(n_out, bn) >= target:
+            return bn, warps
+    return options[-1]
 
 
 def _gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config: dict | None, wide: bool) -> dict:
     cfg = dict(config or {})
     if mode == "grouped":
         bm = cfg.setdefault("BLOCK_M", 16)
-        widest = 64 if (bm >= 128 and wide) else 128
-        cfg.setdefault("BLOCK_N", _pick_block_n(rows // bm, n_out, device, widest))
-        cfg.setdefault("num_warps", 8 if bm * cfg["BLOCK_N"] >= 128 * 64 else 4)
-        cfg.setdefault("num_stages", 3)
+        options = _GROUPED_TILES[wide].get(bm, ((64, 8), (32, 4)))
+        bn, warps = _pick(options, rows // bm, n_out, device)
         cfg.setdefault("GROUP_M", 8)
     else:
-        cfg.setdefault("BLOCK_N", _pick_block_n(rows, n_out, device, 64 if wide else 128))
-        cfg.setdefault("num_warps", 4)
-        cfg.setdefault("num_stages", 3)
+        bn, warps = _pick(_ROWS_TILES, rows, n_out, device)
+    cfg.setdefault("BLOCK_N", bn)
+    cfg.setdefault("num_warps", warps)
+    cfg.setdefault("num_stages", 3)
     return cfg
 
 
@@ -110,7 +120,7 @@ def _launch(
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *_scale_strides(s),
         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, out.stride(0), out.stride(1),
     )  # fmt: skip
-    wide = gated and not interleaved
+    wide = gated
     if mode == "grouped":
         sorted_rows, block_expert, bm = routing
         cfg = _gemm_config(mode, sorted_rows.numel(), n_out, a.device, {**(config or {}), "BLOCK_M": bm}, wide)

@@ -1,0 +1,402 @@
+"""GPU check and timing of quantised experts (issue 5): FP8 (float32 and UE8M0 scales) and FP4 cells beside bf16.
+
+One run, on one GPU:
+1. ceilings: copy bandwidth (2 GiB device copy, bytes read + written) and a bf16 8192^3 matmul (perf.md);
+2. a correctness check of every quantised path (format x backend) on a small layer against the float64
+   reference from the dequantised weights (`selector.quant.reference_forward`, activations quantised as the
+   kernels do): bf16 compute, bound 1e-2 (see tests/test_quant.py for why);
+3. per shape of perf.md and T in --tokens: bf16 cells (grouped_mm, batched_mm, triton_fused where it loads)
+   and quantised cells (fp8-f32, fp8-ue8m0, fp4 through batched_mm and grouped_mm), timed back to back with
+   CUDA events around the whole run ("eager") and, for T <= 64, as CUDA-graph replays ("graph");
+   floor = max(bytes / BW, FLOPs / PEAK) with bytes = experts hit x (weights + scales as stored) + 2 x T x H x 2;
+   quantised cells at T <= 64 are also checked against the float64 reference on their first 8 tokens;
+4. a short table, and the issue's targets: at T <= 64 the best FP8 time <= 0.65 x the best bf16 time (same
+   mode), at T >= 512 the best FP8 time <= 2 x its floor.
+
+    python benchmarks/quant_gpu.py --out $OUT            # everything (a few minutes on an H200)
+    python benchmarks/quant_gpu.py --shapes qwen3-30b-a3b --tokens 1,64 --sweep
+
+--out DIR writes quant_gpu.json (every cell) and quant_gpu.md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("SELECTOR_VALIDATE", "shapes")  # time the layer, not the per-call value checks
+if "--cpu-smoke" in sys.argv:  # the script's own test: tiny layers through Triton's interpreter, no timing value
+    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import selector  # noqa: E402
+from selector import quant as Q  # noqa: E402
+
+SHAPES = {  # name: (H, I, E, k), perf.md's grid
+    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "deepseek-v3": (7168, 2048, 256, 8),
+}
+FORMATS = {  # cell name: (weight format, scale format)
+    "fp8-f32": ("fp8_block", "float32"),
+    "fp8-ue8m0": ("fp8_block", "ue8m0"),
+    "fp4": ("fp4", "ue8m0"),
+}
+BF16_BACKENDS = ("grouped_mm", "batched_mm", "triton_fused")
+QUANT_BACKENDS = ("grouped_mm", "batched_mm")
+BATCHED_BF16_CAP = 40 * 2**30  # perf.md: batched_mm gathers T x k weight copies; cap its temporaries
+BATCHED_QUANT_MAX_PAIRS = 512  # one pair per program re-reads its expert's weights: decode only
+GRAPH_MAX_TOKENS = 64
+SWEEP = [
+    {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns} for bn in (32, 64, 128) for nw in (4, 8) for ns in (3, 4)
+]
+
+
+@dataclass
+class Cell:
+    shape: str
+    tokens: int
+    format: str  # bf16, fp8-f32, fp8-ue8m0, fp4
+    backend: str
+    mode: str  # eager | graph
+    time_s: float | None = None
+    floor_s: float | None = None
+    bytes: float | None = None
+    flops: float | None = None
+    rel_error: float | None = None  # vs the float64 reference (quantised cells, first 8 tokens)
+    skipped: str | None = None
+    config: dict | None = None  # --sweep: the best tile configuration found
+
+    @property
+    def ratio(self) -> float | None:
+        return self.time_s / self.floor_s if self.time_s and self.floor_s else None
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    from triton.testing import do_bench
+
+    src = torch.empty(2**30, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    mm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"bandwidth_Bps": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops": 2 * n**3 / (mm_ms * 1e-3)}
+
+
+def time_back_to_back(fn, calls: int, repeats: int = 5) -> float:  # noqa: ANN001
+    if not torch.cuda.is_available():  # --cpu-smoke
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / calls)
+    return statistics.median(samples)
+
+
+def time_graph(fn, calls: int, repeats: int = 5) -> float:  # noqa: ANN001
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_back_to_back(graph.replay, calls, repeats)
+
+
+def timed(fn, mode: str) -> float:  # noqa: ANN001
+    """Warm up (compiles), estimate, then enough calls for ~50 ms per sample, median of 5."""
+    if not torch.cuda.is_available():  # --cpu-smoke
+        return time_back_to_back(fn, 1)
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    estimate = time.perf_counter() - t0
+    calls = max(3, min(200, int(0.05 / max(estimate, 1e-6))))
+    return time_graph(fn, calls) if mode == "graph" else time_back_to_back(fn, calls)
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+def make_layer(e: int, h: int, i: int, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    @selector.experts
+    class QuantBenchExperts(torch.nn.Module):
+        def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+            super().__init__()
+            self.num_experts = gate_up.shape[0]
+            self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+            self.down_proj = torch.nn.Parameter(down, requires_grad=False)
+            self.act_fn = torch.nn.SiLU()
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = torch.empty(e, 2 * i, h, device=device, dtype=torch.bfloat16)
+    down = torch.empty(e, h, i, device=device, dtype=torch.bfloat16)
+    for j in range(e):  # expert by expert: no fp32 temporaries of the whole layer
+        gate_up[j] = torch.randn(2 * i, h, device=device, generator=gen) * h**-0.5
+        down[j] = torch.randn(h, i, device=device, generator=gen) * i**-0.5
+    layer = QuantBenchExperts(gate_up, down)
+    layer.share = lambda: QuantBenchExperts(layer.gate_up_proj.data, layer.down_proj.data)  # same tensors
+    return layer
+
+
+def routing(tokens: int, e: int, k: int, device: torch.device, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    index = torch.rand(tokens, e, device=device, generator=gen).topk(k, dim=1).indices
+    weights = torch.softmax(torch.randn(tokens, k, device=device, generator=gen), dim=1)
+    return index, weights
+
+
+def forward_of(name: str):  # noqa: ANN201
+    return selector.get_registry().get(name).load()
+
+
+def floor_of(layer: torch.nn.Module, index: torch.Tensor, h: int, i: int, k: int, ceilings: dict) -> tuple[float, float, float]:
+    hit = int(torch.unique(index).numel())
+    per_expert = Q.weight_bytes(layer) / layer.num_experts  # as stored, scales included
+    tokens = index.shape[0]
+    moved = hit * per_expert + 2 * tokens * h * 2
+    flops = 2.0 * tokens * k * 3 * h * i
+    return max(moved / ceilings["bandwidth_Bps"], flops / ceilings["bf16_flops"]), moved, flops
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def check_paths(device: torch.device, log) -> list[dict]:  # noqa: ANN001
+    """Every quantised path on a small layer (odd-ish sizes) against the float64 reference."""
+    results = []
+    x_all = torch.randn(300, 640, device=device, dtype=torch.bfloat16)
+    for fmt_name, (wf, sf) in FORMATS.items():
+        layer = make_layer(16, 640, 320, device, seed=5).share()
+        Q.quantize_experts(layer, wf, sf)
+        for tokens in (1, 8, 300):
+            idx, w = routing(tokens, 16, 4, device, seed=tokens)
+            x = x_all[:tokens]
+            ref = Q.reference_forward(layer, x, idx, w, device=device)
+            for backend in QUANT_BACKENDS:
+                out = forward_of(backend)(layer, x, idx, w)
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                ok = err < 1e-2 and torch.isfinite(out).all().item()
+                results.append({"format": fmt_name, "backend": backend, "tokens": tokens, "rel_error": err, "ok": ok})
+                log(f"check {fmt_name:9s} {backend:10s} T={tokens:<4d} rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    return results
+
+
+def run_shape(name: str, tokens_list: list[int], ceilings: dict, args, log) -> list[Cell]:  # noqa: ANN001
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    h, i, e, k = SHAPES[name]
+    cells: list[Cell] = []
+    t0 = time.perf_counter()
+    dense = make_layer(e, h, i, device)
+    layers = {"bf16": dense}
+    for fmt_name in args.formats:
+        wf, sf = FORMATS[fmt_name]
+        layers[fmt_name] = Q.quantize_experts(dense.share(), wf, sf)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    log(f"{name}: layers built and quantised in {time.perf_counter() - t0:.1f}s")
+    x_all = torch.randn(max(tokens_list), h, device=device, dtype=torch.bfloat16)
+    for tokens in tokens_list:
+        index, weights = routing(tokens, e, k, device)
+        x = x_all[:tokens]
+        modes = ["eager", "graph"] if tokens <= GRAPH_MAX_TOKENS and device.type == "cuda" else ["eager"]
+        for fmt_name, layer in layers.items():
+            backends = BF16_BACKENDS if fmt_name == "bf16" else QUANT_BACKENDS
+            floor, moved, flops = floor_of(layer, index, h, i, k, ceilings)
+            ref = None
+            for backend in backends:
+                if fmt_name == "bf16" and backend not in args.bf16_backends:
+                    continue
+                for mode in modes:
+                    cell = Cell(name, tokens, fmt_name, backend, mode, floor_s=floor, bytes=moved, flops=flops)
+                    cells.append(cell)
+                    if fmt_name == "bf16" and backend == "batched_mm" and tokens * k * 3 * h * i * 2 > BATCHED_BF16_CAP:
+                        cell.skipped = "gathers T x k weight copies: over the 40 GB cap"
+                        continue
+                    if fmt_name != "bf16" and backend == "batched_mm" and tokens * k > BATCHED_QUANT_MAX_PAIRS:
+                        cell.skipped = f"one pair per program: for T x k <= {BATCHED_QUANT_MAX_PAIRS}"
+                        continue
+                    try:
+                        fwd = forward_of(backend)
+                    except Exception as exc:  # e.g. triton_fused not importable here
+                        cell.skipped = f"{type(exc).__name__}: {exc}"[:160]
+                        continue
+                    try:
+                        if args.sweep and fmt_name != "bf16" and backend == "grouped_mm" and mode == "eager":
+                            from plugins.quant_kernels.forward import quant_experts_forward
+
+                            best = None
+                            for cfg in SWEEP:
+                                try:
+                                    t = timed(lambda cfg=cfg: quant_experts_forward(layer, x, index, weights, "grouped", cfg), mode)
+                                except Exception:
+                                    continue
+                                if best is None or t < best[0]:
+                                    best = (t, cfg)
+                            if best is not None:
+                                cell.config = best[1]
+                        cell.time_s = timed(lambda fwd=fwd, layer=layer: fwd(layer, x, index, weights), mode)
+                        if fmt_name != "bf16" and tokens <= GRAPH_MAX_TOKENS and mode == "eager":
+                            rows = min(tokens, 8)
+                            if ref is None:
+                                ref = Q.reference_forward(layer, x[:rows], index[:rows], weights[:rows], device=device)
+                            out = fwd(layer, x, index, weights)[:rows].double()
+                            cell.rel_error = ((out - ref).norm() / ref.norm()).item()
+                    except torch.cuda.OutOfMemoryError:
+                        cell.skipped = "out of memory"
+                        torch.cuda.empty_cache()
+                    except Exception as exc:
+                        cell.skipped = f"{type(exc).__name__}: {exc}"[:200]
+                        traceback.print_exc()
+                    log(line(cell))
+    del layers, dense
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return cells
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e6:.0f}µs" if s < 1e-3 else f"{s * 1e3:.2f}ms"
+
+
+def line(c: Cell) -> str:
+    if c.skipped:
+        return f"{c.shape} T={c.tokens} {c.format} {c.backend} {c.mode}: skipped ({c.skipped})"
+    err = f" err {c.rel_error:.1e}" if c.rel_error is not None else ""
+    cfg = f" best cfg {c.config}" if c.config else ""
+    return f"{c.shape} T={c.tokens} {c.format} {c.backend} {c.mode}: {fmt_time(c.time_s)} ({c.ratio:.2f}x floor){err}{cfg}"
+
+
+def best(cells: list[Cell], shape: str, tokens: int, mode: str, formats: tuple[str, ...]) -> Cell | None:
+    found = [c for c in cells if c.shape == shape and c.tokens == tokens and c.mode == mode and c.format in formats
+             and c.time_s]  # fmt: skip
+    return min(found, key=lambda c: c.time_s) if found else None
+
+
+def summary(cells: list[Cell]) -> tuple[str, list[dict]]:
+    rows = []
+    head = ("| shape | T | mode | best bf16 | best fp8-f32 | best fp8-ue8m0 | best fp4 | fp8 / bf16 | target |\n"
+            "|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    out = [head]
+    keys = sorted({(c.shape, c.tokens, c.mode) for c in cells}, key=lambda x: (x[0], x[2], x[1]))
+    for shape, tokens, mode in keys:
+        b16 = best(cells, shape, tokens, mode, ("bf16",))
+        per = {f: best(cells, shape, tokens, mode, (f,)) for f in FORMATS}
+        fp8 = best(cells, shape, tokens, mode, ("fp8-f32", "fp8-ue8m0"))
+        speed = fp8.time_s / b16.time_s if fp8 and b16 else None
+        if tokens <= 64:
+            target = "-" if speed is None else ("met" if speed <= 0.65 else "MISSED") + " (fp8 <= 0.65x bf16)"
+        else:
+            target = "-" if fp8 is None else ("met" if fp8.ratio <= 2.0 else "MISSED") + " (fp8 <= 2x floor)"
+        target = target if tokens <= 64 or tokens >= 512 else "-"
+
+        def cellstr(c: Cell | None) -> str:
+            return "-" if c is None else f"{fmt_time(c.time_s)} ({c.ratio:.2f}x) {c.backend}"
+
+        out.append(f"| {shape} | {tokens} | {mode} | {cellstr(b16)} | {cellstr(per['fp8-f32'])} | "
+                   f"{cellstr(per['fp8-ue8m0'])} | {cellstr(per['fp4'])} | "
+                   f"{'-' if speed is None else f'{speed:.2f}x'} | {target} |")  # fmt: skip
+        rows.append({"shape": shape, "tokens": tokens, "mode": mode, "fp8_over_bf16": speed,
+                     "fp8_over_floor": fp8.ratio if fp8 else None, "target": target})  # fmt: skip
+    return "\n".join(out), rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--tokens", default="1,8,64,512,4096")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--bf16-backends", default=",".join(BF16_BACKENDS))
+    parser.add_argument("--sweep", action="store_true", help="also try tile configs for grouped quantised cells")
+    parser.add_argument("--no-check", action="store_true", help="skip the small-layer correctness check")
+    parser.add_argument("--out", type=Path, default=None, help="directory for quant_gpu.json and quant_gpu.md")
+    parser.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.formats = [f for f in args.formats.split(",") if f]
+    args.bf16_backends = [b for b in args.bf16_backends.split(",") if b]
+    tokens_list = [int(t) for t in args.tokens.split(",") if t]
+    if args.cpu_smoke:  # exercise every code path on tiny layers (tests/test_quant.py runs this)
+        SHAPES.clear()
+        SHAPES["tiny"] = (128, 64, 6, 2)
+        args.shapes, args.bf16_backends = "tiny", ["grouped_mm", "batched_mm"]
+    elif not torch.cuda.is_available():
+        print("quant_gpu.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {msg}", flush=True)
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke run)"
+    log(f"{name} torch {torch.__version__}")
+    ceilings = measure_ceilings(device) if device.type == "cuda" else {"bandwidth_Bps": 20e9, "bf16_flops": 0.5e12}
+    log(f"ceilings: copy {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
+    checks = [] if args.no_check or args.cpu_smoke else check_paths(device, log)
+    cells: list[Cell] = []
+    for shape in [s for s in args.shapes.split(",") if s]:
+        cells += run_shape(shape, tokens_list, ceilings, args, log)
+    table, rows = summary(cells)
+    print()
+    print(f"Device: {name}. Ceilings: copy {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, "
+          f"bf16 matmul {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: best time (time / floor) backend; "
+          "floor from the bytes as stored (quantised weights + scales).")  # fmt: skip
+    print(table)
+    failed = [c for c in checks if not c["ok"]]
+    print(f"\ncorrectness: {len(checks) - len(failed)}/{len(checks)} paths within 1e-2 of the float64 reference")
+    bad_cells = [c for c in cells if c.rel_error is not None and c.rel_error > 1e-2]
+    if bad_cells:
+        print(f"cells above 1e-2: {[(c.shape, c.tokens, c.format, c.backend, c.rel_error) for c in bad_cells]}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "schema": "selector.quant_gpu/1",
+            "device": name,
+            "torch": torch.__version__,
+            "ceilings": ceilings,
+            "command": " ".join(sys.argv),
+            "checks": checks,
+            "cells": [{**asdict(c), "time_over_floor": c.ratio} for c in cells],
+            "summary": rows,
+        }
+        (args.out / "quant_gpu.json").write_text(json.dumps(payload, indent=1) + "\n")
+        (args.out / "quant_gpu.md").write_text(table + "\n")
+        log(f"wrote {args.out / 'quant_gpu.json'} and quant_gpu.md")
+    log("done")
+    return 1 if failed or bad_cells else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
