@@ -57,9 +57,9 @@ QUANT_BACKENDS = ("grouped_mm", "batched_mm")
 BATCHED_BF16_CAP = 40 * 2**30  # perf.md: batched_mm gathers T x k weight copies; cap its temporaries
 BATCHED_QUANT_MAX_PAIRS = 512  # one pair per program re-reads its expert's weights: decode only
 GRAPH_MAX_TOKENS = 64
-SWEEP = [
+SWEEP = [  # --sweep: tile configurations tried for the grouped quantised cells (both projections take the same)
     {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns} for bn in (32, 64, 128) for nw in (4, 8) for ns in (3, 4)
-]
+] + [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, {"BLOCK_M": 32}, {"BLOCK_M": 64}]
 
 
 @dataclass
@@ -252,7 +252,7 @@ def run_shape(name: str, tokens_list: list[int], ceilings: dict, args, log) -> l
                         cell.skipped = f"{type(exc).__name__}: {exc}"[:160]
                         continue
                     try:
-                        if args.sweep and fmt_name != "bf16" and backend == "grouped_mm" and mode == "eager":
+                        if args.sweep and tokens >= 512 and fmt_name != "bf16" and backend == "grouped_mm":
                             from plugins.quant_kernels.forward import quant_experts_forward
 
                             best = None
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,8,64,512,4096")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--bf16-backends", default=",".join(BF16_BACKENDS))
-    parser.add_argument("--sweep", action="store_true", help="also try tile configs for grouped quantised cells")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also try tile configs for grouped quantised cells at T >= 512 (reports the best)")
     parser.add_argument("--no-check", action="store_true", help="skip the small-layer correctness check")
     parser.add_argument("--out", type=Path, default=None, help="directory for quant_gpu.json and quant_gpu.md")
     parser.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)

@@ -280,6 +280,16 @@ def test_fp4_exponent_spread_folding():
         assert relative_error(run(module, x, idx, w, mode), ref) < 1e-4
 
 
+def test_torch_compile_fullgraph_through_the_model_api():
+    """The whole in-kernel path is one custom op: torch.compile traces the module without a graph break."""
+    module = quantised(4, 64, 32, ("fp8_block", "ue8m0", (32, 32)))
+    idx, w = random_routing(3, 4, 2, device=DEV)
+    x = torch.randn(3, 64, device=DEV)
+    selector.set_experts_implementation(module, "grouped_mm")
+    compiled = torch.compile(lambda a, b, c: module(a, b, c), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, idx, w), run(module, x, idx, w, "grouped"))
+
+
 def test_empty_and_zero_inputs():
     module = quantised(3, 64, 32, ("fp8_block", "ue8m0", (32, 32)))
     idx, w = random_routing(0, 3, 2, device=DEV)

@@ -126,6 +126,8 @@ def _plan_key(module: torch.nn.Module, hidden: int) -> tuple:
 
 
 def _plan(module: torch.nn.Module, hidden: int) -> _Plan:
+    if torch.compiler.is_compiling():  # traced once per compiled shape; no data pointers while tracing
+        return _Plan(module, hidden)
     key = _plan_key(module, hidden)
     cached = module.__dict__.get("_selector_quant_plan")
     if cached is None or cached[0] != key:
