@@ -300,6 +300,16 @@ def quant_format(module: torch.nn.Module) -> QuantFormat | None:
     )
 
 
+# what the model API and the backends cache per module, keyed partly on the weights: forgotten on a format change
+_MODULE_CACHES = ("_selector_problem", "_selector_choices", "_selector_facts", "_selector_quant_plan",
+                  "_selector_quant_graphs", "_selector_graphs")  # fmt: skip
+
+
+def _forget_caches(module: torch.nn.Module) -> None:
+    for key in _MODULE_CACHES:
+        module.__dict__.pop(key, None)
+
+
 def _set(module: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
     if name in module._parameters:
         del module._parameters[name]
@@ -368,7 +378,7 @@ def set_quantized(
     # Transformers' FP8Experts attribute names, so its own code reads the module too
     module.block_size = None if fmt.weight_format == "fp4" else list(fmt.block_size)
     module.activation_scheme = fmt.activation_quant
-    module.__dict__.pop("_selector_problem", None)
+    _forget_caches(module)
     return module
 
 
@@ -432,7 +442,7 @@ def dequantize_experts(module: torch.nn.Module, dtype: torch.dtype | None = None
                  "block_size", "activation_scheme"):  # fmt: skip
         module.__dict__.pop(attr, None)
     module.selector_weight_format = "dense"
-    module.__dict__.pop("_selector_problem", None)
+    _forget_caches(module)
     return module
 
 
@@ -457,7 +467,7 @@ def adopt_transformers_experts(module: torch.nn.Module, compute_dtype: torch.dty
     module.selector_activation_quant = fmt.activation_quant
     module.selector_compute_dtype = compute_dtype
     module.is_transposed = False
-    module.__dict__.pop("_selector_problem", None)
+    _forget_caches(module)
     return module
 
 

@@ -345,6 +345,23 @@ def test_ranking_excludes_backends_that_cannot_run_the_format():
         module(x, idx, w)
 
 
+def test_quantising_in_place_after_a_dense_forward_re_chooses():
+    module = make_experts(4, 64, 32, device=DEV, seed=8)
+    selector.set_experts_implementation(module, "eager")
+    x = torch.randn(3, 64, device=DEV)
+    idx, w = random_routing(3, 4, 2, device=DEV)
+    module(x, idx, w)
+    Q.quantize_experts(module, "fp8_block", "float32", (32, 32))
+    with pytest.raises(ValueError, match="'eager' cannot run here"):
+        module(x, idx, w)
+    selector.set_experts_implementation(module, "auto")
+    assert relative_error(module(x, idx, w), Q.reference_forward(module, x, idx, w)) < 1e-4
+    Q.dequantize_experts(module)
+    selector.set_experts_implementation(module, "eager")
+    module(x, idx, w)  # dense again
+    assert module.__dict__[LAST_ATTR] == "eager"
+
+
 def _env(**variables):
     base = {"SELECTOR_GPUS": "NVIDIA H200:9.0:141", "SELECTOR_PACKAGE_TRITON": "3.6.0", "PATH": ""}
     return collect_environment(environ={**base, **variables})
