@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -41,11 +42,11 @@ import torch  # noqa: E402
 import selector  # noqa: E402
 from selector import quant as Q  # noqa: E402
 
-SHAPES = {  # name: (H, I, E, k), perf.md's grid
-    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+SHAPES = {  # name: (H, I, E, k), perf.md's grid, in the order they are run (cells go T by T across shapes)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "mixtral-8x7b": (4096, 14336, 8, 2),
     "deepseek-v3": (7168, 2048, 256, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
 }
 FORMATS = {  # cell name: (weight format, scale format)
     "fp8-f32": ("fp8_block", "float32"),
@@ -57,6 +58,7 @@ QUANT_BACKENDS = ("grouped_mm", "batched_mm")
 BATCHED_BF16_CAP = 40 * 2**30  # perf.md: batched_mm gathers T x k weight copies; cap its temporaries
 BATCHED_QUANT_MAX_PAIRS = 512  # one pair per program re-reads its expert's weights: decode only
 GRAPH_MAX_TOKENS = 64
+BUDGET = "budget spent (--budget-s)"
 SWEEP = [  # --sweep: tile configurations tried for the grouped quantised cells (both projections take the same)
     {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns} for bn in (32, 64, 128) for nw in (4, 8) for ns in (3, 4)
 ] + [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, {"BLOCK_M": 32}, {"BLOCK_M": 64}]
@@ -131,8 +133,12 @@ def time_graph(fn, calls: int, repeats: int = 5) -> float:  # noqa: ANN001
     return time_back_to_back(graph.replay, calls, repeats)
 
 
+SAMPLE_S = 0.02  # --sample-ms
+REPEATS = 3
+
+
 def timed(fn, mode: str) -> float:  # noqa: ANN001
-    """Warm up (compiles), estimate, then enough calls for ~50 ms per sample, median of 5."""
+    """Warm up (compiles), estimate, then enough calls for SAMPLE_S per sample, median of REPEATS samples."""
     if not torch.cuda.is_available():  # --cpu-smoke
         return time_back_to_back(fn, 1)
     fn()
@@ -141,8 +147,8 @@ def timed(fn, mode: str) -> float:  # noqa: ANN001
     fn()
     torch.cuda.synchronize()
     estimate = time.perf_counter() - t0
-    calls = max(3, min(200, int(0.05 / max(estimate, 1e-6))))
-    return time_graph(fn, calls) if mode == "graph" else time_back_to_back(fn, calls)
+    calls = max(3, min(200, int(SAMPLE_S / max(estimate, 1e-6))))
+    return time_graph(fn, calls, REPEATS) if mode == "graph" else time_back_to_back(fn, calls, REPEATS)
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -192,14 +198,26 @@ def floor_of(layer: torch.nn.Module, index: torch.Tensor, h: int, i: int, k: int
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def check_paths(device: torch.device, log) -> list[dict]:  # noqa: ANN001
+class Deadline:
+    """--budget-s: cells not started before it are recorded as skipped; the outputs are still written."""
+
+    def __init__(self, budget_s: float | None) -> None:
+        self.end = None if budget_s is None else time.perf_counter() + budget_s
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.perf_counter()
+
+
+def check_paths(device: torch.device, log, deadline: Deadline) -> list[dict]:  # noqa: ANN001
     """Every quantised path on a small layer (odd-ish sizes) against the float64 reference."""
     results = []
     x_all = torch.randn(300, 640, device=device, dtype=torch.bfloat16)
     for fmt_name, (wf, sf) in FORMATS.items():
         layer = make_layer(16, 640, 320, device, seed=5).share()
         Q.quantize_experts(layer, wf, sf)
-        for tokens in (1, 8, 300):
+        for tokens in (8, 300):
+            if deadline.left() <= 0:
+                return results
             idx, w = routing(tokens, 16, 4, device, seed=tokens)
             x = x_all[:tokens]
             ref = Q.reference_forward(layer, x, idx, w, device=device)
@@ -212,76 +230,81 @@ def check_paths(device: torch.device, log) -> list[dict]:  # noqa: ANN001
     return results
 
 
-def run_shape(name: str, tokens_list: list[int], ceilings: dict, args, log) -> list[Cell]:  # noqa: ANN001
+def build_layers(name: str, formats: list[str], max_tokens: int, log) -> dict:  # noqa: ANN001
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, i, e, k = SHAPES[name]
-    cells: list[Cell] = []
     t0 = time.perf_counter()
     dense = make_layer(e, h, i, device)
     layers = {"bf16": dense}
-    for fmt_name in args.formats:
+    for fmt_name in formats:
         wf, sf = FORMATS[fmt_name]
         layers[fmt_name] = Q.quantize_experts(dense.share(), wf, sf)
     if device.type == "cuda":
         torch.cuda.synchronize()
     log(f"{name}: layers built and quantised in {time.perf_counter() - t0:.1f}s")
-    x_all = torch.randn(max(tokens_list), h, device=device, dtype=torch.bfloat16)
-    for tokens in tokens_list:
-        index, weights = routing(tokens, e, k, device)
-        x = x_all[:tokens]
-        modes = ["eager", "graph"] if tokens <= GRAPH_MAX_TOKENS and device.type == "cuda" else ["eager"]
-        for fmt_name, layer in layers.items():
-            backends = BF16_BACKENDS if fmt_name == "bf16" else QUANT_BACKENDS
-            floor, moved, flops = floor_of(layer, index, h, i, k, ceilings)
-            ref = None
-            for backend in backends:
-                if fmt_name == "bf16" and backend not in args.bf16_backends:
-                    continue
-                for mode in modes:
-                    cell = Cell(name, tokens, fmt_name, backend, mode, floor_s=floor, bytes=moved, flops=flops)
-                    cells.append(cell)
-                    if fmt_name == "bf16" and backend == "batched_mm" and tokens * k * 3 * h * i * 2 > BATCHED_BF16_CAP:
-                        cell.skipped = "gathers T x k weight copies: over the 40 GB cap"
-                        continue
-                    if fmt_name != "bf16" and backend == "batched_mm" and tokens * k > BATCHED_QUANT_MAX_PAIRS:
-                        cell.skipped = f"one pair per program: for T x k <= {BATCHED_QUANT_MAX_PAIRS}"
-                        continue
-                    try:
-                        fwd = forward_of(backend)
-                    except Exception as exc:  # e.g. triton_fused not importable here
-                        cell.skipped = f"{type(exc).__name__}: {exc}"[:160]
-                        continue
-                    try:
-                        if args.sweep and tokens >= 512 and fmt_name != "bf16" and backend == "grouped_mm":
-                            from plugins.quant_kernels.forward import quant_experts_forward
+    return {"layers": layers, "x": torch.randn(max_tokens, h, device=device, dtype=torch.bfloat16)}
 
-                            best = None
-                            for cfg in SWEEP:
-                                try:
-                                    t = timed(lambda cfg=cfg: quant_experts_forward(layer, x, index, weights, "grouped", cfg), mode)
-                                except Exception:
-                                    continue
-                                if best is None or t < best[0]:
-                                    best = (t, cfg)
-                            if best is not None:
-                                cell.config = best[1]
-                        cell.time_s = timed(lambda fwd=fwd, layer=layer: fwd(layer, x, index, weights), mode)
-                        if fmt_name != "bf16" and tokens <= GRAPH_MAX_TOKENS and mode == "eager":
-                            rows = min(tokens, 8)
-                            if ref is None:
-                                ref = Q.reference_forward(layer, x[:rows], index[:rows], weights[:rows], device=device)
-                            out = fwd(layer, x, index, weights)[:rows].double()
-                            cell.rel_error = ((out - ref).norm() / ref.norm()).item()
-                    except torch.cuda.OutOfMemoryError:
-                        cell.skipped = "out of memory"
-                        torch.cuda.empty_cache()
-                    except Exception as exc:
-                        cell.skipped = f"{type(exc).__name__}: {exc}"[:200]
-                        traceback.print_exc()
-                    log(line(cell))
-    del layers, dense
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+
+def run_cells(name: str, built: dict, tokens: int, ceilings: dict, args, log, deadline: Deadline) -> list[Cell]:  # noqa: ANN001
+    """Every cell of one shape and token count (bf16 backends, then each quantised format)."""
+    h, i, e, k = SHAPES[name]
+    x = built["x"][:tokens]
+    device = x.device
+    index, weights = routing(tokens, e, k, device)
+    modes = ["eager", "graph"] if tokens <= GRAPH_MAX_TOKENS and device.type == "cuda" else ["eager"]
+    cells: list[Cell] = []
+    for fmt_name, layer in built["layers"].items():
+        backends = BF16_BACKENDS if fmt_name == "bf16" else QUANT_BACKENDS
+        floor, moved, flops = floor_of(layer, index, h, i, k, ceilings)
+        ref = None
+        for backend in backends:
+            if fmt_name == "bf16" and backend not in args.bf16_backends:
+                continue
+            for mode in modes:
+                cell = Cell(name, tokens, fmt_name, backend, mode, floor_s=floor, bytes=moved, flops=flops)
+                cells.append(cell)
+                if deadline.left() <= 0:
+                    cell.skipped = BUDGET
+                    continue
+                if fmt_name == "bf16" and backend == "batched_mm" and tokens * k * 3 * h * i * 2 > BATCHED_BF16_CAP:
+                    cell.skipped = "gathers T x k weight copies: over the 40 GB cap"
+                    continue
+                if fmt_name != "bf16" and backend == "batched_mm" and tokens * k > BATCHED_QUANT_MAX_PAIRS:
+                    cell.skipped = f"one pair per program: for T x k <= {BATCHED_QUANT_MAX_PAIRS}"
+                    continue
+                try:
+                    fwd = forward_of(backend)
+                except Exception as exc:  # e.g. triton_fused not importable here
+                    cell.skipped = f"{type(exc).__name__}: {exc}"[:160]
+                    continue
+                try:
+                    if args.sweep and tokens >= 512 and fmt_name != "bf16" and backend == "grouped_mm":
+                        from plugins.quant_kernels.forward import quant_experts_forward
+
+                        best = None
+                        for cfg in SWEEP:
+                            try:
+                                t = timed(lambda cfg=cfg: quant_experts_forward(layer, x, index, weights, "grouped", cfg), mode)
+                            except Exception:
+                                continue
+                            if best is None or t < best[0]:
+                                best = (t, cfg)
+                        if best is not None:
+                            cell.config = best[1]
+                    cell.time_s = timed(lambda fwd=fwd, layer=layer: fwd(layer, x, index, weights), mode)
+                    if fmt_name != "bf16" and tokens <= GRAPH_MAX_TOKENS and mode == "eager":
+                        rows = min(tokens, 8)
+                        if ref is None:
+                            ref = Q.reference_forward(layer, x[:rows], index[:rows], weights[:rows], device=device)
+                        out = fwd(layer, x, index, weights)[:rows].double()
+                        cell.rel_error = ((out - ref).norm() / ref.norm()).item()
+                except torch.cuda.OutOfMemoryError:
+                    cell.skipped = "out of memory"
+                    torch.cuda.empty_cache()
+                except Exception as exc:
+                    cell.skipped = f"{type(exc).__name__}: {exc}"[:200]
+                    traceback.print_exc()
+                log(line(cell))
     return cells
 
 
@@ -342,9 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="also try tile configs for grouped quantised cells at T >= 512 (reports the best)")
     parser.add_argument("--no-check", action="store_true", help="skip the small-layer correctness check")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting cells after this many seconds (outputs are written either way)")
+    parser.add_argument("--sample-ms", type=float, default=20.0, help="back-to-back calls per timing sample (ms)")
+    parser.add_argument("--repeats", type=int, default=3, help="timing samples per cell (median)")
     parser.add_argument("--out", type=Path, default=None, help="directory for quant_gpu.json and quant_gpu.md")
     parser.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global SAMPLE_S, REPEATS
+    SAMPLE_S, REPEATS = args.sample_ms / 1e3, max(1, args.repeats)
     args.formats = [f for f in args.formats.split(",") if f]
     args.bf16_backends = [b for b in args.bf16_backends.split(",") if b]
     tokens_list = [int(t) for t in args.tokens.split(",") if t]
@@ -365,38 +394,75 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{name} torch {torch.__version__}")
     ceilings = measure_ceilings(device) if device.type == "cuda" else {"bandwidth_Bps": 20e9, "bf16_flops": 0.5e12}
     log(f"ceilings: copy {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
-    checks = [] if args.no_check or args.cpu_smoke else check_paths(device, log)
+    deadline = Deadline(args.budget_s)
+    checks: list[dict] = []
     cells: list[Cell] = []
-    for shape in [s for s in args.shapes.split(",") if s]:
-        cells += run_shape(shape, tokens_list, ceilings, args, log)
-    table, rows = summary(cells)
-    print()
-    print(f"Device: {name}. Ceilings: copy {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, "
-          f"bf16 matmul {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: best time (time / floor) backend; "
-          "floor from the bytes as stored (quantised weights + scales).")  # fmt: skip
-    print(table)
-    failed = [c for c in checks if not c["ok"]]
-    print(f"\ncorrectness: {len(checks) - len(failed)}/{len(checks)} paths within 1e-2 of the float64 reference")
-    bad_cells = [c for c in cells if c.rel_error is not None and c.rel_error > 1e-2]
-    if bad_cells:
-        print(f"cells above 1e-2: {[(c.shape, c.tokens, c.format, c.backend, c.rel_error) for c in bad_cells]}")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "schema": "selector.quant_gpu/1",
-            "device": name,
-            "torch": torch.__version__,
-            "ceilings": ceilings,
-            "command": " ".join(sys.argv),
-            "checks": checks,
-            "cells": [{**asdict(c), "time_over_floor": c.ratio} for c in cells],
-            "summary": rows,
-        }
-        (args.out / "quant_gpu.json").write_text(json.dumps(payload, indent=1) + "\n")
-        (args.out / "quant_gpu.md").write_text(table + "\n")
-        log(f"wrote {args.out / 'quant_gpu.json'} and quant_gpu.md")
+    shapes = [x for x in args.shapes.split(",") if x]
+
+    interrupted = False
+
+    def write_outputs(final: bool) -> None:
+        table, rows = summary(cells)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            payload = {
+                "schema": "selector.quant_gpu/1",
+                "device": name,
+                "torch": torch.__version__,
+                "ceilings": ceilings,
+                "command": " ".join(sys.argv),
+                "complete": final and not interrupted and not any(c.skipped == BUDGET for c in cells),
+                "checks": checks,
+                "cells": [{**asdict(c), "time_over_floor": c.ratio} for c in cells],
+                "summary": rows,
+            }
+            (args.out / "quant_gpu.json").write_text(json.dumps(payload, indent=1) + "\n")
+            (args.out / "quant_gpu.md").write_text(table + "\n")
+        if final:
+            print()
+            print(f"Device: {name}. Ceilings: copy {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, "
+                  f"bf16 matmul {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: best time (time / floor) backend; "
+                  "floor from the bytes as stored (quantised weights + scales).")  # fmt: skip
+            print(table)
+            failed = [c for c in checks if not c["ok"]]
+            print(f"\ncorrectness: {len(checks) - len(failed)}/{len(checks)} paths within 1e-2 of the float64 reference")
+            bad = [c for c in cells if c.rel_error is not None and c.rel_error > 1e-2]
+            if bad:
+                print(f"cells above 1e-2: {[(c.shape, c.tokens, c.format, c.backend, c.rel_error) for c in bad]}")
+            skipped = sum(1 for c in cells if c.skipped == BUDGET)
+            if skipped:
+                print(f"{skipped} cells not run: budget spent")
+            print("targets (issue 5):")
+            for r in rows:
+                if r["target"] != "-":
+                    print(f"  {r['shape']} T={r['tokens']} {r['mode']}: {r['target']}"
+                          f" [fp8/bf16 {r['fp8_over_bf16'] or 0:.2f}x, fp8/floor {r['fp8_over_floor'] or 0:.2f}x]")  # fmt: skip
+            if args.out:
+                log(f"wrote {args.out / 'quant_gpu.json'} and quant_gpu.md")
+
+    def on_term(signum, frame):  # noqa: ANN001, ARG001 - `timeout` sends SIGTERM: still write what was measured
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        if not (args.no_check or args.cpu_smoke):
+            checks = check_paths(device, log, deadline)
+        built = {}
+        for shape in shapes:  # every layer up front: cells then go token count by token count, decode first
+            built[shape] = build_layers(shape, args.formats, max(tokens_list), log)
+        for tokens in sorted(tokens_list):
+            for shape in shapes:
+                cells += run_cells(shape, built[shape], tokens, ceilings, args, log, deadline)
+            write_outputs(final=False)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted: writing what was measured")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    write_outputs(final=True)
+    failed = [c for c in checks if not c["ok"]] or [c for c in cells if c.rel_error is not None and c.rel_error > 1e-2]
     log("done")
-    return 1 if failed or bad_cells else 0
+    return 1 if failed or interrupted else 0
 
 
 if __name__ == "__main__":
