@@ -49,7 +49,7 @@ part2)
   timeout "$(left 150)" python3 benchmarks/hf_generate.py --out "$OUT/hf" --budget-s 130 2>&1 | tail -25 | tee -a "$LOG"
   cp "$OUT/hf/hf_generate.json" "$OUT/hf/hf_generate.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/hf"
   stamp quant
-  timeout "$(left 110)" python3 benchmarks/quant_gpu.py --out "$OUT/quant" 2>&1 | tail -30 | tee -a "$LOG"
+  timeout "$(left 110)" python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 95 2>&1 | tail -30 | tee -a "$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac
