@@ -42,6 +42,7 @@ import torch
 
 from selector import layers
 from selector import model as _model
+from selector.costmodel import TYPICAL_TOKENS
 from selector.types import Availability, Problem, Ranking
 
 logger = logging.getLogger("selector.hf")
@@ -252,8 +253,9 @@ def _quantized_plan(module: torch.nn.Module, num_tokens: int, top_k: int, decodi
 
 
 @torch.compiler.assume_constant_result
-def _quantized_plan_constant(module: torch.nn.Module, num_tokens: int, top_k: int, decoding: bool) -> str:
-    return _quantized_plan(module, num_tokens, top_k, decoding)
+def _quantized_plan_constant(uid: str, top_k: int, decoding: bool) -> str:
+    # only constants cross into a function dynamo runs eagerly: the module goes by its tracked id
+    return _quantized_plan(_model._TRACKED[uid], TYPICAL_TOKENS, top_k, decoding)
 
 
 def _quantized_auto(
@@ -261,8 +263,9 @@ def _quantized_auto(
 ) -> torch.Tensor:
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     if torch.compiler.is_compiling():
-        plan = _quantized_plan_constant(module, num_tokens, top_k, _DECODING.get())
+        plan = _quantized_plan_constant(module.__dict__["_selector_uid"], _model._declared_top_k(module), _DECODING.get())
     else:
+        _model.track(module)
         plan = _quantized_plan(module, num_tokens, top_k, _DECODING.get())
     if plan.startswith(TRANSFORMERS_FALLBACK):
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
@@ -310,6 +313,7 @@ def experts_modules(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.n
     out: dict[str, list[tuple[str, torch.nn.Module]]] = {}
     for path, module in model.named_modules():
         if is_transformers_experts(module):
+            _model.track(module)  # so torch.compile can name it (see selector.model.track)
             out.setdefault(_scope_of(root_config, module.config), []).append((path, module))
     return out
 

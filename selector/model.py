@@ -14,6 +14,8 @@ with the reason and the fix; "auto" picks the best runnable backend per token-co
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import wraps
@@ -73,6 +75,7 @@ def experts(
             self._is_expert_parallel = getattr(self, "_is_expert_parallel", False)
             if backbone is not None:
                 setattr(self, BACKBONE_ATTR, backbone)
+            track(self)
 
         def forward(
             self: torch.nn.Module,
@@ -189,10 +192,27 @@ def _declared_top_k(module: torch.nn.Module) -> int:
     return int(getattr(module, "top_k", 0) or getattr(config, "num_experts_per_tok", 0) or 1)
 
 
+_TRACKED: weakref.WeakValueDictionary[str, torch.nn.Module] = weakref.WeakValueDictionary()
+_NEXT_UID = itertools.count()
+
+
+def track(module: torch.nn.Module) -> str:
+    """Give a module a string id that torch.compile can pass as a constant (call it outside tracing)."""
+    uid = module.__dict__.get("_selector_uid")
+    if uid is None or _TRACKED.get(uid) is not module:  # new, or a deep copy that kept its original's id
+        uid = f"experts-{next(_NEXT_UID)}"
+        module.__dict__["_selector_uid"] = uid
+        _TRACKED[uid] = module
+    return uid
+
+
 @torch.compiler.assume_constant_result
-def _choose_constant(module: torch.nn.Module, num_tokens: int | None, top_k: int, requested: str | None = None) -> str:
-    # Run eagerly while torch.compile traces, its result a constant: one choice per compiled shape.
-    return _RESOLVER.choose(module, num_tokens, top_k, requested)
+def _choose_constant(uid: str, top_k: int, requested: str) -> str:
+    # Runs eagerly while torch.compile traces, its result a constant: one choice per compiled layer.
+    module = _TRACKED.get(uid)
+    if module is None:
+        raise RuntimeError("an experts module reached torch.compile before selector saw it: run it once first")
+    return _RESOLVER.choose(module, None, top_k, None if requested == "" else requested)
 
 
 def run_experts(
@@ -221,14 +241,21 @@ def run_experts(
         num_experts=facts[1],
         hidden_size=facts[2],
         expert_parallel=expert_parallel,
+        seen=module.__dict__.setdefault("_selector_checked", set()),
     )
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     if torch.compiler.is_compiling():
-        # Shapes may be symbolic while tracing, and dynamo can only pass constants here: under
+        # Shapes may be symbolic while tracing and only constants can cross into the choice: under
         # torch.compile auto chooses once per layer, for a typical token count and the declared k.
-        static_tokens, static_k = None, _declared_top_k(module)
-        name = _choose_constant(module, static_tokens, static_k, implementation)
+        uid = module.__dict__.get("_selector_uid")
+        if uid is None:
+            raise RuntimeError(
+                "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
+                "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
+            )
+        name = _choose_constant(uid, _declared_top_k(module), implementation or "")
     else:
+        track(module)
         capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
         requested = implementation or module.__dict__.get(REQUEST_ATTR, AUTO)
         bucket = token_bucket(num_tokens) if requested == AUTO else 0
@@ -299,6 +326,7 @@ def set_experts_implementation(model: torch.nn.Module, implementation: str | Map
             continue
         for _, module in members:
             setattr(module, REQUEST_ATTR, name)
+            track(module)
     previous = model.__dict__.get("_selector_request", {})
     model.__dict__["_selector_request"] = {**previous, **request}
 

@@ -301,13 +301,15 @@ def quant_format(module: torch.nn.Module) -> QuantFormat | None:
 
 
 # what the model API and the backends cache per module, keyed partly on the weights: forgotten on a format change
-_MODULE_CACHES = ("_selector_problem", "_selector_choices", "_selector_facts", "_selector_quant_plan",
-                  "_selector_quant_graphs", "_selector_graphs")  # fmt: skip
+_MODULE_CACHES = ("_selector_problem", "_selector_choices", "_selector_facts", "_selector_quant_plan")
 
 
 def _forget_caches(module: torch.nn.Module) -> None:
+    from selector.graphs import forget
+
     for key in _MODULE_CACHES:
         module.__dict__.pop(key, None)
+    forget(module)
 
 
 def _set(module: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:

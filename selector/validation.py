@@ -1,8 +1,12 @@
 """Checks the inputs of an experts layer at the boundary, before any backend sees them.
 
-Level from SELECTOR_VALIDATE: "full" (default: shapes, dtypes, and the values of ids and weights, one
-device sync), "shapes" (no sync: for decode loops that cannot afford it), "off". Value checks are skipped
-while torch.compile traces or a CUDA graph captures, where reading values is impossible.
+Level from SELECTOR_VALIDATE:
+- "full": shapes, dtypes, and the values of ids and weights on every call (one device sync per call);
+- "first" (the default on GPUs): values on the first call of each module and input shape, shapes after;
+  a sync per layer per decode step would stall the host that feeds the GPU;
+- "shapes": no value checks; "off": nothing.
+Without the variable, CPU tensors get "full" (a sync costs nothing there). Value checks are skipped while
+torch.compile traces or a CUDA graph captures, where reading values is impossible.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ import torch
 from selector.errors import ExpertsInputError
 
 LEVEL_VARIABLE = "SELECTOR_VALIDATE"
-LEVELS = ("full", "shapes", "off")
+LEVELS = ("full", "first", "shapes", "off")
 
 
-def validation_level() -> str:
-    level = os.environ.get(LEVEL_VARIABLE, "full") or "full"
+def validation_level(on_gpu: bool = False) -> str:
+    level = os.environ.get(LEVEL_VARIABLE) or ("first" if on_gpu else "full")
     if level not in LEVELS:
         raise ValueError(f"{LEVEL_VARIABLE}={level!r}: expected one of {', '.join(LEVELS)}")
     return level
@@ -38,9 +42,13 @@ def validate_inputs(
     hidden_size: int,
     expert_parallel: bool = False,
     level: str | None = None,
+    seen: set[tuple[int, ...]] | None = None,
 ) -> None:
-    """Raise ExpertsInputError with a precise message for inputs that would give garbage."""
-    level = level or validation_level()
+    """Raise ExpertsInputError with a precise message for inputs that would give garbage.
+
+    `seen`: the input shapes whose values were already checked (level "first"); updated here.
+    """
+    level = level or validation_level(on_gpu=not hidden_states.device.type == "cpu")
     if level == "off":
         return
     if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size:
@@ -63,8 +71,13 @@ def validate_inputs(
     devices = {hidden_states.device, top_k_index.device, top_k_weights.device}
     if len(devices) > 1:
         raise ExpertsInputError(f"inputs are on different devices: {sorted(map(str, devices))}")
-    if level != "full" or top_k_index.numel() == 0 or _capturing(hidden_states):
+    if level in ("shapes", "off") or top_k_index.numel() == 0 or _capturing(hidden_states):
         return
+    shape = (*hidden_states.shape, top_k_index.shape[1])
+    if level == "first" and seen is not None:
+        if shape in seen:
+            return
+        seen.add(shape)
     # One sync for all value checks: min id, max id, count of non-finite weights.
     stats = torch.stack(
         [

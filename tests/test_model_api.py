@@ -207,3 +207,30 @@ def test_explicit_eager_still_runs_under_compile_with_a_graph_break() -> None:
     x, idx, w = _inputs()
     out = torch.compile(module, backend="eager")(x, idx, w)
     assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
+
+
+def test_validation_level_first_checks_values_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SELECTOR_VALIDATE", "first")
+    module = make_experts(4, 16, 8)
+    selector.set_experts_implementation(module, "eager")
+    x, idx, w = _inputs()
+    bad = idx.clone().fill_(9)
+    with pytest.raises(ExpertsInputError):
+        module(x, bad, w)  # the first call of this shape reads the values
+    module(x, idx, w)
+    assert torch.isnan(module(x, idx, w.clone().fill_(float("nan")))).all()  # after that only shapes
+    x2, idx2, w2 = _inputs(t=9)
+    with pytest.raises(ExpertsInputError):
+        module(x2, idx2.clone().fill_(9), w2)  # a new shape is checked again
+
+
+def test_compiled_modules_are_named_by_constant_ids() -> None:
+    import copy
+
+    from selector.model import _TRACKED, track
+
+    module = make_experts(4, 16, 8)
+    uid = track(module)
+    assert _TRACKED[uid] is module and track(module) == uid
+    clone = copy.deepcopy(module)
+    assert track(clone) != uid  # a copy is its own layer

@@ -587,7 +587,9 @@ def test_gpu_decode_graph_replay_matches_direct_launches(monkeypatch):
             monkeypatch.setenv("SELECTOR_QUANT_GRAPHS", "0")
             direct = run(module, x, idx, w, mode)
             assert torch.equal(first, direct) and torch.equal(again, direct)
-    assert len(module.__dict__["_selector_quant_graphs"]) == 6
+    from selector import graphs
+
+    assert len(graphs.graphs_of(module, "quant")) == 6
 
 
 @pytest.mark.gpu

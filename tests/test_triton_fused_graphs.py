@@ -6,6 +6,8 @@ import pytest
 import torch
 from experts_fixtures import make_experts, random_routing, reference_experts, relative_error
 
+from selector import graphs
+
 pytestmark = pytest.mark.gpu
 
 
@@ -18,7 +20,10 @@ def test_replays_see_fresh_inputs_each_call() -> None:
         idx, w = random_routing(5, 8, 2, device="cuda")
         out = forward.triton_fused_experts_forward(module, x, idx, w)
         assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
-    assert len(module.__dict__["_selector_graphs"]) == 1
+    assert len(graphs.graphs_of(module, "triton_fused")) == 1
+    import copy
+
+    assert copy.deepcopy(module).down_proj.shape == module.down_proj.shape  # users copy models
     first = out.clone()
     forward.triton_fused_experts_forward(module, x * 2, idx, w)
     assert torch.equal(out, first)  # the returned tensor is not the graph's buffer
@@ -34,10 +39,10 @@ def test_new_weights_record_a_new_graph_and_the_cache_is_bounded() -> None:
     module.down_proj = torch.nn.Parameter(torch.randn_like(module.down_proj) * 0.2)
     out = forward.triton_fused_experts_forward(module, x, idx, w)
     assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
-    for t in range(1, forward.GRAPHS_PER_MODULE + 4):
+    for t in range(1, graphs.GRAPHS_PER_MODULE + 4):
         i, ww = random_routing(t, 4, 2, device="cuda")
         forward.triton_fused_experts_forward(module, torch.randn(t, 32, device="cuda", dtype=torch.bfloat16), i, ww)
-    assert len(module.__dict__["_selector_graphs"]) == forward.GRAPHS_PER_MODULE
+    assert len(graphs.graphs_of(module, "triton_fused")) == graphs.GRAPHS_PER_MODULE
 
 
 def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,5 +53,5 @@ def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
     idx, w = random_routing(3, 4, 2, device="cuda")
     x = torch.randn(3, 32, device="cuda", dtype=torch.bfloat16)
     out = forward.triton_fused_experts_forward(module, x, idx, w)
-    assert "_selector_graphs" not in module.__dict__
+    assert len(graphs.graphs_of(module, "triton_fused")) == 0
     assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2

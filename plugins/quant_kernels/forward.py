@@ -15,14 +15,10 @@ does: inputs are copied into the graph's buffers, the graph replays, the output 
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
-from typing import Any
-
 import torch
 
 from plugins.quant_kernels import ops
-from selector import layers
+from selector import graphs, layers
 from selector.problem import activation_name, has_custom_gate
 from selector.quant import QuantFormat, is_ue8m0_tensor, quant_format
 
@@ -165,44 +161,10 @@ def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: 
 # ---- decode: replay a recorded CUDA graph (launching four Triton kernels from Python costs more than they run)
 
 GRAPH_MAX_TOKENS = 64
-GRAPHS_PER_MODULE = 8
-_POOL: Any = None
 
 
 def _graphs_enabled(x: torch.Tensor, plan: _Plan, config: dict | None) -> bool:
-    return (
-        x.is_cuda
-        and plan.in_kernel
-        and config is None
-        and 0 < x.shape[0] <= GRAPH_MAX_TOKENS
-        and os.environ.get("SELECTOR_QUANT_GRAPHS", "1") != "0"
-        and not torch.compiler.is_compiling()
-        and not torch.cuda.is_current_stream_capturing()
-    )
-
-
-class _Recorded:
-    """One captured call: static input buffers, the graph, its output buffer."""
-
-    def __init__(self, run: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
-        global _POOL
-        if _POOL is None:
-            _POOL = torch.cuda.graph_pool_handle()
-        self.inputs = (x.clone(), index.clone(), weights.clone())
-        side = torch.cuda.Stream(device=x.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up compiles the kernels outside the capture
-            run(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=_POOL):
-            self.output = run(*self.inputs)
-
-    def __call__(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        for buffer, value in zip(self.inputs, (x, index, weights)):
-            buffer.copy_(value)
-        self.graph.replay()
-        return self.output.clone()
+    return plan.in_kernel and config is None and graphs.graphs_enabled(x, GRAPH_MAX_TOKENS, "SELECTOR_QUANT_GRAPHS")
 
 
 def quant_experts_forward(
@@ -225,19 +187,13 @@ def quant_experts_forward(
     x = x if x.stride(1) == 1 else x.contiguous()
     if not _graphs_enabled(x, plan, config):
         return _direct(plan, module, x, top_k_index, top_k_weights, mode, config).to(hidden_states.dtype)
-    graphs: OrderedDict[tuple, _Recorded] = module.__dict__.setdefault("_selector_quant_graphs", OrderedDict())
     key = (id(plan), mode, tuple(x.shape), x.dtype, tuple(top_k_index.shape), top_k_index.dtype,
            top_k_weights.dtype, x.device)  # fmt: skip
-    recorded = graphs.get(key)
-    if recorded is None:
-        def run(a, b, c):  # noqa: ANN001, ANN202
-            return _direct(plan, module, a, b, c, mode, None)
 
-        recorded = graphs[key] = _Recorded(run, x, top_k_index, top_k_weights)
-        while len(graphs) > GRAPHS_PER_MODULE:
-            graphs.popitem(last=False)
-    graphs.move_to_end(key)
-    return recorded(x, top_k_index, top_k_weights).to(hidden_states.dtype)
+    def run(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return _direct(plan, module, a, b, c, mode, None)
+
+    return graphs.replay(module, "quant", key, run, (x, top_k_index, top_k_weights)).to(hidden_states.dtype)
 
 
 def quant_batched_forward(module, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201

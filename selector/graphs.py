@@ -1,0 +1,85 @@
+"""Recorded CUDA graphs for decode-sized calls: a backend's launches replayed as one graph.
+
+At a handful of tokens a layer's kernels take tens of microseconds while launching them from Python takes
+longer. A backend records one call per (module, shape) in a CUDA graph and replays it: the inputs are
+copied into the graph's buffers, the graph replays, the output is cloned out (the caller may keep it).
+Graphs are kept beside the module in a weak map, not in it: a CUDA graph cannot be deep-copied, and users
+copy models. Never used while torch.compile traces or while the caller captures its own graph.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+GRAPHS_PER_MODULE = 8  # least recently used graphs beyond this are dropped
+_POOL: Any = None  # one memory pool for all graphs: they replay one after another on one stream
+_GRAPHS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, OrderedDict]] = weakref.WeakKeyDictionary()
+
+
+def graphs_enabled(x: torch.Tensor, max_tokens: int, variable: str) -> bool:
+    """Small CUDA calls, outside torch.compile and outside a caller's capture, unless `variable`=0."""
+    return (
+        x.is_cuda
+        and 0 < x.shape[0] <= max_tokens
+        and os.environ.get(variable, "1") != "0"
+        and not torch.compiler.is_compiling()
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def graphs_of(module: torch.nn.Module, namespace: str) -> OrderedDict:
+    """One backend's recorded graphs for one module, least recently used first."""
+    return _GRAPHS.setdefault(module, {}).setdefault(namespace, OrderedDict())
+
+
+class RecordedCall:
+    """One captured call: static input buffers, the graph, its output buffer."""
+
+    def __init__(self, run: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
+        global _POOL
+        if _POOL is None:
+            _POOL = torch.cuda.graph_pool_handle()
+        self.inputs = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream(device=inputs[0].device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up compiles the kernels outside the capture
+            run(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=_POOL):
+            self.output = run(*self.inputs)
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.output.clone()
+
+
+def replay(
+    module: torch.nn.Module,
+    namespace: str,
+    key: Hashable,
+    run: Callable[..., torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+) -> torch.Tensor:
+    """run(*inputs) through a graph recorded on first use of `key` (which must capture every shape/pointer)."""
+    graphs = graphs_of(module, namespace)
+    recorded = graphs.get(key)
+    if recorded is None:
+        recorded = graphs[key] = RecordedCall(run, inputs)
+        while len(graphs) > GRAPHS_PER_MODULE:
+            graphs.popitem(last=False)
+    graphs.move_to_end(key)
+    return recorded(inputs)
+
+
+def forget(module: torch.nn.Module) -> None:
+    """Drop every recorded graph of a module (its weights changed format)."""
+    _GRAPHS.pop(module, None)
