@@ -52,5 +52,14 @@ part2)
   timeout "$(left 110)" python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 95 2>&1 | tail -30 | tee -a "$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
+part3)
+  # re-check after fixes: the CUDA tests of the backends, then generate() with the new defaults
+  stamp "gpu tests"
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_triton_fused_graphs.py \
+    tests/test_reference_backends.py tests/test_quant.py 2>&1 | tail -25 | tee -a "$LOG"
+  stamp hf_generate
+  timeout 200 python3 benchmarks/hf_generate.py --out "$OUT/hf" --budget-s 180 2>&1 | tail -25 | tee -a "$LOG"
+  cp "$OUT/hf/hf_generate.json" "$OUT/hf/hf_generate.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/hf"
+  ;;
 esac
 stamp done
