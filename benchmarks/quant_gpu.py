@@ -87,18 +87,12 @@ class Cell:
 # ---------------------------------------------------------------------------------------------- measurement
 
 
-def measure_ceilings(device: torch.device) -> dict[str, float]:
-    from triton.testing import do_bench
+# the ceilings and timers are selector bench's own, so these cells compare with its tables
+from selector import bench as _bench  # noqa: E402
 
-    src = torch.empty(2**30, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    del src, dst
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    mm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return {"bandwidth_Bps": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops": 2 * n**3 / (mm_ms * 1e-3)}
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    return _bench.measure_ceilings(torch, device)
 
 
 def time_back_to_back(fn, calls: int, repeats: int = 5) -> float:  # noqa: ANN001
@@ -106,31 +100,11 @@ def time_back_to_back(fn, calls: int, repeats: int = 5) -> float:  # noqa: ANN00
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3 / calls)
-    return statistics.median(samples)
+    return _bench.time_back_to_back(torch, fn, calls, repeats)
 
 
 def time_graph(fn, calls: int, repeats: int = 5) -> float:  # noqa: ANN001
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_back_to_back(graph.replay, calls, repeats)
+    return _bench.time_graph(torch, fn, calls, repeats)
 
 
 SAMPLE_S = 0.02  # --sample-ms
