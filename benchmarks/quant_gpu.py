@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import sys
 import time
 import traceback
