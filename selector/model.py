@@ -146,10 +146,17 @@ class _Resolver:
             key = (problem, None if num_tokens is None else token_bucket(num_tokens))
             if key not in self.auto:
                 ranking = self.rank(problem.with_tokens(key[1]))
-                if ranking.best is None:
-                    reasons = "; ".join(f"{n}: {a.reason}" for n, a in ranking.excluded.items())
-                    raise ImportError(f"no experts backend can run this layer here ({reasons})")
-                self.auto[key] = ranking.best
+                failed = [f"{n}: {a.reason}" for n, a in ranking.excluded.items()]
+                for candidate in ranking.candidates:
+                    try:  # a backend whose implementation fails to load is skipped, as auto promises
+                        self.forward_of(candidate.name)
+                    except Exception as exc:
+                        failed.append(f"{candidate.name}: load failed ({type(exc).__name__}: {exc})")
+                        continue
+                    self.auto[key] = candidate.name
+                    break
+                else:
+                    raise ImportError(f"no experts backend can run this layer here ({'; '.join(failed)})")
             return self.auto[key]
         # an explicit name may graph-break under torch.compile (the user's call); only auto avoids that
         problem = replace(problem, compile=False)
@@ -310,7 +317,14 @@ def set_experts_implementation(model: torch.nn.Module, implementation: str | Map
     """Choose the backend of every experts module, at any time, without reloading.
 
     `implementation`: a name, "auto", or {sub-config key: name} with "" for the whole model.
+    A Transformers model (no selector-decorated modules, Transformers' experts interface) is handed to
+    `selector.hf.set_experts_implementation`, which sets the same through Transformers' own call.
     """
+    if not any(is_experts_module(m) for m in model.modules()) and hasattr(model, "set_experts_implementation"):
+        from selector import hf
+
+        hf.set_experts_implementation(model, implementation)
+        return
     registry = _RESOLVER.get_registry()
     request = {"": implementation} if isinstance(implementation, str) else dict(implementation)
     scopes = experts_scopes(model)

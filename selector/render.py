@@ -49,6 +49,8 @@ def render_text(report: DoctorReport) -> str:
     for b in report.backends:
         mark = OK if b.verdict.ok else BAD
         lines.append(f"  {mark} {b.name:<16} {b.description}" + (f"  [{b.provider}]" if b.provider != b.name else ""))
+        if b.verdict.ok and (b.verdict.reason or b.verdict.found):
+            lines.append(f"      {b.verdict.reason or b.verdict.found}")
         if not b.verdict.ok:
             lines.append(f"      {b.verdict.status.value}: {b.verdict.reason}")
             if b.verdict.found:

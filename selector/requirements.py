@@ -183,6 +183,6 @@ def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availabil
             verdict = spec.check(problem, env)
         except Exception as exc:  # a plugin's bug is reported, not raised into the model
             return Availability(Status.PLUGIN_ERROR, f"its check raised {type(exc).__name__}: {exc}")
-        if verdict is not None and not verdict.ok:
-            return verdict
+        if verdict is not None:
+            return verdict  # an ok verdict may carry facts worth showing (e.g. "cached at ...")
     return AVAILABLE

@@ -234,3 +234,29 @@ def test_compiled_modules_are_named_by_constant_ids() -> None:
     assert _TRACKED[uid] is module and track(module) == uid
     clone = copy.deepcopy(module)
     assert track(clone) != uid  # a copy is its own layer
+
+
+class BrokenLoad:
+    """A fake plugin that looks best on paper but whose implementation fails to import."""
+
+    @staticmethod
+    @hookimpl
+    def selector_backends():
+        def load():
+            raise ImportError("fake: the kernel library is missing its shared object")
+
+        return [BackendSpec(name="fake_broken_load", load=load, estimate=lambda problem, env: 0.0)]
+
+
+def test_auto_skips_a_backend_whose_load_fails() -> None:
+    register_plugin(BrokenLoad, name="fake_broken_load")
+    reset_selection_caches()
+    try:
+        module = make_experts(4, 16, 8)
+        module(*_inputs())
+        assert module.__dict__[LAST_ATTR] not in ("fake_broken_load", None)
+        selector.set_experts_implementation(module, "fake_broken_load")
+        with pytest.raises(ImportError, match="shared object"):
+            module(*_inputs())  # asked for by name: the failure is the user's to see
+    finally:
+        unregister_plugin("fake_broken_load")

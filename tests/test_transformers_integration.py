@@ -675,3 +675,11 @@ def test_selector_names_trace_fullgraph(models, name):
     finally:
         torch._dynamo.reset()
         model.set_experts_implementation("eager")
+
+
+def test_core_set_experts_implementation_reaches_transformers_models():
+    model = _build("qwen3_moe")
+    selector.set_experts_implementation(model, "selector:grouped_mm")  # the core call, not selector.hf's
+    assert set(selector.hf.get_experts_implementation(model).values()) == {"selector:grouped_mm"}
+    with pytest.raises(ValueError):
+        selector.set_experts_implementation(model, {"vision_config": "eager"})  # no such sub-config
