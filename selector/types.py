@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # only for annotations
@@ -136,16 +136,10 @@ class Problem:
     cuda_graph: bool = False  # captured in a CUDA graph
 
     def with_tokens(self, num_tokens: int | None) -> Problem:
-        return _replace(self, num_tokens=num_tokens)
+        return replace(self, num_tokens=num_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _replace(problem: Problem, **changes: Any) -> Problem:
-    from dataclasses import replace
-
-    return replace(problem, **changes)
 
 
 @dataclass(frozen=True)

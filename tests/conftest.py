@@ -21,11 +21,6 @@ if not _cuda_present():
 import pytest  # noqa: E402
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
-    config.addinivalue_line("markers", "sm90: needs compute capability 9.0 or newer")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
