@@ -4,7 +4,7 @@
 #
 # Run from anywhere; writes under the repository root (both folders are git-ignored):
 #   .whl/sonicmoe/        the downloaded wheels (not committed)
-#   .carry/sonicmoe.tar.xz  one xz archive of the unzipped site folder, small enough for one device call
+#   .carry/sonicmoe.tar.xz  one xz archive of the unzipped site folder, small enough to copy to a GPU node beside the repo
 #
 # On the GPU machine: mkdir -p /tmp/sonicmoe && tar -xJf .carry/sonicmoe.tar.xz -C /tmp/sonicmoe, then
 # benchmarks/sonicmoe_gpu.py --site /tmp/sonicmoe/site (it calls site.addsitedir: cutlass-dsl needs its .pth).

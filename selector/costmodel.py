@@ -23,7 +23,7 @@ class Ceilings:
     peak: float  # FLOP/s for the layer's dtype
 
 
-# Measured on the device machine (see ../benchmarks); other GPUs scale from the datasheet class.
+# Measured on an H200 (see benchmarks/README.md); other GPUs scale from the datasheet class.
 _GPU_CEILINGS = {
     "H200": Ceilings(4.25e12, 782e12),
     "H100": Ceilings(3.0e12, 700e12),

@@ -106,7 +106,7 @@ def forget_compiled() -> None:
 
 
 def _estimate(problem: Problem, env: Environment) -> float:
-    """Not measured here (DeepGEMM was not built on the device machine). A guess from DeepGEMM's published
+    """Not measured here (DeepGEMM has not been built on our H200 yet). A guess from DeepGEMM's published
     FP8 grouped-GEMM rates (1.2-1.35k TFLOP/s on H800): near the floor, plus the padding to its M alignment
     (128 rows per expert hit) and ~120 us of sort/pad/gather launches; plus the one-time JIT (guessed) and
     download still ahead, spread over SELECTOR_JIT_AMORTIZE_CALLS calls. Tuning measurements replace it."""
