@@ -120,7 +120,10 @@ def _check_toolkit(req: Requirements, problem: Problem, env: Environment) -> Ava
     return None
 
 
-def _unsupported(what: str, remedy: str = "pick another backend, e.g. grouped_mm or eager") -> Availability:
+_ANOTHER = "pick another backend: `selector doctor` with this layer's flags (e.g. --weight-format) lists those that run it"
+
+
+def _unsupported(what: str, remedy: str = _ANOTHER) -> Availability:
     return Availability(Status.UNSUPPORTED_CONFIG, what, remedy)
 
 
