@@ -17,6 +17,7 @@ import os
 import stat
 import subprocess
 import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -756,6 +757,56 @@ def test_deepgemm_quantised_matches_reference(fake_kernels: None, gpu: str, weig
     assert relative_error(out, reference_forward(module, x, idx, w, quantize_activations_as_kernel=False)) < 8e-2
     fake = _fake_module("deep-gemm")
     assert fake.CALLS[-1]["name"] == "fp8_fp4_nt" and fake.CALLS[-1]["psum"] == (gpu == B200)
+
+
+def _older_deepgemm_api(fake) -> types.SimpleNamespace:
+    """FAKE of an earlier DeepGEMM release's surface (the one inside sgl-kernel 0.3): FP8 GEMMs named
+    `m_grouped_fp8_gemm_*`, no `use_psum_layout` keyword, and `per_token_cast_to_fp8(x, use_ue8m0)` only.
+    Strict signatures, so an adapter that passes the newer keywords fails with a TypeError."""
+
+    def fp8_nt(a, b, d, m_indices, recipe=None, compiled_dims="nk", disable_ue8m0_cast=False):
+        fake.m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d, m_indices, recipe=recipe)
+
+    def bf16_nt(a, b, d, m_indices, compiled_dims=""):
+        fake.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices)
+
+    def cast(x, use_ue8m0):
+        return fake.utils.per_token_cast_to_fp8(x, use_ue8m0)
+
+    return types.SimpleNamespace(
+        m_grouped_fp8_gemm_nt_contiguous=fp8_nt,
+        m_grouped_fp8_gemm_nn_contiguous=fp8_nt,
+        m_grouped_bf16_gemm_nt_contiguous=bf16_nt,
+        m_grouped_bf16_gemm_nn_contiguous=bf16_nt,
+        get_mk_alignment_for_contiguous_layout=fake.get_mk_alignment_for_contiguous_layout,
+        utils=types.SimpleNamespace(per_token_cast_to_fp8=cast),
+    )
+
+
+def test_deepgemm_runs_an_earlier_release_api_on_hopper(fake_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from plugins.deepgemm import forward
+    from selector.quant import quantize_experts, reference_forward
+
+    set_environment(make_env(H100))
+    fake = _fake_module("deep-gemm")
+    older = _older_deepgemm_api(fake)
+    monkeypatch.setattr(forward.hub, "load_kernel", lambda *args, **kwargs: older)
+    monkeypatch.setattr(forward, "_DEEPGEMM", None)
+    x = torch.randn(7, 512).bfloat16()
+    idx, w = random_routing(7, 4, 2)
+    dense = make_experts(4, 512, 512, dtype=torch.bfloat16, seed=6)
+    with torch.no_grad():
+        assert relative_error(forward.deepgemm_experts_forward(dense, x, idx, w),
+                              reference_experts(dense, x, idx, w)) < 2e-2
+        fp8 = quantize_experts(dense, "fp8_block", "float32")
+        out = forward.deepgemm_experts_forward(fp8, x, idx, w)
+    assert relative_error(out, reference_forward(fp8, x, idx, w, quantize_activations_as_kernel=False)) < 8e-2
+    assert fake.CALLS[-1]["name"] == "fp8_fp4_nt" and fake.CALLS[-1]["psum"] is False
+    # a build with neither FP8 name: the quantised forward says so, as an ImportError with a fix
+    del older.m_grouped_fp8_gemm_nt_contiguous
+    monkeypatch.setattr(forward, "_DEEPGEMM", None)
+    with torch.no_grad(), pytest.raises(ImportError, match="no FP8 grouped GEMM"):
+        forward.deepgemm_experts_forward(fp8, x, idx, w)
 
 
 def test_deepgemm_quantised_forward_guards(fake_kernels: None) -> None:

@@ -36,11 +36,14 @@ BF16_SYMBOLS = (
     "m_grouped_bf16_gemm_nn_contiguous",
     "get_mk_alignment_for_contiguous_layout",
 )
-QUANTISED_SYMBOLS = (
-    "m_grouped_fp8_fp4_gemm_nt_contiguous",
-    "m_grouped_fp8_fp4_gemm_nn_contiguous",
-    "utils.per_token_cast_to_fp8",
-)
+QUANTISED_SYMBOLS = ("utils.per_token_cast_to_fp8",)
+# DeepGEMM renamed its FP8 grouped GEMMs when it added FP4: current builds (the hub kernel) export
+# `m_grouped_fp8_fp4_gemm_*`, earlier releases (e.g. the DeepGEMM inside sgl-kernel 0.3) `m_grouped_fp8_gemm_*`,
+# FP8 only. Either name is taken; FP4 experts run on Blackwell only, where builds have the new name.
+QUANTISED_GEMMS = {
+    "nt": ("m_grouped_fp8_fp4_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_contiguous"),
+    "nn": ("m_grouped_fp8_fp4_gemm_nn_contiguous", "m_grouped_fp8_gemm_nn_contiguous"),
+}
 
 
 @dataclass(frozen=True)
@@ -49,14 +52,22 @@ class DeepGemm:
 
     bf16_nt: Callable
     bf16_nn: Callable
-    fp8_fp4_nt: Callable
-    fp8_fp4_nn: Callable
+    fp8_fp4_nt: Callable | None  # None: this build has no FP8 grouped GEMM under either name
+    fp8_fp4_nn: Callable | None
     per_token_cast_to_fp8: Callable
     alignment: int  # M alignment of the contiguous layout (the build's default; never changed here)
     module: object
 
 
 _DEEPGEMM: DeepGemm | None = None
+
+
+def _first_symbol(module: object, names: tuple[str, ...]) -> Callable | None:
+    for name in names:
+        found = hub.resolve_symbol(module, name)
+        if found is not None:
+            return found
+    return None
 
 
 def load_deepgemm(extra: tuple[str, ...] = ()) -> DeepGemm:
@@ -67,8 +78,8 @@ def load_deepgemm(extra: tuple[str, ...] = ()) -> DeepGemm:
         _DEEPGEMM = DeepGemm(
             bf16_nt=get("m_grouped_bf16_gemm_nt_contiguous"),
             bf16_nn=get("m_grouped_bf16_gemm_nn_contiguous"),
-            fp8_fp4_nt=get("m_grouped_fp8_fp4_gemm_nt_contiguous"),
-            fp8_fp4_nn=get("m_grouped_fp8_fp4_gemm_nn_contiguous"),
+            fp8_fp4_nt=_first_symbol(module, QUANTISED_GEMMS["nt"]),
+            fp8_fp4_nn=_first_symbol(module, QUANTISED_GEMMS["nn"]),
             per_token_cast_to_fp8=get("utils.per_token_cast_to_fp8"),
             alignment=int(get("get_mk_alignment_for_contiguous_layout")()),
             module=module,
@@ -192,7 +203,7 @@ def cast_options(module: torch.nn.Module, blackwell: bool) -> dict[str, object]:
         raise ValueError(f"DeepGEMM reads FP8 blocks of (128, 128) or (1, 128), got block_size={block}")
     if blackwell:  # UE8M0 only (float32 was refused before)
         return {"use_ue8m0": True, "gran_k": 128, "use_packed_ue8m0": True}
-    return {"use_ue8m0": False, "gran_k": 128}
+    return {"use_ue8m0": False}  # gran_k defaults to 128; older releases take no gran_k at all
 
 
 def _tma_aligned_mn_major(sf: torch.Tensor) -> torch.Tensor:
@@ -229,9 +240,16 @@ def scales_for_kernel(sf: torch.Tensor, blackwell: bool, rows: int) -> torch.Ten
 
 def _gemm(dg: DeepGemm, quantised: bool, transposed: bool) -> Callable:
     # weights [E, N, K] -> the NT kernel; transposed [E, K, N] -> the NN kernel
-    if quantised:
-        return dg.fp8_fp4_nn if transposed else dg.fp8_fp4_nt
-    return dg.bf16_nn if transposed else dg.bf16_nt
+    if not quantised:
+        return dg.bf16_nn if transposed else dg.bf16_nt
+    gemm = dg.fp8_fp4_nn if transposed else dg.fp8_fp4_nt
+    if gemm is None:
+        names = " or ".join(QUANTISED_GEMMS["nn" if transposed else "nt"])
+        raise ImportError(
+            f"experts backend 'deepgemm': the loaded DeepGEMM build has no FP8 grouped GEMM ({names}). "
+            f"fix: use a current {KERNEL} build, or pick grouped_mm for quantised experts."
+        )
+    return gemm
 
 
 def deepgemm_experts_forward(
@@ -265,10 +283,13 @@ def deepgemm_experts_forward(
     safe_ids = lay.expert_ids.clamp(max=num_experts - 1)  # sentinel rows read expert E-1's bias, then are zeroed
     x = hidden_states.to(torch.bfloat16)[lay.order // top_k]  # [S, H]
 
+    # Hopper calls pass no `use_psum_layout`: releases before the Blackwell psum layout do not take it.
+    psum = {"use_psum_layout": True} if blackwell else {}
+
     def project(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out_dim: int) -> torch.Tensor:
         out = torch.empty(lay.num_rows, out_dim, dtype=torch.bfloat16, device=a.device)
         if scale is None:
-            gemm(lay.pad(a), weight, out, lay.layout, use_psum_layout=blackwell)
+            gemm(lay.pad(a), weight, out, lay.layout, **psum)
             return out
         aq, a_sf = dg.per_token_cast_to_fp8(a, **cast)
         n_rows = weight.shape[-1] if transposed else weight.shape[-2]
@@ -278,7 +299,7 @@ def deepgemm_experts_forward(
             out,
             lay.layout,
             recipe=recipe,
-            use_psum_layout=blackwell,
+            **psum,
         )
         return out
 
