@@ -221,17 +221,22 @@ def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
 
 @triton.jit
 def _grouped_kernel(
-    a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
+    a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, a_s_ptr, out_s_ptr,
     num_valid, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows, bn,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_om, stride_on,
+    stride_be, stride_bn, stride_om, stride_on, stride_asm, stride_osm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
+    A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
     N is the number of OUTPUT channels (I when GATED, else the stored rows).
+    A_FP8: A is already e4m3 with one scale per row and K tile at a_s_ptr (``quantize_rows``): the tile goes
+    straight from memory to the dot, with no quantisation work in the K loop (which otherwise serialises it).
+    QUANT_OUT: the epilogue rounds its result to INTER_DTYPE (as a stored intermediate would be), quantises it
+    per row and BLOCK_K channels (BLOCK_N is a multiple of BLOCK_K) and writes e4m3 to out, scales to out_s.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -273,9 +278,14 @@ def _grouped_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
+    a_s_base = a_s_ptr + a_rows * stride_asm
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
-        aq, sa = _quant_rows(a.to(tl.float32), static_s, BLOCK_M, STATIC, EXACT)
+        if A_FP8:
+            aq = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+            sa = tl.load(a_s_base + k0 // BLOCK_K)
+        else:
+            a = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+            aq, sa = _quant_rows(a.to(tl.float32), static_s, BLOCK_M, STATIC, EXACT)
         if GATED and INTERLEAVED:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
                                 stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT)  # fmt: skip
@@ -308,7 +318,34 @@ def _grouped_kernel(
     if MUL_W:
         res = res * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, _round_for_store(res, out_ptr.dtype.element_ty, EXACT), mask=row_ok[:, None] & n_ok[None, :])
+    o_mask = row_ok[:, None] & n_ok[None, :]
+    if QUANT_OUT:
+        G: tl.constexpr = BLOCK_N // BLOCK_K
+        r = tl.where(n_ok[None, :], _round_for_store(res, INTER_DTYPE, EXACT).to(tl.float32), 0.0)
+        r3 = tl.reshape(r, (BLOCK_M, G, BLOCK_K))
+        so = _scale_div448(tl.max(tl.abs(r3), axis=2), EXACT)  # [BLOCK_M, G]
+        q = tl.reshape(_to_e4m3(r3 * _recip(so, EXACT)[:, :, None], EXACT), (BLOCK_M, BLOCK_N))
+        tl.store(o_ptrs, q, mask=o_mask)
+        offs_g = pid_n * G + tl.arange(0, G)
+        s_ptrs = out_s_ptr + rows.to(tl.int64)[:, None] * stride_osm + offs_g[None, :]
+        tl.store(s_ptrs, so, mask=row_ok[:, None] & (offs_g * BLOCK_K < N)[None, :])
+    else:
+        tl.store(o_ptrs, _round_for_store(res, out_ptr.dtype.element_ty, EXACT), mask=o_mask)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, num_rows, K, stride_xm, stride_qm, stride_sm,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r_ok = offs_r < num_rows
+    mask = r_ok[:, None] & (offs_k < K)[None, :]
+    rows = offs_r.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, s = _quant_rows(x, 1.0, BLOCK_R, False, EXACT)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), s, mask=r_ok)
 
 
 # --------------------------------------------------------------------------------------------------------------

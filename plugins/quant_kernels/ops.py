@@ -15,7 +15,9 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
+from plugins.quant_kernels import configs as _configs
 from plugins.quant_kernels import kernels as K
 from plugins.triton_fused.kernels import align, combine, max_blocks_for
 
@@ -65,7 +67,8 @@ def _pick(options: tuple[tuple[int, int], ...], programs_per_n: int, n_out: int,
 
 
 def _gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config: dict | None, wide: bool) -> dict:
-    cfg = dict(config or {})
+    """One GEMM's launch parameters: those `config` sets (flat keys), the heuristics for the rest."""
+    cfg = {k: v for k, v in (config or {}).items() if v and not isinstance(v, dict)}
     if mode == "grouped":
         bm = cfg.setdefault("BLOCK_M", 16)
         options = _GROUPED_TILES[wide].get(bm, ((64, 8), (32, 4)))
@@ -77,6 +80,24 @@ def _gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config:
     cfg.setdefault("num_warps", warps)
     cfg.setdefault("num_stages", 3)
     return cfg
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+              torch.float8_e4m3fn: tl.float8e4nv}  # fmt: skip
+
+
+def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)])."""
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    if rows:
+        block_r = 16 if rows <= 4096 else 64
+        K._quant_rows_kernel[(triton.cdiv(rows, block_r), s.shape[1])](
+            x, q, s, rows, k, x.stride(0), q.stride(0), s.stride(0), BLOCK_R=block_r, BLOCK_K=group,
+            EXACT=K.INTERPRET, num_warps=4,
+        )  # fmt: skip
+    return q, s
 
 
 def _scale_strides(s: torch.Tensor) -> tuple[int, int, int]:
@@ -109,6 +130,9 @@ def _launch(
     fp4: bool,
     ue8m0: bool,
     config: dict | None,
+    a_scale: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+    inter_dtype: torch.dtype | None = None,
 ) -> None:
     static = act_scale is not None
     has_bias = bias is not None
@@ -128,11 +152,15 @@ def _launch(
         bn = cfg["BLOCK_N"]
         num_blocks_m = block_expert.numel()
         grid = (num_blocks_m * triton.cdiv(n_out, bn),)
+        a_s = a_scale if a_scale is not None else s
+        o_s = out_scale if out_scale is not None else s
         K._grouped_kernel[grid](
             a, w, s, act_scale if static else s, bias if has_bias else s, out, sorted_rows, block_expert,
-            topk_w if topk_w is not None else s,
+            topk_w if topk_w is not None else s, a_s, o_s,
             out.shape[0], n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
+            a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
+            A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None, INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
     else:
@@ -152,7 +180,7 @@ def route(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | No
     """grouped: (sorted_rows, block_expert, BLOCK_M) from the fused backend's align; batched: (ids,)."""
     if mode == "batched":
         return (ids_flat,)
-    bm = int((config or {}).get("BLOCK_M") or grouped_block_m(ids_flat.numel(), num_experts))
+    bm = int((config or {}).get("BLOCK_M") or grouped_block_m(ids_flat.numel(), num_experts))  # nested or flat
     sorted_rows, block_expert = align(ids_flat, num_experts, bm)
     return sorted_rows, block_expert, bm
 
@@ -180,17 +208,25 @@ def projection(
     activation: str = "none",
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
-) -> torch.Tensor:
+    a_scale: torch.Tensor | None = None,
+    quant_out: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One projection for every (token, slot) pair -> [num_pairs, N] (N = I when `gated`, else C).
 
-    Sentinel pairs' rows are left unwritten (the combine skips them).
+    Sentinel pairs' rows are left unwritten (the combine skips them). `a_scale`: `a` is e4m3 from
+    ``quantize_rows``. `quant_out` (grouped mode, BLOCK_N a multiple of block_k): returns (e4m3 out, scales),
+    the result rounded to `out_dtype` and quantised per row and block_k channels.
     """
     c = w.shape[1]
     k_dim = w.shape[2] * (2 if fp4 else 1)
     n_out = c // 2 if gated else c
-    out = torch.empty((num_pairs, n_out), dtype=out_dtype or a.dtype, device=a.device)
+    inter_dtype = out_dtype or (a.dtype if a_scale is None else torch.bfloat16)
+    out = torch.empty((num_pairs, n_out), dtype=torch.float8_e4m3fn if quant_out else inter_dtype, device=a.device)
+    out_scale = None
+    if quant_out:
+        out_scale = torch.empty((num_pairs, triton.cdiv(n_out, block_k)), dtype=torch.float32, device=a.device)
     if num_pairs == 0 or n_out == 0:
-        return out
+        return (out, out_scale) if quant_out else out
     if split_inter is not None and not fp4:
         n_split, split_rows = split_inter, triton.cdiv(split_inter, block_n)
     else:
@@ -200,8 +236,9 @@ def projection(
         num_experts=num_experts, n_out=n_out, k_dim=k_dim, a_div=a_div, up_offset=c // 2 if gated else 0,
         n_split=n_split, split_rows=split_rows, block_n_w=block_n, block_k=block_k, gated=gated,
         interleaved=interleaved, act=K.ACT_CODE[activation], fp4=fp4, ue8m0=ue8m0, config=config,
+        a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype,
     )  # fmt: skip
-    return out
+    return (out, out_scale) if quant_out else out
 
 
 def quant_experts_impl(
@@ -237,15 +274,49 @@ def quant_experts_impl(
     wts = top_k_weights.reshape(-1)
     wts = wts if wts.is_contiguous() else wts.contiguous()
     n_pairs = ids.numel()
-    routing = route(mode, ids, num_experts, config)
-    common = dict(num_experts=num_experts, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k, config=config)
-    inter = projection(
-        mode, x, w1, s1, routing, n_pairs, a_div=top_k, act_scale=as1, bias=b1, gated=gated,
-        interleaved=interleaved, activation=activation, split_inter=(w1.shape[1] // 2) if gated and not interleaved else None,
-        **common,
-    )  # fmt: skip
-    y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, **common)
+    inter_dim = w2.shape[2] * (2 if fp4 else 1)
+    cfg = resolve_config(config, x.device, fp4, num_experts, h, inter_dim, t, top_k) if mode == "grouped" else None
+    routing = route(mode, ids, num_experts, cfg or config)
+    common = dict(num_experts=num_experts, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k)
+    split = (w1.shape[1] // 2) if gated and not interleaved else None
+    up_args = dict(gated=gated, interleaved=interleaved, activation=activation, split_inter=split)
+    if cfg is None or as1 is not None:  # batched, or static scales (per expert: x cannot be quantised up front)
+        c1, c2 = (cfg["gate_up"], cfg["down"]) if cfg else (config, config)
+        inter = projection(mode, x, w1, s1, routing, n_pairs, a_div=top_k, act_scale=as1, bias=b1, config=c1,
+                           **up_args, **common)  # fmt: skip
+        y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, config=c2,
+                       **common)  # fmt: skip
+        return combine_slots(y, ids, out, top_k, num_experts)
+    # grouped, dynamic: quantise x once (not once per N tile inside the K loop); the gate_up epilogue quantises the
+    # intermediate when its tile covers whole groups, else a second quantize_rows does
+    xq, xs = quantize_rows(x, block_k)
+    bn1 = _gemm_config(mode, routing[0].numel(), inter_dim, x.device, {**cfg["gate_up"], "BLOCK_M": routing[2]},
+                       gated)["BLOCK_N"]  # fmt: skip
+    quant_out = bn1 % block_k == 0
+    inter = projection(mode, xq, w1, s1, routing, n_pairs, a_div=top_k, bias=b1, config={**cfg["gate_up"], "BLOCK_N": bn1},
+                       a_scale=xs, quant_out=quant_out, out_dtype=x.dtype, **up_args, **common)  # fmt: skip
+    iq, isc = inter if quant_out else quantize_rows(inter, block_k)
+    y = projection(mode, iq, w2, s2, routing, n_pairs, a_div=1, bias=b2, topk_w=wts, config=cfg["down"],
+                   a_scale=isc, out_dtype=x.dtype, **common)  # fmt: skip
     return combine_slots(y, ids, out, top_k, num_experts)
+
+
+def resolve_config(config: dict | None, device: torch.device, fp4: bool, num_experts: int, hidden: int, inter: int,
+                   tokens: int, top_k: int) -> dict:  # fmt: skip
+    """Nested config of the grouped path: the caller's, else this GPU's tuned table entry, else {} (heuristics)."""
+    if config:
+        return _configs.normalize(config)
+    if device.type == "cuda":
+        key = _configs.shape_key(fp4, num_experts, hidden, inter, top_k)
+        found = _configs.tuned(_device_name(device.index or 0), key, tokens)
+        if found is not None:
+            return found
+    return _configs.normalize(None)
+
+
+@functools.cache
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
 
 
 def combine_slots(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, top_k: int, num_experts: int) -> torch.Tensor:
@@ -258,18 +329,7 @@ def combine_slots(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, top_k: 
     return out
 
 
-def _encode(config: dict | None) -> list[int] | None:
-    if not config:
-        return None
-    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "GROUP_M")
-    return [int(config.get(k, 0) or 0) for k in keys]
-
-
-def _decode(config: list[int] | None) -> dict | None:
-    if not config:
-        return None
-    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "GROUP_M")
-    return {k: v for k, v in zip(keys, config) if v}
+_encode, _decode = _configs.encode, _configs.decode
 
 
 @torch.library.custom_op("selector::quant_experts", mutates_args=())

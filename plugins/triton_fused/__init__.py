@@ -1,5 +1,6 @@
 """`triton_fused`: our fused Triton experts kernel (align by expert on the GPU, gate_up GEMM with the
 activation in its epilogue, down GEMM with the routing weight in its epilogue, deterministic combine).
+FP8 / FP4 experts take the same structure in plugins/quant_kernels (grouped mode, tuned tiles per GPU).
 
 No host synchronisation, so CUDA graphs capture it; a torch custom op, so torch.compile traces it.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized
 from probes import Environment
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
@@ -23,6 +25,10 @@ def _load():  # noqa: ANN202
 
 def _estimate(problem: Problem, env: Environment) -> float:
     # Four launches (align, two GEMMs, combine) and GEMMs near the floor: see benchmarks/ for the measurements.
+    # Quantised experts run plugins/quant_kernels' grouped path with this GPU's tuned tiles (one more launch:
+    # the activations are quantised up front).
+    if problem.weight_format != "dense":
+        return 28e-6 + 1.15 * floor_seconds(problem, env)
     return 25e-6 + 1.15 * floor_seconds(problem, env)
 
 
@@ -34,13 +40,17 @@ def selector_backends() -> Sequence[BackendSpec]:
             load=_load,
             requirements=Requirements(
                 devices=frozenset({"cuda"}),
-                min_compute_capability=(8, 0),
+                min_compute_capability=(8, 0),  # fp8 / fp4: 8.9, which check_quantized enforces
                 packages={"triton": "3.0"},
+                weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
+                activation_quant=QUANT_ACTIVATION_QUANT,
                 activations=ACTIVATIONS,
                 custom_gate=False,  # the gate is fused into the GEMM epilogue: only act(gate) * up
                 post_expert_norm=False,
             ),
-            description="fused Triton kernels: GPU-side align, gate_up+activation, down+routing weight",
+            check=check_quantized,
+            description="fused Triton kernels: GPU-side align, gate_up+activation, down+routing weight "
+            "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,
             first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
         )

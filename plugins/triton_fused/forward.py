@@ -2,7 +2,8 @@
 
 At decode sizes launching four Triton kernels from Python takes longer than running them, so up to
 GRAPH_MAX_TOKENS tokens the call is replayed from a recorded CUDA graph (selector.graphs);
-`SELECTOR_TRITON_FUSED_GRAPHS=0` turns this off.
+`SELECTOR_TRITON_FUSED_GRAPHS=0` turns this off. Quantised experts (selector.quant) run the quantised
+grouped path of plugins/quant_kernels, which records its own decode graphs (`SELECTOR_QUANT_GRAPHS`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from plugins.triton_fused.kernels import fused_experts
 from selector import graphs, layers
 from selector.problem import activation_name
+from selector.quant import quant_format
 
 GRAPH_MAX_TOKENS = 64  # above this the launches are a small share of the time
 
@@ -46,6 +48,10 @@ def triton_fused_experts_forward(
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, H]
+    if quant_format(module) is not None:
+        from plugins.quant_kernels.forward import quant_experts_forward
+
+        return quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode="grouped")
     if not graphs.graphs_enabled(hidden_states, GRAPH_MAX_TOKENS, "SELECTOR_TRITON_FUSED_GRAPHS"):
         return _direct(module, hidden_states, top_k_index, top_k_weights)
     key = _graph_key(module, hidden_states, top_k_index, top_k_weights)

@@ -1,0 +1,91 @@
+"""Tile configurations of the quantised grouped kernels: a tuned table per GPU, else ops' heuristics.
+
+A configuration is ``{"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 1},
+"down": {...}}``; a flat dict (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M) applies to both GEMMs and a
+missing key is filled by the heuristics. BLOCK_K is not a knob: it is the activation group (the K tile that
+one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
+triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..`` (fp4 likewise) and then by token count; the entry
+nearest to T in log scale is used. Written by ``python -m plugins.quant_kernels.tune``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M")
+PARTS = ("gate_up", "down")
+
+
+def shape_key(fp4: bool, num_experts: int, hidden: int, inter: int, top_k: int) -> str:
+    return f"{'fp4' if fp4 else 'fp8'}:E={num_experts},H={hidden},I={inter},k={top_k}"
+
+
+def normalize(config: dict | None) -> dict[str, Any]:
+    """Nested form of a flat, nested or partial config (unset keys are absent); ValueError on bad values."""
+    config = dict(config or {})
+    flat = {k: int(config[k]) for k in GEMM_KEYS if config.get(k)}
+    out: dict[str, Any] = {"BLOCK_M": int(config["BLOCK_M"]) if config.get("BLOCK_M") else None}
+    for part in PARTS:
+        sub = {**flat, **{k: int(v) for k, v in (config.get(part) or {}).items() if k in GEMM_KEYS and v}}
+        out[part] = sub
+    for name, val in [("BLOCK_M", out["BLOCK_M"])] + [(f"{p}.BLOCK_N", out[p].get("BLOCK_N")) for p in PARTS]:
+        if val is not None and (val < 16 or val & (val - 1)):
+            raise ValueError(f"quantised experts: config {name}={val} must be a power of two >= 16")
+    return out
+
+
+def encode(config: dict | None) -> list[int] | None:
+    """The custom op carries a config as ints (0 = unset)."""
+    if not config:
+        return None
+    c = normalize(config)
+    return [c["BLOCK_M"] or 0] + [c[p].get(k, 0) for p in PARTS for k in GEMM_KEYS]
+
+
+def decode(values: list[int] | None) -> dict | None:
+    if not values:
+        return None
+    n = len(GEMM_KEYS)
+    parts = {p: {k: v for k, v in zip(GEMM_KEYS, values[1 + i * n : 1 + (i + 1) * n]) if v} for i, p in enumerate(PARTS)}
+    return {"BLOCK_M": values[0] or None, **parts}
+
+
+@functools.lru_cache(maxsize=8)
+def load_table(device_name: str, directory: str | None = None) -> dict[str, dict[int, dict]]:
+    path = Path(directory or CONFIG_DIR) / (device_name.strip().replace(" ", "_").replace("/", "_") + ".json")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    table: dict[str, dict[int, dict]] = {}
+    for key, per_t in (data.get("configs") or {}).items():
+        entries = {}
+        for t, cfg in per_t.items():
+            try:
+                entries[int(t)] = normalize(cfg)
+            except (ValueError, TypeError):
+                continue
+        if entries:
+            table[key] = entries
+    return table
+
+
+def lookup(table: dict[str, dict[int, dict]], key: str, num_tokens: int) -> dict | None:
+    entries = table.get(key)
+    if not entries:
+        return None
+    t = math.log2(max(1, num_tokens))
+    return entries[min(entries, key=lambda n: (abs(math.log2(max(1, n)) - t), n))]
+
+
+@functools.lru_cache(maxsize=4096)
+def tuned(device_name: str, key: str, num_tokens: int) -> dict | None:
+    return lookup(load_table(device_name), key, num_tokens)
+
+
+__all__ = ["decode", "encode", "load_table", "lookup", "normalize", "shape_key", "tuned"]

@@ -1,0 +1,132 @@
+"""The grouped quantised path with activations quantised up front (plugins/quant_kernels, grouped mode, dynamic).
+
+x is quantised once by ``quantize_rows`` and the gate_up GEMM reads e4m3 A; its epilogue quantises the
+intermediate when a tile covers whole activation groups (gate_up BLOCK_N a multiple of the block's k), else a
+second ``quantize_rows`` does. Both must give what the emulated reference gives (same bounds as test_quant.py:
+the operands are the same e4m3 values, only the accumulation order differs). Interpreter on CPU, tiny shapes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from experts_fixtures import Layout, make_experts, random_routing, relative_error
+
+from selector import quant as Q
+from selector.model import reset_selection_caches
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch.manual_seed(0)
+    reset_selection_caches()
+    yield
+    reset_selection_caches()
+
+
+def _run(module, x, idx, w, config=None):
+    from plugins.quant_kernels.forward import quant_experts_forward
+
+    return quant_experts_forward(module, x, idx, w, mode="grouped", config=config)
+
+
+def _check(module, x, idx, w, config, tol=1e-4):
+    out = _run(module, x, idx, w, config)
+    assert torch.isfinite(out).all()
+    err = relative_error(out, Q.reference_forward(module, x, idx, w))
+    assert err < tol, f"{config}: {err:.2e}"
+    return out
+
+
+def test_quantize_rows_is_the_reference_quantisation():
+    """Odd K (a partial last group), a zero row (scale 1, no NaN), values far apart in size."""
+    from plugins.quant_kernels.ops import quantize_rows
+
+    x = torch.randn(21, 200, device=DEV) * torch.logspace(-3, 3, 21, device=DEV)[:, None]
+    x[3] = 0
+    q, s = quantize_rows(x, 64)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (21, 4)
+    got = (q.float().reshape(21, -1) * s.repeat_interleave(64, dim=1)[:, :200]).cpu()
+    assert torch.equal(got, Q.quantize_activations(x.cpu(), 64))
+    assert torch.equal(s[3].cpu(), torch.ones(4))
+
+
+# gate_up BLOCK_N vs the activation group (32 here): 16 -> separate quantisation of the intermediate;
+# 32 -> one group per tile in the epilogue; 64 -> two groups per tile (I = 72: the last one partial)
+CONFIGS = [
+    pytest.param({"BLOCK_M": 16, "gate_up": {"BLOCK_N": 16}, "down": {"BLOCK_N": 32}}, id="inter-requantised"),
+    pytest.param({"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 64}}, id="epilogue-1-group"),
+    pytest.param({"BLOCK_M": 32, "gate_up": {"BLOCK_N": 64}, "down": {"BLOCK_N": 16}}, id="epilogue-2-groups"),
+]
+FORMATS = [
+    pytest.param(("fp8_block", "float32", (32, 32)), id="fp8-f32"),
+    pytest.param(("fp8_block", "ue8m0", (32, 32)), id="fp8-ue8m0"),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_odd_sizes_skewed_routing(fmt, config):
+    module = Q.quantize_experts(make_experts(5, 200, 72, device=DEV, seed=21), *fmt)
+    idx, w = random_routing(9, 5, 2, device=DEV, skew=True)
+    _check(module, torch.randn(9, 200, device=DEV), idx, w, config)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_token_bf16(fmt):
+    module = Q.quantize_experts(make_experts(4, 96, 64, dtype=torch.bfloat16, device=DEV, seed=22), *fmt)
+    idx, w = random_routing(1, 4, 3, device=DEV)
+    x = torch.randn(1, 96, device=DEV, dtype=torch.bfloat16)
+    out = _check(module, x, idx, w, {"BLOCK_M": 16, "BLOCK_N": 32}, tol=1e-2)
+    assert out.dtype == torch.bfloat16
+
+
+def test_fp4_and_default_block_with_epilogue_quantisation():
+    """fp4 (activation group 128) and fp8 with the default 128x128 block: a 128-wide gate_up tile quantises
+    the intermediate in its epilogue; I = 160 leaves a partial second group."""
+    for fmt in (("fp4", "ue8m0", None), ("fp8_block", "ue8m0", None)):
+        module = Q.quantize_experts(make_experts(3, 256, 160, device=DEV, seed=23), *fmt)
+        idx, w = random_routing(4, 3, 2, device=DEV)
+        _check(module, torch.randn(4, 256, device=DEV), idx, w, {"BLOCK_M": 16, "BLOCK_N": 128})
+
+
+@pytest.mark.parametrize(
+    "layout", [Layout(bias=True), Layout(interleaved=True, bias=True), Layout(gated=False), Layout(expert_parallel=True)],
+    ids=str,
+)
+def test_layouts(layout):
+    module = Q.quantize_experts(make_experts(4, 64, 64, layout, device=DEV, seed=24), "fp8_block", "float32", (32, 32))
+    idx, w = random_routing(5, 4, 2, device=DEV, sentinel=layout.expert_parallel)
+    _check(module, torch.randn(5, 64, device=DEV), idx, w, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}})
+
+
+def test_triton_fused_runs_quantised_experts():
+    """triton_fused's forward takes quantised modules to the same grouped path (same numbers)."""
+    from plugins.triton_fused.forward import triton_fused_experts_forward
+
+    module = Q.quantize_experts(make_experts(4, 64, 32, device=DEV, seed=25), "fp8_block", "ue8m0", (32, 32))
+    idx, w = random_routing(6, 4, 2, device=DEV)
+    x = torch.randn(6, 64, device=DEV)
+    out = triton_fused_experts_forward(module, x, idx, w)
+    assert torch.equal(out, _run(module, x, idx, w))
+    assert relative_error(out, Q.reference_forward(module, x, idx, w)) < 1e-4
+
+
+def test_tuned_table_lookup(tmp_path):
+    from plugins.quant_kernels import configs
+
+    cfg = {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 1}, "down": {"BLOCK_N": 64}}
+    key = configs.shape_key(False, 8, 256, 128, 2)
+    (tmp_path / "Some_GPU.json").write_text(json.dumps({"version": 1, "configs": {key: {"1": {"BLOCK_M": 16}, "512": cfg}}}))
+    table = configs.load_table("Some GPU", str(tmp_path))
+    assert configs.lookup(table, key, 300)["gate_up"]["BLOCK_N"] == 128  # nearest in log scale
+    assert configs.lookup(table, key, 2) == configs.normalize({"BLOCK_M": 16})
+    assert configs.lookup(table, configs.shape_key(True, 8, 256, 128, 2), 1) is None
+    assert configs.decode(configs.encode(cfg)) == configs.normalize(cfg)
+    with pytest.raises(ValueError, match="power of two"):
+        configs.normalize({"BLOCK_N": 48})
