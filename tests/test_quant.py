@@ -384,13 +384,17 @@ def test_quantised_requirements_and_checks(registry, name, monkeypatch):
     assert evaluate(spec, _problem(), _env()).ok
     assert evaluate(spec, _problem(weight_format="fp4"), _env()).ok
     assert evaluate(spec, _problem(activation_quant="static"), _env()).ok
-    assert evaluate(spec, _problem(weight_format="dense", scale_format=None), _env(SELECTOR_PACKAGE_TRITON="")).ok
+    if name != "triton_fused":  # its dense kernels are Triton too
+        assert evaluate(spec, _problem(weight_format="dense", scale_format=None), _env(SELECTOR_PACKAGE_TRITON="")).ok
     v = evaluate(spec, _problem(), _env(SELECTOR_PACKAGE_TRITON=""))
     assert v.status is Status.MISSING_PACKAGE and "triton" in v.reason and v.status.error_type is ImportError
     v = evaluate(spec, _problem(), _env(SELECTOR_GPUS="NVIDIA A100-SXM4-80GB:8.0:80"))
     assert v.status is Status.UNSUPPORTED_HARDWARE and "8.9" in v.reason and "A100" in v.found
     v = evaluate(spec, _problem(weight_format="fp4", scale_format="float32"), _env())
     assert v.status is Status.UNSUPPORTED_CONFIG and "UE8M0" in v.reason and v.status.error_type is ValueError
+    if name == "triton_fused":  # CUDA only, dense or not (tests call its forward directly under the interpreter)
+        assert evaluate(spec, _problem(device="cpu"), _env()).status is Status.UNSUPPORTED_DEVICE
+        return
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     v = evaluate(spec, _problem(device="cpu"), _env())
     assert v.status is Status.UNSUPPORTED_DEVICE and "TRITON_INTERPRET=1" in v.reason

@@ -1,0 +1,177 @@
+"""Tune the quantised grouped path's tiles on this GPU and write them as JSON (see configs.py).
+
+    python -m plugins.quant_kernels.tune --out plugins/quant_kernels/configs/NVIDIA_H200.json --budget-s 150
+
+Per (format, shape, token count) and candidate BLOCK_M: times align, the activation quantisation, each gate_up
+tile (plus a second quantisation of the intermediate when the tile does not cover whole groups) and each down
+tile, and keeps the BLOCK_M whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
+top-k routing. Token counts <= 64 are timed as CUDA-graph replays (as decode runs), larger ones back to back.
+fp8 configs serve both scale formats (a scale load differs, not the tile). Stops at --budget-s and writes what
+it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from plugins.quant_kernels import configs as C
+from plugins.quant_kernels import ops
+
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048, 8),
+          "mixtral-8x7b": (8, 4096, 14336, 2), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # (E, H, I, k); fmt: skip
+TOKENS = (1, 8, 64, 512, 4096)
+# (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
+# (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
+GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6)),
+           32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
+           64: ((64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
+           128: ((64, 8, 3), (64, 8, 4), (32, 4, 4))}  # fmt: skip
+DOWN = {"small": ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 3)),
+        "large": ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))}  # fmt: skip
+
+
+def block_m_candidates(pairs: int, num_experts: int) -> tuple[int, ...]:
+    per_expert = pairs / max(1, min(num_experts, pairs))
+    if per_expert <= 2:
+        return (16, 64)  # 64: the Hopper fp8 tensor-core instruction; 16: the emulated (f16) mma
+    if per_expert <= 24:
+        return (16, 32, 64)
+    if per_expert <= 96:
+        return (32, 64, 128)
+    return (64, 128)
+
+
+def _weights(e: int, n: int, k: int, fp4: bool, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(n * 7 + k)
+    if fp4:
+        w = torch.randint(-128, 128, (e, n, k // 2), dtype=torch.int8, device=dev, generator=g)
+        s = torch.randint(118, 124, (e, n, triton.cdiv(k, 32)), dtype=torch.uint8, device=dev, generator=g)
+        return w, s
+    w = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=dev)
+    for j in range(e):  # expert by expert: no [E, N, K] fp32 temporary
+        w[j] = (torch.randn(n, k, device=dev, generator=g) * 100).to(torch.float8_e4m3fn)
+    s = torch.rand(e, triton.cdiv(n, 128), triton.cdiv(k, 128), device=dev, generator=g) * 1e-4 + 1e-4
+    return w, s
+
+
+def _time(fn, graph: bool) -> float:
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=15, return_mode="median")) * 1e-3
+    return float(triton.testing.do_bench(fn, warmup=3, rep=12, return_mode="median")) * 1e-3
+
+
+def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: float, log=print) -> dict | None:
+    e, _, h = w1.shape
+    inter = w2.shape[2] * (2 if fp4 else 1)
+    dev = w1.device
+    x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(tokens, e, device=dev).topk(top_k, dim=1).indices.reshape(-1).contiguous()
+    wts = torch.rand(ids.numel(), device=dev)
+    pairs, graph = ids.numel(), tokens <= 64
+    common = dict(num_experts=e, fp4=fp4, ue8m0=fp4, block_n=1 if fp4 else 128, block_k=128)
+    xq, xs = ops.quantize_rows(x, 128)
+    t_qx = _time(lambda: ops.quantize_rows(x, 128), graph)
+    ih = torch.randn(pairs, inter, device=dev, dtype=torch.bfloat16)
+    iq, isc = ops.quantize_rows(ih, 128)
+    t_qi = _time(lambda: ops.quantize_rows(ih, 128), graph)
+    best = None
+    for bm in block_m_candidates(pairs, e):
+        if time.perf_counter() > deadline:
+            break
+        routing = ops.route("grouped", ids, e, {"BLOCK_M": bm})
+        t_align = _time(lambda: ops.route("grouped", ids, e, {"BLOCK_M": bm}), graph)
+        size = "small" if bm <= 32 else "large"
+        parts = {}
+        for part, options in (("gate_up", GATE_UP[bm]), ("down", DOWN[size])):
+            for bn, warps, stages in options:
+                cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "GROUP_M": 1 if bm <= 32 else 8}
+                if part == "gate_up":
+                    qo = bn % 128 == 0
+                    fn = lambda: ops.projection("grouped", xq, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=xs,
+                                                quant_out=qo, out_dtype=torch.bfloat16, gated=True, activation="silu",
+                                                split_inter=None if fp4 else inter, **common)  # fmt: skip
+                    extra = 0.0 if qo else t_qi
+                else:
+                    fn = lambda: ops.projection("grouped", iq, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc,
+                                                topk_w=wts, out_dtype=torch.bfloat16, **common)  # fmt: skip
+                    extra = 0.0
+                try:
+                    t = _time(fn, graph) + extra
+                except Exception as exc:  # resources: a tile this GPU cannot run
+                    log(f"    skip BM={bm} {part} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+                    continue
+                if part not in parts or t < parts[part][0]:
+                    parts[part] = (t, cfg)
+        if len(parts) < 2:
+            continue
+        total = t_align + t_qx + parts["gate_up"][0] + parts["down"][0]
+        log(f"  T={tokens} BM={bm}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, quant x {t_qx * 1e6:.1f}, "
+            f"gate_up {parts['gate_up'][0] * 1e6:.1f} {parts['gate_up'][1]}, down {parts['down'][0] * 1e6:.1f} "
+            f"{parts['down'][1]})")  # fmt: skip
+        if best is None or total < best["time_s"]:
+            best = {"config": {"BLOCK_M": bm, "gate_up": parts["gate_up"][1], "down": parts["down"][1]}, "time_s": total}
+    return best
+
+
+def tune(shapes: dict, tokens: tuple[int, ...], formats: tuple[str, ...], out: Path, budget_s: float, log=print) -> dict:
+    """Token counts outer, shapes inner (every shape's weights resident): a budget cut leaves no shape untuned."""
+    t0 = time.perf_counter()
+    deadline = t0 + budget_s
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    doc = {"version": 1, "device": name, "configs": {}, "timings_us": {}}
+    if out.exists():
+        old = json.loads(out.read_text())
+        if old.get("device") == name:
+            doc["configs"].update(old.get("configs", {}))
+    for fmt in formats:
+        fp4 = fmt == "fp4"
+        weights = {}
+        for shape, (e, h, i, k) in shapes.items():
+            weights[shape] = (*_weights(e, 2 * i, h, fp4, dev), *_weights(e, h, i, fp4, dev))
+        for t in tokens:
+            for shape, (e, h, i, k) in shapes.items():
+                if time.perf_counter() > deadline:
+                    break
+                key = C.shape_key(fp4, e, h, i, k)
+                log(f"{key} ({shape}) T={t}")
+                best = tune_cell(*weights[shape], fp4, t, k, deadline, log)
+                if best is not None:
+                    doc["configs"].setdefault(key, {})[str(t)] = best["config"]
+                    doc["timings_us"].setdefault(key, {})[str(t)] = round(best["time_s"] * 1e6, 1)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")  # what we have so far
+        del weights
+        torch.cuda.empty_cache()
+    doc["tuned_seconds"] = round(time.perf_counter() - t0, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    C.load_table.cache_clear()
+    C.tuned.cache_clear()
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--formats", default="fp8,fp4")
+    p.add_argument("--budget-s", type=float, default=600.0)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    out = a.out or C.CONFIG_DIR / (torch.cuda.get_device_name().replace(" ", "_") + ".json")
+    shapes = {s: SHAPES[s] for s in a.shapes.split(",") if s}
+    tune(shapes, tuple(int(t) for t in a.tokens.split(",")), tuple(a.formats.split(",")), out, a.budget_s)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
