@@ -53,7 +53,8 @@ FORMATS = {  # cell name: (weight format, scale format)
     "fp4": ("fp4", "ue8m0"),
 }
 BF16_BACKENDS = ("grouped_mm", "batched_mm", "triton_fused")
-QUANT_BACKENDS = ("grouped_mm", "batched_mm")
+QUANT_BACKENDS = ("triton_fused", "grouped_mm", "batched_mm")  # all checked for correctness
+QUANT_TIMED = ("triton_fused", "batched_mm")  # grouped_mm runs the same grouped kernels as triton_fused
 BATCHED_BF16_CAP = 40 * 2**30  # perf.md: batched_mm gathers T x k weight copies; cap its temporaries
 BATCHED_QUANT_MAX_PAIRS = 512  # one pair per program re-reads its expert's weights: decode only
 GRAPH_MAX_TOKENS = 64
@@ -227,7 +228,7 @@ def run_cells(name: str, built: dict, tokens: int, ceilings: dict, args, log, de
     modes = ["eager", "graph"] if tokens <= GRAPH_MAX_TOKENS and device.type == "cuda" else ["eager"]
     cells: list[Cell] = []
     for fmt_name, layer in built["layers"].items():
-        backends = BF16_BACKENDS if fmt_name == "bf16" else QUANT_BACKENDS
+        backends = BF16_BACKENDS if fmt_name == "bf16" else QUANT_TIMED
         floor, moved, flops = floor_of(layer, index, h, i, k, ceilings)
         ref = None
         for backend in backends:
@@ -251,7 +252,7 @@ def run_cells(name: str, built: dict, tokens: int, ceilings: dict, args, log, de
                     cell.skipped = f"{type(exc).__name__}: {exc}"[:160]
                     continue
                 try:
-                    if args.sweep and tokens >= 512 and fmt_name != "bf16" and backend == "grouped_mm":
+                    if args.sweep and tokens >= 512 and fmt_name != "bf16" and backend == "triton_fused":
                         from plugins.quant_kernels.forward import quant_experts_forward
 
                         best = None

@@ -619,7 +619,7 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     bench.main(["--cpu-smoke", "--tokens", "1,20", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "quant_gpu.json").read_text())
     timed = {(c["format"], c["backend"]) for c in data["cells"] if c["time_s"]}
-    assert {("bf16", "grouped_mm"), ("fp8-f32", "grouped_mm"), ("fp8-ue8m0", "batched_mm"), ("fp4", "grouped_mm")} <= timed
+    assert {("bf16", "grouped_mm"), ("fp8-f32", "triton_fused"), ("fp8-ue8m0", "batched_mm"), ("fp4", "triton_fused")} <= timed
     assert all(c["rel_error"] < 1e-2 for c in data["cells"] if c["rel_error"] is not None)
     assert "| tiny | 1 | eager |" in (tmp_path / "quant_gpu.md").read_text()
 
