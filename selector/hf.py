@@ -220,7 +220,9 @@ TRANSFORMERS_FALLBACK = "transformers:"  # prefix of a plan that runs Transforme
 
 def _adopt_quantized(module: torch.nn.Module, compute_dtype: torch.dtype) -> None:
     """Mark an FP8Experts module with the selector_* attributes the ranking reads (once)."""
-    if "selector_weight_format" in module.__dict__:
+    # getattr, not a look into module.__dict__: this also runs while torch.compile traces, and Dynamo
+    # (torch 2.11) cannot trace calls on a module's __dict__
+    if getattr(module, "selector_weight_format", None) is not None:
         return
     try:
         from selector.quant import adopt_transformers_experts
@@ -263,7 +265,8 @@ def _quantized_auto(
 ) -> torch.Tensor:
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     if torch.compiler.is_compiling():
-        plan = _quantized_plan_constant(module.__dict__["_selector_uid"], _model._declared_top_k(module), _DECODING.get())
+        uid = getattr(module, "_selector_uid", None)  # getattr: traceable (see _adopt_quantized)
+        plan = _quantized_plan_constant(uid, _model._declared_top_k(module), _DECODING.get())
     else:
         _model.track(module)
         plan = _quantized_plan(module, num_tokens, top_k, _DECODING.get())

@@ -234,6 +234,8 @@ def run_experts(
     `implementation`: a backend name or "auto" that overrides the module's own request (the Transformers
     adapter passes the name the model's config holds).
     """
+    if torch.compiler.is_compiling():
+        return _run_traced(module, hidden_states, top_k_index, top_k_weights, implementation)
     weight = layers.up_weight(module)
     weight_key = (weight.dtype, weight.device, weight.shape)
     facts = module.__dict__.get("_selector_facts")
@@ -251,30 +253,53 @@ def run_experts(
         seen=module.__dict__.setdefault("_selector_checked", set()),
     )
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
-    if torch.compiler.is_compiling():
-        # Shapes may be symbolic while tracing and only constants can cross into the choice: under
-        # torch.compile auto chooses once per layer, for a typical token count and the declared k.
-        uid = module.__dict__.get("_selector_uid")
-        if uid is None:
-            raise RuntimeError(
-                "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
-                "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
-            )
-        name = _choose_constant(uid, _declared_top_k(module), implementation or "")
-    else:
-        track(module)
-        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
-        requested = implementation or module.__dict__.get(REQUEST_ATTR, AUTO)
-        bucket = token_bucket(num_tokens) if requested == AUTO else 0
-        key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, _RESOLVER.generation)
-        choices = module.__dict__.setdefault("_selector_choices", {})
-        name = choices.get(key)
-        if name is None:  # decided once per key; a request that cannot run raises here every time
-            name = _RESOLVER.choose(module, num_tokens, top_k, implementation, capturing)
-            if len(choices) > 64:
-                choices.clear()
-            choices[key] = name
-        module.__dict__[LAST_ATTR] = name
+    track(module)
+    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    requested = implementation or module.__dict__.get(REQUEST_ATTR, AUTO)
+    bucket = token_bucket(num_tokens) if requested == AUTO else 0
+    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, _RESOLVER.generation)
+    choices = module.__dict__.setdefault("_selector_choices", {})
+    name = choices.get(key)
+    if name is None:  # decided once per key; a request that cannot run raises here every time
+        name = _RESOLVER.choose(module, num_tokens, top_k, implementation, capturing)
+        if len(choices) > 64:
+            choices.clear()
+        choices[key] = name
+    module.__dict__[LAST_ATTR] = name
+    return _RESOLVER.forward_of(name)(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _run_traced(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    implementation: str | None,
+) -> torch.Tensor:
+    """run_experts while torch.compile traces: shape checks, one constant choice per layer, the backend.
+
+    Nothing here reads or writes the module's __dict__ or caches: Dynamo (torch 2.11) cannot trace calls on a
+    module's __dict__ (`setdefault` broke the graph at every layer), and every write would be a side effect
+    replayed after the graph. Attribute reads are plain getattr, which Dynamo guards like any other.
+    """
+    num_experts, hidden_size, _ = layers.dims(module)
+    validate_inputs(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        num_experts=num_experts,
+        hidden_size=hidden_size,
+        expert_parallel=layers.is_expert_parallel(module),
+    )
+    # Shapes may be symbolic while tracing and only constants can cross into the choice: under torch.compile
+    # auto chooses once per layer, for a typical token count and the declared k.
+    uid = getattr(module, "_selector_uid", None)
+    if uid is None:
+        raise RuntimeError(
+            "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
+            "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
+        )
+    name = _choose_constant(uid, _declared_top_k(module), implementation or "")
     return _RESOLVER.forward_of(name)(module, hidden_states, top_k_index, top_k_weights)
 
 

@@ -68,9 +68,10 @@ def validate_inputs(
         raise ExpertsInputError(f"top_k_index must be an integer tensor, got {top_k_index.dtype}")
     if not top_k_weights.is_floating_point():
         raise ExpertsInputError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
-    devices = {hidden_states.device, top_k_index.device, top_k_weights.device}
-    if len(devices) > 1:
-        raise ExpertsInputError(f"inputs are on different devices: {sorted(map(str, devices))}")
+    # compared pairwise, not as a set of devices: plain comparisons are what torch.compile folds everywhere
+    if top_k_index.device != hidden_states.device or top_k_weights.device != hidden_states.device:
+        devices = sorted({str(t.device) for t in (hidden_states, top_k_index, top_k_weights)})
+        raise ExpertsInputError(f"inputs are on different devices: {devices}")
     if level in ("shapes", "off") or top_k_index.numel() == 0 or _capturing(hidden_states):
         return
     shape = (*hidden_states.shape, top_k_index.shape[1])
