@@ -20,6 +20,12 @@ import torch
 GRAPHS_PER_MODULE = 8  # least recently used graphs beyond this are dropped
 _POOL: Any = None  # one memory pool for all graphs: they replay one after another on one stream
 _GRAPHS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, OrderedDict]] = weakref.WeakKeyDictionary()
+_RECORDINGS = 0  # graphs recorded in this process: a decode loop that records more than once per shape is a bug
+
+
+def recordings() -> int:
+    """How many graphs this process has recorded (each costs a device sync and a warm-up run: see RecordedCall)."""
+    return _RECORDINGS
 
 
 def graphs_enabled(x: torch.Tensor, max_tokens: int, variable: str) -> bool:
@@ -42,7 +48,8 @@ class RecordedCall:
     """One captured call: static input buffers, the graph, its output buffer."""
 
     def __init__(self, run: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
-        global _POOL
+        global _POOL, _RECORDINGS
+        _RECORDINGS += 1
         if _POOL is None:
             _POOL = torch.cuda.graph_pool_handle()
         self.inputs = tuple(t.clone() for t in inputs)
