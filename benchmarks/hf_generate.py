@@ -6,9 +6,15 @@ Transformers' own experts backends (eager, batched_mm, grouped_mm), in one run, 
 
 For each setting (batch x prompt length: 1x16, 4x128, 16x512) and backend:
 - prefill ms: one generate() call with max_new_tokens=1 (time to first token, as a user sees it);
-- decode ms/token: (generate with 1 + N new tokens - generate with 1) / N;
-uncompiled (dynamic cache) and compiled (static cache; Transformers compiles the decode step; the compile
-mode suits the backend: "reduce-overhead" (CUDA graphs) where the backend is CUDA-graph safe, else "default").
+- decode ms/token: the median time between consecutive decode steps inside one generate() call (device
+  events recorded by a logits processor, so no extra sync), after the first steps (compile, graph recording);
+- decode wall ms/token: (generate with 1 + N new tokens - generate with 1) / N, which also charges any
+  per-call cost (e.g. graphs recorded again in every call) to the tokens;
+uncompiled (dynamic cache) and compiled: Transformers compiles the decode step when generate() gets a static
+cache; we pass one StaticCache, reset between calls, as Transformers' docs advise (a fresh cache per call has
+new tensor addresses, so CUDA graphs are recorded again in every call); the compile mode suits the backend:
+"reduce-overhead" (CUDA graphs) where the backend is CUDA-graph safe, else "default". Compiled cells record
+what torch.compile did (graphs, graph breaks, CUDA graph recordings and skips).
 Transformers' "grouped_mm" is timed as Transformers runs it in generate(): it swaps to batched_mm for the
 decode steps on a GPU. The decode floor is the weight (and KV) bytes one step must read, over the bandwidth
 of a device copy measured in the same run. Cells run in priority order under a time budget (--budget-s,
@@ -77,11 +83,20 @@ def parse_args() -> argparse.Namespace:
                    help="in priority order; cells that do not fit the budget are skipped")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed, uncompiled")
     p.add_argument("--compiled-new-tokens", type=int, default=32, help="decode steps timed, compiled")
-    p.add_argument("--repeats", type=int, default=2, help="timed generate() calls per point (the minimum is kept)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed rounds per cell: prefill is the fastest round, decode the median step of all rounds")
     p.add_argument("--budget-s", type=float, default=185.0, help="stop starting cells after this (from start)")
     p.add_argument("--compiled-cell-s", type=float, default=60.0,
                    help="a compiled cell is only started with at least this much budget left")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--fullgraph", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the decode step as one graph (a graph break is then an error, recorded)")
+    p.add_argument("--fresh-cache", action="store_true",
+                   help="compiled cells: a new static cache per generate() call (Transformers' default)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled cells")
+    p.add_argument("--compile-on-cpu", action="store_true",
+                   help="compiled cells on a CPU too (smoke test; Transformers compiles only on accelerators)")
+    p.add_argument("--skip-steps", type=int, default=2, help="decode steps left out of the per-step median")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke test)")
@@ -177,7 +192,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(model, ids, mask, new_tokens: int, device, extra: dict) -> float:
+class StepClock:
+    """A logits processor that stamps each generation step: a device event on CUDA (no sync), else the host
+    clock. Transformers calls it once per step, after that step's forward was issued."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stamps: list[Any] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.stamps.append(event)
+        else:
+            self.stamps.append(time.perf_counter())
+        return scores
+
+    def step_ms(self) -> list[float]:
+        """Milliseconds between consecutive steps: entry i is decode step i + 1 (the prefill is step 0)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return [a.elapsed_time(b) for a, b in zip(self.stamps, self.stamps[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+def timed_generate(model, ids, mask, new_tokens: int, device, extra: dict, clock: StepClock | None = None) -> float:
+    from transformers import LogitsProcessorList
+
+    cache = extra.get(cache_kwarg(model))
+    if cache is not None:
+        cache.reset()  # the same tensors, emptied: compiled graphs and CUDA graphs stay valid
+    if clock is not None:
+        extra = dict(extra, logits_processor=LogitsProcessorList([clock]))
     sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -186,6 +233,64 @@ def timed_generate(model, ids, mask, new_tokens: int, device, extra: dict) -> fl
     sync(device)
     assert out.shape[1] == ids.shape[1] + new_tokens, f"generated {out.shape[1] - ids.shape[1]} tokens"
     return time.perf_counter() - t0
+
+
+def cache_kwarg(model) -> str:
+    """generate()'s name for a user's cache: "cache" from Transformers 5.2x, "past_key_values" before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+_TREE_RECORDINGS = [0]  # CUDA graphs recorded by torch.compile's cudagraph trees (counted by a wrapper)
+
+
+def count_cudagraph_tree_recordings() -> None:
+    """Wrap the cudagraph-tree manager's record_function once, to count recordings (private API: best effort)."""
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return
+    manager = getattr(cudagraph_trees, "CUDAGraphTreeManager", None)
+    original = getattr(manager, "record_function", None)
+    if original is None or getattr(original, "_counted", False):
+        return
+
+    def record_function(self, *args, **kwargs):
+        _TREE_RECORDINGS[0] += 1
+        return original(self, *args, **kwargs)
+
+    record_function._counted = True
+    manager.record_function = record_function
+
+
+def compile_stats() -> dict[str, int]:
+    """Counters of what torch.compile and selector did so far (a cell reports the difference)."""
+    from torch._dynamo.utils import counters
+
+    from selector import graphs
+
+    return {
+        "dynamo_graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
+        "cudagraph_tree_recordings": _TREE_RECORDINGS[0],
+        "selector_graph_recordings": graphs.recordings(),
+    }
+
+
+def graph_break_reasons() -> list[str]:
+    from torch._dynamo.utils import counters
+
+    return [str(reason)[:200] for reason in counters["graph_break"]]
 
 
 def observe_auto(model, ids, mask) -> dict[str, Any]:
@@ -212,76 +317,156 @@ def observe_auto(model, ids, mask) -> dict[str, Any]:
     return {"prefill": seen[0] if seen else None, "decode": sorted({name for _, name in seen[1:]}, key=str)}
 
 
-def compile_mode_for(backend: str, model, batch: int) -> str:
+def compile_mode_for(backend: str, model) -> str:
     """reduce-overhead (CUDA graphs) where what runs the decode step is graph safe, else default."""
+    from dataclasses import replace
+
     import selector
     import selector.hf as hf
-    from selector.model import explain_module
+    from selector.model import _RESOLVER, _declared_top_k, _static_problem
 
     if backend == "eager":
         return "default"  # the module's own loop reads expert ids on the host
     if backend != "auto":
         return "reduce-overhead"  # Transformers' batched_mm / grouped_mm have no host sync
+    # what auto runs under torch.compile: one choice per layer, among compile-friendly backends
     module = next(m for members in hf.experts_modules(model).values() for _, m in members)
-    pick = explain_module(module, num_tokens=batch).best
+    problem = replace(_static_problem(module, _declared_top_k(module)), compile=True)
+    pick = _RESOLVER.rank(problem).best
     spec = selector.get_registry().specs.get(pick)
     return "reduce-overhead" if spec is not None and spec.cuda_graph_safe else "default"
 
 
-def run_cell(model, cfg, args, device, mode: str, backend: str, batch: int, length: int, bw: float | None):
-    from transformers import CompileConfig
+class CellRun:
+    """One (mode, backend, setting) cell: warm-up, then timed rounds (uncompiled cells of one setting take
+    their rounds in turn, so a drift in host speed hits every backend alike), then the summary."""
 
-    import selector.hf as hf
+    def __init__(self, model, cfg, args, device, mode: str, backend: str, batch: int, length: int) -> None:
+        self.model, self.cfg, self.args, self.device = model, cfg, args, device
+        self.cell: dict[str, Any] = {"mode": mode, "backend": backend, "batch": batch, "prompt": length}
+        gen = torch.Generator().manual_seed(batch * 1000 + length)
+        self.ids = torch.randint(1, cfg["vocab_size"], (batch, length), generator=gen).to(device)
+        self.mask = torch.ones_like(self.ids)
+        self.n = args.compiled_new_tokens if mode == "compiled" else args.new_tokens
+        self.t1: list[float] = []
+        self.runs: list[tuple[float, list[float]]] = []
+        self.seconds = 0.0
+        self.extra: dict[str, Any] = {}
+        if backend == "grouped_mm" and device.type == "cuda":
+            self.cell["note"] = "Transformers swaps grouped_mm for batched_mm during decode on GPU"
 
-    cell: dict[str, Any] = {"mode": mode, "backend": backend, "batch": batch, "prompt": length}
-    model.set_experts_implementation(backend)
-    gen = torch.Generator().manual_seed(batch * 1000 + length)
-    ids = torch.randint(1, cfg["vocab_size"], (batch, length), generator=gen).to(device)
-    mask = torch.ones_like(ids)
-    n = args.compiled_new_tokens if mode == "compiled" else args.new_tokens
-    extra: dict[str, Any] = {}
-    if mode == "compiled":
-        cell["compile_mode"] = compile_mode_for(backend, model, batch)
-        extra = {"cache_implementation": "static",
-                 "compile_config": CompileConfig(mode=cell["compile_mode"], fullgraph=False)}
-    if backend == "grouped_mm" and device.type == "cuda":
-        cell["note"] = "Transformers swaps grouped_mm for batched_mm during decode on GPU"
-    t_cell = time.perf_counter()
-    try:
-        warm = 2 if mode == "compiled" else 1
-        for _ in range(warm):  # compile, CUDA-graph recording, autotuning caches
-            timed_generate(model, ids, mask, 1 + n, device, extra)
-        cell["warmup_s"] = round(time.perf_counter() - t_cell, 2)
-        t1 = min(timed_generate(model, ids, mask, 1, device, extra) for _ in range(args.repeats))
-        tn = min(timed_generate(model, ids, mask, 1 + n, device, extra) for _ in range(args.repeats))
-        cell["prefill_ms"] = t1 * 1e3
-        cell["decode_ms_per_token"] = max(tn - t1, 0.0) / n * 1e3
-        cell["decode_tokens"] = n
-        if backend == "auto" and mode == "uncompiled":
-            cell["auto_ran"] = observe_auto(model, ids, mask)
-        if backend == "auto":
-            entry = hf.selection_report(model, tokens=(batch, batch * length)).entries[0]
-            cell["auto_picks"] = {str(t): p for t, p in entry.by_tokens.items()}
-        cell["status"] = "ok"
-    except torch.cuda.OutOfMemoryError as exc:
-        cell["status"] = "oom"
-        cell["error"] = str(exc).splitlines()[0][:300]
-    except Exception as exc:  # noqa: BLE001 - record and go on with the next cell
-        cell["status"] = "error"
-        cell["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        traceback.print_exc()
-    finally:
+    @property
+    def ok(self) -> bool:
+        return "status" not in self.cell
+
+    def _compiled_extra(self, fullgraph: bool) -> dict[str, Any]:
+        from transformers import CompileConfig, StaticCache
+
+        args, cell = self.args, self.cell
+        config = CompileConfig(backend=args.compile_backend, mode=cell["compile_mode"], fullgraph=fullgraph)
+        if self.device.type == "cpu":
+            config._compile_all_devices = True  # Transformers' own switch for compiling on a CPU (tests)
+        cell["fullgraph"] = fullgraph
+        if args.fresh_cache:
+            cell["cache"] = "fresh static cache per call"
+            return {"compile_config": config, "cache_implementation": "static"}
+        cell["cache"] = "one static cache, reset per call"
+        cache = StaticCache(config=self.model.config, max_cache_len=self.ids.shape[1] + 1 + self.n)
+        return {"compile_config": config, cache_kwarg(self.model): cache}
+
+    def _guard(self, step) -> None:
+        """Run one step of the cell; an error ends the cell (recorded), never the run."""
+        t0 = time.perf_counter()
+        self.model.set_experts_implementation(self.cell["backend"])
+        try:
+            step()
+        except torch.cuda.OutOfMemoryError as exc:
+            self.cell["status"] = "oom"
+            self.cell["error"] = str(exc).splitlines()[0][:300]
+        except Exception as exc:  # noqa: BLE001 - record and go on with the next cell
+            self.cell["status"] = "error"
+            self.cell["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            traceback.print_exc()
+            if self.cell["mode"] == "compiled":
+                torch._dynamo.reset()  # a failed compile leaves nothing half-built for the next cell
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def warm(self) -> None:
+        def step() -> None:
+            self.before = compile_stats()
+            t0 = time.perf_counter()
+            if self.cell["mode"] == "compiled":
+                self.cell["compile_mode"] = compile_mode_for(self.cell["backend"], self.model)
+                self.extra = self._compiled_extra(self.args.fullgraph)
+                try:
+                    self._generate(1 + self.n)
+                except torch._dynamo.exc.Unsupported as exc:  # a graph break under fullgraph: say where, go on
+                    self.cell["fullgraph_error"] = str(exc)[:600]
+                    torch._dynamo.reset()
+                    self.extra = self._compiled_extra(False)
+                    self._generate(1 + self.n)
+                self._generate(1 + self.n)  # compile, CUDA-graph recording, autotuning caches
+            else:
+                self._generate(1 + self.n)
+            self.cell["warmup_s"] = round(time.perf_counter() - t0, 2)
+            self.warm_stats = compile_stats()
+
+        self._guard(step)
+
+    def _generate(self, new_tokens: int, clock: StepClock | None = None) -> float:
+        return timed_generate(self.model, self.ids, self.mask, new_tokens, self.device, self.extra, clock)
+
+    def round(self) -> None:
+        def step() -> None:
+            self.t1.append(self._generate(1))
+            clock = StepClock(self.device)
+            self.runs.append((self._generate(1 + self.n, clock), clock.step_ms()))
+
+        if self.ok:
+            self._guard(step)
+
+    def finish(self, bw: float | None) -> dict[str, Any]:
+        import selector.hf as hf
+
+        cell, n = self.cell, self.n
+        if self.ok and self.runs:
+            t1 = min(self.t1)
+            tn = min(wall for wall, _ in self.runs)
+            steps = [ms for _, run in self.runs for ms in run[self.args.skip_steps:]]  # every round's steady steps
+            cell["prefill_ms"] = t1 * 1e3
+            cell["decode_wall_ms_per_token"] = max(tn - t1, 0.0) / n * 1e3
+            cell["decode_ms_per_token"] = median(steps) or cell["decode_wall_ms_per_token"]
+            cell["step_ms"] = [[round(v, 3) for v in run] for _, run in self.runs]
+            cell["decode_tokens"] = n
+            after = compile_stats()
+            cell["warmup_counts"] = {k: self.warm_stats[k] - self.before[k] for k in self.before}
+            cell["timed_counts"] = {k: after[k] - self.warm_stats[k] for k in self.before}  # should all be 0
+            if cell["warmup_counts"]["graph_breaks"]:
+                cell["graph_break_reasons"] = graph_break_reasons()[-5:]
+
+            def observe() -> None:
+                backend, batch, length = cell["backend"], cell["batch"], cell["prompt"]
+                if backend == "auto" and cell["mode"] == "uncompiled":
+                    cell["auto_ran"] = observe_auto(self.model, self.ids, self.mask)
+                if backend == "auto":
+                    entry = hf.selection_report(self.model, tokens=(batch, batch * length)).entries[0]
+                    cell["auto_picks"] = {str(t): p for t, p in entry.by_tokens.items()}
+
+            self._guard(observe)
+            cell.setdefault("status", "ok")
         gc.collect()
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-    cell["cell_s"] = round(time.perf_counter() - t_cell, 2)
-    floor = decode_floor_bytes(model, cfg, batch, length + n)
-    cell["floor_bytes"] = floor
-    if bw:
-        cell["decode_floor_ms"] = (floor["dense"] + floor["experts"] + floor["kv"]) / bw * 1e3
-        if cell.get("decode_ms_per_token"):
-            cell["decode_vs_floor"] = cell["decode_ms_per_token"] / cell["decode_floor_ms"]
-    return cell
+        cell["cell_s"] = round(self.seconds, 2)
+        floor = decode_floor_bytes(self.model, self.cfg, cell["batch"], cell["prompt"] + n)
+        cell["floor_bytes"] = floor
+        if bw:
+            cell["decode_floor_ms"] = (floor["dense"] + floor["experts"] + floor["kv"]) / bw * 1e3
+            if cell.get("decode_ms_per_token"):
+                cell["decode_vs_floor"] = cell["decode_ms_per_token"] / cell["decode_floor_ms"]
+                cell["decode_wall_vs_floor"] = cell["decode_wall_ms_per_token"] / cell["decode_floor_ms"]
+        return cell
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -301,8 +486,8 @@ def ratio(v: float | None) -> str:
 
 def markdown(result: dict) -> str:
     lines = [
-        "| mode | bs x len | backend | prefill ms | decode ms/token | decode / floor | note |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | bs x len | backend | prefill ms | decode ms/token | decode / floor | decode wall ms/token | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in result["cells"]:
         note = c.get("status", "")
@@ -315,20 +500,28 @@ def markdown(result: dict) -> str:
             elif "auto_picks" in c:
                 note = "picks: " + ", ".join(f"T={t}: {p}" for t, p in c["auto_picks"].items())
             if c.get("compile_mode"):
-                note = (note + "; " if note else "") + c["compile_mode"]
+                counts = c.get("warmup_counts", {})
+                what = (f"{c['compile_mode']}, {counts.get('dynamo_graphs', '?')} graph(s), "
+                        f"{counts.get('graph_breaks', '?')} break(s), "
+                        f"{counts.get('cudagraph_tree_recordings', '?')} CUDA graph recording(s)")
+                timed = c.get("timed_counts", {})
+                if any(timed.values()):
+                    what += "; while timed: " + ", ".join(f"{k} +{v}" for k, v in timed.items() if v)
+                note = (note + "; " if note else "") + what
         elif c.get("error"):
             note = f"{c['status']}: {c['error'][:60]}"
         lines.append(
             f"| {c['mode']} | {c['batch']}x{c['prompt']} | {c['backend']} | {fmt(c.get('prefill_ms'))} | "
-            f"{fmt(c.get('decode_ms_per_token'))} | {ratio(c.get('decode_vs_floor'))} | {note} |"
+            f"{fmt(c.get('decode_ms_per_token'))} | {ratio(c.get('decode_vs_floor'))} | "
+            f"{fmt(c.get('decode_wall_ms_per_token'))} | {note} |"
         )
     lines.append("")
     lines.append("auto vs the best Transformers backend in the same setting (lower is better for auto):")
     lines.append("")
-    lines.append("| mode | bs x len | prefill auto / best (best) | decode auto / best (best) |")
-    lines.append("|---|---|---|---|")
+    lines.append("| mode | bs x len | prefill auto / best (best) | decode auto / best (best) | decode wall auto / best |")
+    lines.append("|---|---|---|---|---|")
     for key, row in comparisons(result).items():
-        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {row['prefill']} | {row['decode']} |")
+        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {row['prefill']} | {row['decode']} | {row['decode_wall']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -341,11 +534,13 @@ def comparisons(result: dict) -> dict[tuple, dict[str, str]]:
         auto = next((c for c in cells if c["backend"] == "auto" and c.get("status") == "ok"), None)
         peers = [c for c in cells if c["backend"] != "auto" and c.get("status") == "ok"]
         row = {}
-        for metric, field in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token")):
-            if auto is None or not peers:
+        for metric, field in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"),
+                              ("decode_wall", "decode_wall_ms_per_token")):
+            usable = [c for c in peers if c.get(field)]
+            if auto is None or not auto.get(field) or not usable:
                 row[metric] = "-"
                 continue
-            best = min(peers, key=lambda c: c[field])
+            best = min(usable, key=lambda c: c[field])
             row[metric] = f"{auto[field] / best[field]:.2f}x ({best['backend']} {best[field]:.2f} ms)"
         out[key] = row
     return out
@@ -376,6 +571,7 @@ def main() -> int:
 
     names = ensure_backends()
     hf.register_with_transformers()
+    count_cudagraph_tree_recordings()
     settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",") if s]
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -387,7 +583,7 @@ def main() -> int:
             "selector": selector.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "selector_backends": names,
-            "selector_validate": os.environ.get("SELECTOR_VALIDATE", "full (default)"),
+            "selector_validate": os.environ.get("SELECTOR_VALIDATE", "default (values once per shape on GPUs)"),
         },
         "model": "random Qwen1.5-MoE-A2.7B shape" if not args.tiny else "tiny Qwen2-MoE (smoke test)",
         "dtype": args.dtype,
@@ -412,7 +608,7 @@ def main() -> int:
     plan: list[tuple[str, str, int, int]] = []
     for batch, length in settings:
         plan += [("uncompiled", b, batch, length) for b in backends]
-    if not args.no_compile and device.type == "cuda":
+    if not args.no_compile and (device.type == "cuda" or args.compile_on_cpu):
         # auto and the first peer over every setting (bs=1 first: the compiled decode target), then the rest
         for tier in (compiled[:2], compiled[2:]):
             for batch, length in settings:
@@ -420,17 +616,32 @@ def main() -> int:
     elif not args.no_compile:
         result["skipped"].append("compiled cells: Transformers compiles generate() only on an accelerator")
 
-    for mode, backend, batch, length in plan:
+    # uncompiled cells of one setting are one group (their rounds interleave); each compiled cell is its own
+    groups: list[list[tuple[str, str, int, int]]] = []
+    for item in plan:
+        if item[0] == "uncompiled" and groups and groups[-1][0][0] == "uncompiled" and groups[-1][0][2:] == item[2:]:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    for group in groups:
         left = args.budget_s - (time.perf_counter() - START)
-        need = args.compiled_cell_s if mode == "compiled" else 5.0
+        need = args.compiled_cell_s if group[0][0] == "compiled" else 5.0 * len(group)
         if left < need:
-            result["skipped"].append(f"{mode} {backend} {batch}x{length}: time budget ({left:.0f}s left)")
+            result["skipped"] += [f"{m} {b} {bs}x{ln}: time budget ({left:.0f}s left)" for m, b, bs, ln in group]
             continue
-        log(f"{mode:10s} {backend:10s} {batch}x{length} ...")
-        cell = run_cell(model, cfg, args, device, mode, backend, batch, length, bw)
-        log(f"  -> {cell.get('status')} prefill {fmt(cell.get('prefill_ms'))} ms, decode "
-            f"{fmt(cell.get('decode_ms_per_token'))} ms/token ({cell['cell_s']} s)")
-        result["cells"].append(cell)
+        runs = [CellRun(model, cfg, args, device, *item) for item in group]
+        for run in runs:
+            log(f"{run.cell['mode']:10s} {run.cell['backend']:10s} {run.cell['batch']}x{run.cell['prompt']} warm-up ...")
+            run.warm()
+        for _ in range(args.repeats):
+            for run in runs:
+                run.round()
+        for run in runs:
+            cell = run.finish(bw)
+            log(f"  {cell['mode']} {cell['backend']} {cell['batch']}x{cell['prompt']} -> {cell.get('status')} prefill "
+                f"{fmt(cell.get('prefill_ms'))} ms, decode {fmt(cell.get('decode_ms_per_token'))} ms/token "
+                f"(wall {fmt(cell.get('decode_wall_ms_per_token'))}; {cell['cell_s']} s)")
+            result["cells"].append(cell)
         write(result, out)
     model.set_experts_implementation("auto")
     result["total_s"] = time.perf_counter() - START
