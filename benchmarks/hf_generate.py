@@ -96,6 +96,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled cells")
     p.add_argument("--compile-on-cpu", action="store_true",
                    help="compiled cells on a CPU too (smoke test; Transformers compiles only on accelerators)")
+    p.add_argument("--profile-settings", default="",
+                   help="settings (e.g. 1x16) whose cells are also profiled: GPU-busy ms per decode step, top ops "
+                        "(written to profiles.txt beside the JSON)")
     p.add_argument("--skip-steps", type=int, default=2, help="decode steps left out of the per-step median")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -426,6 +429,35 @@ class CellRun:
         if self.ok:
             self._guard(step)
 
+    def profile(self, path: Path) -> None:
+        """GPU-busy time per decode step (device time of a 1+N-token call minus a 1-token call, over N) and
+        the top ops, appended to `path`: says whether a decode step waits on the GPU or on the host."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+
+        def busy(new_tokens: int):
+            with profile(activities=activities) as prof:
+                wall = self._generate(new_tokens)
+            events = prof.key_averages()
+            return wall, sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3, events
+
+        def step() -> None:
+            wall1, device1, _ = busy(1)
+            walln, devicen, events = busy(1 + self.n)
+            if self.device.type == "cuda":
+                self.cell["profiled_gpu_busy_ms_per_step"] = round((devicen - device1) / self.n, 3)
+            self.cell["profiled_wall_ms_per_step"] = round((walln - wall1) * 1e3 / self.n, 3)
+            c = self.cell
+            head = f"== {c['mode']} {c['backend']} {c['batch']}x{c['prompt']}: generate() of 1 + {self.n} tokens"
+            with path.open("a") as f:
+                f.write(head + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=15) + "\n")
+                if self.device.type == "cuda":
+                    f.write(events.table(sort_by="self_cuda_time_total", row_limit=12) + "\n")
+
+        if self.ok:
+            self._guard(step)
+
     def finish(self, bw: float | None) -> dict[str, Any]:
         import selector.hf as hf
 
@@ -499,6 +531,8 @@ def markdown(result: dict) -> str:
                 note = f"ran: prefill {prefill}, decode {'/'.join(map(str, ran['decode']))}"
             elif "auto_picks" in c:
                 note = "picks: " + ", ".join(f"T={t}: {p}" for t, p in c["auto_picks"].items())
+            if c.get("profiled_gpu_busy_ms_per_step") is not None:
+                note = (note + "; " if note else "") + f"GPU busy {c['profiled_gpu_busy_ms_per_step']:.2f} ms/step"
             if c.get("compile_mode"):
                 counts = c.get("warmup_counts", {})
                 what = (f"{c['compile_mode']}, {counts.get('dynamo_graphs', '?')} graph(s), "
@@ -616,6 +650,7 @@ def main() -> int:
     elif not args.no_compile:
         result["skipped"].append("compiled cells: Transformers compiles generate() only on an accelerator")
 
+    profiled = {x for x in args.profile_settings.split(",") if x}
     # uncompiled cells of one setting are one group (their rounds interleave); each compiled cell is its own
     groups: list[list[tuple[str, str, int, int]]] = []
     for item in plan:
@@ -637,6 +672,8 @@ def main() -> int:
             for run in runs:
                 run.round()
         for run in runs:
+            if f"{run.cell['batch']}x{run.cell['prompt']}" in profiled:
+                run.profile(out / "profiles.txt")
             cell = run.finish(bw)
             log(f"  {cell['mode']} {cell['backend']} {cell['batch']}x{cell['prompt']} -> {cell.get('status')} prefill "
                 f"{fmt(cell.get('prefill_ms'))} ms, decode {fmt(cell.get('decode_ms_per_token'))} ms/token "
