@@ -571,7 +571,8 @@ def markdown(result: dict) -> str:
     lines.append("")
     lines.append("auto vs the best Transformers backend in the same setting (lower is better for auto):")
     lines.append("")
-    lines.append("| mode | bs x len | prefill auto / best (best) | decode auto / best (best) | decode wall auto / best |")
+    lines.append("| mode | bs x len | prefill auto / best (best) | decode auto / best (best) "
+                 "| decode wall auto / best |")
     lines.append("|---|---|---|---|---|")
     for key, row in comparisons(result).items():
         lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {row['prefill']} | {row['decode']} | {row['decode_wall']} |")
@@ -685,7 +686,8 @@ def main() -> int:
             continue
         runs = [CellRun(model, cfg, args, device, *item) for item in group]
         for run in runs:
-            log(f"{run.cell['mode']:10s} {run.cell['backend']:10s} {run.cell['batch']}x{run.cell['prompt']} warm-up ...")
+            c = run.cell
+            log(f"{c['mode']:10s} {c['backend']:10s} {c['batch']}x{c['prompt']} warm-up ...")
             run.warm()
         for _ in range(args.repeats):
             for run in runs:
