@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install selector there (no network: wheels carried in .carry/wheels/), then
-#   part1: doctor, the whole test suite on CUDA, the bench grid;   part2: generate(), quantised and hub cells.
+#   part1: doctor, the whole test suite on CUDA, the bench grid;   part2: generate(), quantised and hub cells;
+#   part3: re-checks after fixes;   part4: DeepGEMM (needs .carry/deepgemm.tar.xz) and the quantised Qwen T >= 512 cells.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -60,6 +61,25 @@ part3)
   stamp hf_generate
   timeout 200 python3 benchmarks/hf_generate.py --out "$OUT/hf" --budget-s 180 2>&1 | tail -25 | tee -a "$LOG"
   cp "$OUT/hf/hf_generate.json" "$OUT/hf/hf_generate.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/hf"
+  ;;
+part4)
+  # session 2's last call: DeepGEMM after the adapter rewrite, then the quantised Qwen cells at T >= 512
+  # (tuned here; their table entries were copies) and those cells re-measured
+  stamp deepgemm
+  mkdir -p /tmp/dg && tar -xJf .carry/deepgemm.tar.xz -C /tmp/dg
+  timeout 150 python3 benchmarks/deepgemm_gpu.py --site /tmp/dg/site --package /tmp/dg/site/deep_gemm-0.1.5 \
+    --out "$OUT/dg" --budget-s 100 2>&1 | grep -v "^  " | tail -18 | tee -a "$LOG"
+  cp "$OUT/dg/deepgemm_gpu.json" "$OUT/" 2>/dev/null; rm -rf "$OUT/dg"
+  stamp "quant tune: Qwen shapes, T >= 512"
+  cp plugins/quant_kernels/configs/NVIDIA_H200.json "$OUT/quant_configs_H200.json"
+  timeout 100 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 512,4096 \
+    --formats fp8 --budget-s 75 --out "$OUT/quant_configs_H200.json" 2>&1 | tail -4 | tee -a "$LOG"
+  cp "$OUT/quant_configs_H200.json" plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "quant bench: Qwen shapes, T >= 512"
+  timeout 100 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 512,4096 \
+    --formats fp8-f32,fp8-ue8m0 --no-check --budget-s 70 --out "$OUT/quant" 2>&1 | tail -12 | tee -a "$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant_gpu_qwen_large.json" 2>/dev/null
+  cp "$OUT/quant/quant_gpu.md" "$OUT/quant_gpu_qwen_large.md" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac
 stamp done

@@ -7,12 +7,16 @@ Shapes: T tokens, k slots, S = T*k (token, slot) pairs, E experts, H hidden, I i
    row j + (padding of the experts before it). M is a static upper bound, so no host sync is needed.
 3. Tell the kernel which rows belong to which expert. Hopper (SM90): one expert id per row, -1 for padding
    and sentinels. Blackwell (SM100, `use_psum_layout=True`): the cumulative sum of the aligned block sizes.
-4. Up GEMM, activation/gate (in torch, any activation), down GEMM, then gather the S real rows back, weight
-   them, zero sentinels, restore (token, slot) order and sum over slots in a fixed order.
+4. One gather lays each token's row out per expert block (padding rows copy token 0: finite, never read back).
+   Up GEMM, activation/gate on all M rows (in torch, any activation), down GEMM; then gather each (token, slot)
+   pair's row back, zero sentinels, and one batched [1, k] x [k, H] product per token sums the slots in a
+   fixed order. (The first version padded, gathered and combined through S x H float32 temporaries: on the H200
+   that glue took 3.3 ms of a 3.5 ms Qwen3-30B T=4096 FP8 call; benchmarks/results/deepgemm_h200_profile.txt.)
 
-FP8/FP4 experts add dynamic per-row activation quantisation (the kernel's `per_token_cast_to_fp8`) and hand
-scales to the kernel in the layout each architecture wants: float32 as they are on Hopper (UE8M0 widened to
-float32), packed UE8M0 in an MN-major TMA-aligned layout on Blackwell.
+FP8/FP4 experts add dynamic per-row activation quantisation (the kernel's `per_token_cast_to_fp8`, once per
+token before the gather, and once per row for the intermediate) and hand scales to the kernel in the layout
+each architecture wants: float32 as they are on Hopper (UE8M0 widened to float32), packed UE8M0 in an MN-major
+TMA-aligned layout on Blackwell.
 
 On CUDA tensors the architecture is the device's; on other devices (only the fake kernels of the tests run
 there) it is the compute capability the probe facts report for GPU 0.
@@ -108,15 +112,13 @@ class GroupedLayout:
     layout: torch.Tensor  # int32; Hopper [M]: expert per row, -1 = skip; Blackwell [E]: cumulative aligned ends
     num_rows: int  # M
     psum: bool
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[S, ...] in sorted order -> [M, ...] with each expert's rows on its aligned block, zeros elsewhere."""
-        padded = x.new_zeros(self.num_rows, *x.shape[1:])
-        padded[self.rows] = x
-        return padded
+    source: torch.Tensor  # [M] int64: the token each padded row reads (0 on padding rows: finite, never read back)
+    row_expert: torch.Tensor  # [M] int64: expert of each row, clamped to [0, E) (for biases; padding reads expert 0)
+    pair_row: torch.Tensor  # [S] int64: padded row of each pair, in (token, slot) order (the combine's gather)
 
 
 def contiguous_layout(top_k_index: torch.Tensor, num_experts: int, alignment: int, psum: bool) -> GroupedLayout:
+    top_k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1).long()
     expert_ids, order = torch.sort(ids, stable=True)
     pairs = ids.numel()
@@ -129,29 +131,41 @@ def contiguous_layout(top_k_index: torch.Tensor, num_experts: int, alignment: in
     rows = torch.arange(pairs, device=ids.device) + pad_before[expert_ids]
     bound = pairs + min(pairs, num_experts) * (alignment - 1)
     num_rows = -(-bound // alignment) * alignment
+    source = torch.zeros(num_rows, dtype=torch.long, device=ids.device)
+    source[rows] = order // top_k
+    row_expert = torch.zeros(num_rows, dtype=torch.long, device=ids.device)
+    row_expert[rows] = expert_ids.clamp(max=num_experts - 1)
+    pair_row = torch.empty_like(rows)
+    pair_row[order] = rows
     if psum:
         layout = aligned.cumsum(0).to(torch.int32)
     else:
         layout = torch.full((num_rows,), -1, dtype=torch.int32, device=ids.device)
         layout[rows] = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return GroupedLayout(order, expert_ids, rows, layout, num_rows, psum)
+    return GroupedLayout(order, expert_ids, rows, layout, num_rows, psum, source, row_expert, pair_row)
 
 
 def combine(
-    out: torch.Tensor,  # [S, H] per sorted pair
+    out: torch.Tensor,  # [M, H] per padded row
+    top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
     lay: GroupedLayout,
-    num_experts: int,
-    expert_parallel: bool,
+    module: torch.nn.Module,
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [T, H]
+    """Each pair's row gathered back in (token, slot) order, then one batched [1, k] x [k, H] product per token:
+    a fixed-order sum over the k slots (deterministic), fp32 accumulation, no [S, H] float32 temporaries."""
     num_tokens, top_k = top_k_weights.shape
-    weighted = out.float() * top_k_weights.reshape(-1)[lay.order].float().unsqueeze(-1)
-    if expert_parallel:  # sentinel rows were never computed: zero them (NaN * 0 is NaN)
-        weighted = weighted.masked_fill((lay.expert_ids >= num_experts).unsqueeze(-1), 0.0)
-    unsorted = torch.empty_like(weighted)
-    unsorted[lay.order] = weighted
-    return unsorted.view(num_tokens, top_k, out.shape[-1]).sum(dim=1).to(dtype)
+    num_experts = module.num_experts
+    y = out[lay.pair_row]  # [S, H]
+    down_b = layers.down_bias(module)
+    if down_b is not None:
+        y = y + down_b[top_k_index.reshape(-1).clamp(max=num_experts - 1)].to(y.dtype)
+    y = layers.post_norm(module, y)
+    if layers.is_expert_parallel(module):  # sentinel rows were never computed: zero them (NaN * 0 is NaN)
+        y = y.masked_fill((top_k_index.reshape(-1, 1) >= num_experts), 0.0)
+    weights = top_k_weights.to(y.dtype).view(num_tokens, 1, top_k)
+    return torch.bmm(weights, y.view(num_tokens, top_k, -1)).view(num_tokens, -1).to(dtype)
 
 
 # --- scales ----------------------------------------------------------------------------------------------
@@ -280,41 +294,41 @@ def deepgemm_experts_forward(
     transposed = bool(getattr(module, "is_transposed", False))
     gemm = _gemm(dg, quantised, transposed)
     lay = contiguous_layout(top_k_index, num_experts, dg.alignment, psum=blackwell)
-    safe_ids = lay.expert_ids.clamp(max=num_experts - 1)  # sentinel rows read expert E-1's bias, then are zeroed
-    x = hidden_states.to(torch.bfloat16)[lay.order // top_k]  # [S, H]
-
     # Hopper calls pass no `use_psum_layout`: releases before the Blackwell psum layout do not take it.
     psum = {"use_psum_layout": True} if blackwell else {}
 
-    def project(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out_dim: int) -> torch.Tensor:
+    def project(a: torch.Tensor, a_sf: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor | None,
+                out_dim: int) -> torch.Tensor:
+        """[M, K] padded rows (FP8 with per-row scales when quantised) -> [M, out_dim] bf16."""
         out = torch.empty(lay.num_rows, out_dim, dtype=torch.bfloat16, device=a.device)
         if scale is None:
-            gemm(lay.pad(a), weight, out, lay.layout, **psum)
+            gemm(a, weight, out, lay.layout, **psum)
             return out
-        aq, a_sf = dg.per_token_cast_to_fp8(a, **cast)
         n_rows = weight.shape[-1] if transposed else weight.shape[-2]
-        gemm(
-            (lay.pad(aq), scales_for_kernel(lay.pad(a_sf), blackwell, lay.num_rows)),
-            (weight, scales_for_kernel(scale, blackwell, n_rows)),
-            out,
-            lay.layout,
-            recipe=recipe,
-            **psum,
-        )
+        gemm((a, scales_for_kernel(a_sf, blackwell, lay.num_rows)), (weight, scales_for_kernel(scale, blackwell, n_rows)),
+             out, lay.layout, recipe=recipe, **psum)
         return out
 
+    # Quantise each token once (T rows, not T*k), then one gather lays the rows out per expert block.
+    x = hidden_states.to(torch.bfloat16)
+    if quantised:
+        xq, x_sf = dg.per_token_cast_to_fp8(x, **cast)
+        a, a_sf = xq[lay.source], x_sf[lay.source]
+    else:
+        a, a_sf = x[lay.source], None
     up_dim = up_w.shape[-1] if transposed else up_w.shape[-2]
-    h = project(x, up_w, up_s if quantised else None, up_dim)  # [M, up_dim]
-    h = h[lay.rows]  # [S, up_dim]: the real rows only, so the gate never sees padding
-    up_b, down_b = layers.up_bias(module), layers.down_bias(module)
+    h = project(a, a_sf, up_w, up_s if quantised else None, up_dim)  # [M, up_dim]
+    # The gate runs on every padded row: padding rows hold copies of real tokens (finite), and nothing reads them.
+    up_b = layers.up_bias(module)
     if up_b is not None:
-        h = h + up_b[safe_ids].to(h.dtype)
+        h = h + up_b[lay.row_expert].to(h.dtype)
     h = layers.activate(module, h).to(torch.bfloat16)
-    out = project(h, down_w, down_s if quantised else None, hidden)[lay.rows]  # [S, H]
-    if down_b is not None:
-        out = out + down_b[safe_ids].to(out.dtype)
-    out = layers.post_norm(module, out)
-    result = combine(out, top_k_weights, lay, num_experts, layers.is_expert_parallel(module), hidden_states.dtype)
+    if quantised:
+        h, h_sf = dg.per_token_cast_to_fp8(h, **cast)
+        out = project(h, h_sf, down_w, down_s, hidden)  # [M, H]
+    else:
+        out = project(h, None, down_w, None, hidden)
+    result = combine(out, top_k_index, top_k_weights, lay, module, hidden_states.dtype)
     inter = layers.dims(module)[2]
     record_compiled(shape_key(num_experts, hidden, inter, bool(getattr(module, "has_gate", True)), transposed, fmt,
                               getattr(module, "selector_scale_format", None)))
