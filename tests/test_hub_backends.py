@@ -733,10 +733,10 @@ def test_deepgemm_layout_rows_and_padding() -> None:
     assert hopper.num_rows % 8 == 0 and hopper.num_rows >= 19
     assert hopper.layout[:10].tolist() == [0, 0, 0, -1, -1, -1, -1, -1, 2, 2]
     assert (hopper.layout[16:] == -1).all()
-    # each row reads its pair's token; the combine finds every (token, slot) pair's row again
-    assert hopper.source[hopper.rows].tolist() == [0, 1, 3, 0, 2, 1, 2, 3]  # tokens of the sorted pairs
-    assert hopper.row_expert[:10].tolist() == [0, 0, 0, 0, 0, 0, 0, 0, 2, 2]  # padding rows read expert 0
+    # the combine finds every (token, slot) pair's row again; scatter puts sorted rows on their padded rows
     assert hopper.pair_row.tolist() == [8, 0, 1, 16, 9, 17, 18, 2]
+    placed = hopper.scatter(torch.arange(8.0).unsqueeze(-1))
+    assert placed.shape == (hopper.num_rows, 1) and placed[hopper.rows, 0].tolist() == list(range(8))
     assert torch.equal(hopper.rows[torch.argsort(hopper.order)], hopper.pair_row)
     blackwell = contiguous_layout(idx, num_experts=4, alignment=8, psum=True)
     assert blackwell.layout.tolist() == [8, 8, 16, 16]

@@ -7,10 +7,10 @@ Shapes: T tokens, k slots, S = T*k (token, slot) pairs, E experts, H hidden, I i
    row j + (padding of the experts before it). M is a static upper bound, so no host sync is needed.
 3. Tell the kernel which rows belong to which expert. Hopper (SM90): one expert id per row, -1 for padding
    and sentinels. Blackwell (SM100, `use_psum_layout=True`): the cumulative sum of the aligned block sizes.
-4. One gather lays each token's row out per expert block (padding rows copy token 0: finite, never read back).
-   Up GEMM, activation/gate on all M rows (in torch, any activation), down GEMM; then gather each (token, slot)
-   pair's row back, zero sentinels, and one batched [1, k] x [k, H] product per token sums the slots in a
-   fixed order. (The first version padded, gathered and combined through S x H float32 temporaries: on the H200
+4. Each pair's token row is written to its padded row (padding rows stay unwritten: computed or skipped by the
+   kernel, never read back). Up GEMM, then the real rows only through the activation/gate (in torch, any
+   activation), down GEMM; then gather each (token, slot) pair's row back, zero sentinels, and one batched
+   [1, k] x [k, H] product per token sums the slots in a fixed order. (The first version padded, gathered and combined through S x H float32 temporaries: on the H200
    that glue took 3.3 ms of a 3.5 ms Qwen3-30B T=4096 FP8 call; benchmarks/results/deepgemm_h200_profile.txt.)
 
 FP8/FP4 experts add dynamic per-row activation quantisation (the kernel's `per_token_cast_to_fp8`, once per
@@ -112,13 +112,17 @@ class GroupedLayout:
     layout: torch.Tensor  # int32; Hopper [M]: expert per row, -1 = skip; Blackwell [E]: cumulative aligned ends
     num_rows: int  # M
     psum: bool
-    source: torch.Tensor  # [M] int64: the token each padded row reads (0 on padding rows: finite, never read back)
-    row_expert: torch.Tensor  # [M] int64: expert of each row, clamped to [0, E) (for biases; padding reads expert 0)
     pair_row: torch.Tensor  # [S] int64: padded row of each pair, in (token, slot) order (the combine's gather)
+
+    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """[S, ...] in sorted order -> [M, ...] on each pair's padded row. Padding rows are left unwritten: the
+        kernel computes them (inside an expert's aligned block) or skips them, and nothing reads them back."""
+        padded = rows.new_empty(self.num_rows, *rows.shape[1:])
+        padded[self.rows] = rows
+        return padded
 
 
 def contiguous_layout(top_k_index: torch.Tensor, num_experts: int, alignment: int, psum: bool) -> GroupedLayout:
-    top_k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1).long()
     expert_ids, order = torch.sort(ids, stable=True)
     pairs = ids.numel()
@@ -131,10 +135,6 @@ def contiguous_layout(top_k_index: torch.Tensor, num_experts: int, alignment: in
     rows = torch.arange(pairs, device=ids.device) + pad_before[expert_ids]
     bound = pairs + min(pairs, num_experts) * (alignment - 1)
     num_rows = -(-bound // alignment) * alignment
-    source = torch.zeros(num_rows, dtype=torch.long, device=ids.device)
-    source[rows] = order // top_k
-    row_expert = torch.zeros(num_rows, dtype=torch.long, device=ids.device)
-    row_expert[rows] = expert_ids.clamp(max=num_experts - 1)
     pair_row = torch.empty_like(rows)
     pair_row[order] = rows
     if psum:
@@ -142,7 +142,7 @@ def contiguous_layout(top_k_index: torch.Tensor, num_experts: int, alignment: in
     else:
         layout = torch.full((num_rows,), -1, dtype=torch.int32, device=ids.device)
         layout[rows] = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return GroupedLayout(order, expert_ids, rows, layout, num_rows, psum, source, row_expert, pair_row)
+    return GroupedLayout(order, expert_ids, rows, layout, num_rows, psum, pair_row)
 
 
 def combine(
@@ -309,25 +309,26 @@ def deepgemm_experts_forward(
              out, lay.layout, recipe=recipe, **psum)
         return out
 
-    # Quantise each token once (T rows, not T*k), then one gather lays the rows out per expert block.
+    # Quantise each token once (T rows, not T*k), then place its rows on the expert blocks. Only the S real
+    # rows are written: M can be ~E*128 rows at decode (33k for DeepSeek-V3 at T=64), far more than S.
     x = hidden_states.to(torch.bfloat16)
+    token_of = lay.order // top_k  # [S] token of each sorted pair
     if quantised:
         xq, x_sf = dg.per_token_cast_to_fp8(x, **cast)
-        a, a_sf = xq[lay.source], x_sf[lay.source]
+        a, a_sf = lay.scatter(xq[token_of]), lay.scatter(x_sf[token_of])
     else:
-        a, a_sf = x[lay.source], None
+        a, a_sf = lay.scatter(x[token_of]), None
     up_dim = up_w.shape[-1] if transposed else up_w.shape[-2]
-    h = project(a, a_sf, up_w, up_s if quantised else None, up_dim)  # [M, up_dim]
-    # The gate runs on every padded row: padding rows hold copies of real tokens (finite), and nothing reads them.
+    h = project(a, a_sf, up_w, up_s if quantised else None, up_dim)[lay.rows]  # [S, up_dim]: real rows only
     up_b = layers.up_bias(module)
     if up_b is not None:
-        h = h + up_b[lay.row_expert].to(h.dtype)
+        h = h + up_b[lay.expert_ids.clamp(max=num_experts - 1)].to(h.dtype)  # sentinels read E-1, zeroed later
     h = layers.activate(module, h).to(torch.bfloat16)
     if quantised:
-        h, h_sf = dg.per_token_cast_to_fp8(h, **cast)
-        out = project(h, h_sf, down_w, down_s, hidden)  # [M, H]
+        hq, h_sf = dg.per_token_cast_to_fp8(h, **cast)
+        out = project(lay.scatter(hq), lay.scatter(h_sf), down_w, down_s, hidden)  # [M, H]
     else:
-        out = project(h, None, down_w, None, hidden)
+        out = project(lay.scatter(h), None, down_w, None, hidden)
     result = combine(out, top_k_index, top_k_weights, lay, module, hidden_states.dtype)
     inter = layers.dims(module)[2]
     record_compiled(shape_key(num_experts, hidden, inter, bool(getattr(module, "has_gate", True)), transposed, fmt,
