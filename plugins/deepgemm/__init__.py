@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from probes import Environment
 from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl
 from selector import hub
-from selector.costmodel import ceilings, experts_hit, flops, tokens, weight_bytes_per_expert
+from selector.costmodel import floor_seconds
 
 KERNEL = hub.PINS["deep-gemm"]
 
@@ -40,7 +40,7 @@ REQUIREMENTS = Requirements(
 
 FIRST_CALL_COST = (
     f"downloads {KERNEL} on first use unless cached or local; JIT-compiles each layer shape's GEMMs with nvcc "
-    "on its first call (DeepGEMM caches builds on disk; not measured here: auto counts a guessed 20 s, spread "
+    "on its first call (DeepGEMM caches builds on disk; 5-12 s per layer shape measured on the H200: auto counts 12 s, spread "
     "over SELECTOR_JIT_AMORTIZE_CALLS calls, until this process has run the shape)"
 )
 
@@ -81,9 +81,10 @@ def config_check(problem: Problem, env: Environment) -> Availability | None:
     return None
 
 
-# NOT measured: a guess at DeepGEMM's nvcc JIT for one layer shape (its two GEMMs; M is a run-time dim).
-# DeepGEMM keeps its builds on disk across processes, which this in-process record does not see.
-JIT_SECONDS = 20.0
+# Measured on the H200 (benchmarks/results/deepgemm_h200.json, DeepGEMM 0.1.5, nvcc 13.0): the first call of a
+# layer shape JIT-compiles its two GEMMs in 5-6 s (bf16) or 11-12 s (FP8); a token count that picks other tiles
+# later adds ~7 s. DeepGEMM keeps its builds on disk across processes, which this in-process record does not see.
+JIT_SECONDS = 12.0
 _COMPILED: set[tuple] = set()  # layer shapes this process has run (filled by the forward)
 
 
@@ -106,17 +107,14 @@ def forget_compiled() -> None:
 
 
 def _estimate(problem: Problem, env: Environment) -> float:
-    """Not measured here (DeepGEMM has not been built on our H200 yet). A guess from DeepGEMM's published
-    FP8 grouped-GEMM rates (1.2-1.35k TFLOP/s on H800): near the floor, plus the padding to its M alignment
-    (128 rows per expert hit) and ~120 us of sort/pad/gather launches; plus the one-time JIT (guessed) and
-    download still ahead, spread over SELECTOR_JIT_AMORTIZE_CALLS calls. Tuning measurements replace it."""
-    c = ceilings(problem, env)
-    pairs = max(tokens(problem) * problem.top_k, 1)
-    padded = pairs + experts_hit(problem) * 64  # on average half an alignment block per expert hit
-    moved = experts_hit(problem) * weight_bytes_per_expert(problem) + 4 * tokens(problem) * problem.hidden_size
-    floor = max(moved / c.bandwidth, flops(problem) * padded / pairs / c.peak)
+    """Fitted to the H200 cells of benchmarks/results/deepgemm_h200.json (Qwen3-30B-A3B and DeepSeek-V3, bf16
+    and FP8, T = 1 to 16384): ~1.1 ms per call of host-side launches around the two GEMMs (eager; the layout,
+    activation quantisation, gate and combine run as ~40 torch ops), plus about twice the floor (the M padding
+    to 128 rows per expert, and those passes). The fit is within ~25% of every cell, over-estimating bf16 at
+    T=4096. Plus the JIT and download still ahead, spread over SELECTOR_JIT_AMORTIZE_CALLS calls. Measured
+    tuning records replace it."""
     pending = (0.0 if problem_key(problem) in _COMPILED else JIT_SECONDS) + hub.pending_download_seconds(KERNEL, env)
-    return 120e-6 + 1.3 * floor + pending / hub.amortize_calls()
+    return 1.1e-3 + 2.0 * floor_seconds(problem, env) + pending / hub.amortize_calls()
 
 
 def _load():  # noqa: ANN202
