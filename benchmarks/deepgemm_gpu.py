@@ -119,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     report["cuda_libs"] = preload_cuda_libs()
     _say(f"CUDA libraries for deep_gemm/_C.so: {report['cuda_libs']}")
 
-    import plugins.deepgemm as deepgemm
+    import plugins.deepgemm
     import plugins.grouped_mm
     import plugins.triton_fused
     import selector
     from probes import collect_environment
     from selector.bench import calls_for, make_layer, measure_ceilings, random_routing, reference_rows
-    from selector.bench import time_back_to_back
+    from selector.bench import time_back_to_back, time_first_call
     from selector.environment import current_environment, set_environment
     from selector.presets import preset
     from selector.quant import quantize_experts, reference_forward
@@ -192,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         index, weights = random_routing(torch, t, e, k, device, seed=t)
         x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
         row: dict = {"shape": name, "format": fmt if fmt == "dense" else f"{fmt}/{scale_fmt}", "T": t}
-        torch.cuda.synchronize()
-        first = time.perf_counter()
-        out = layer(x, index, weights)
-        torch.cuda.synchronize()
-        row["first_call_s"] = time.perf_counter() - first
+        out, row["first_call_s"] = time_first_call(torch, lambda: layer(x, index, weights))
         row["backend_ran"] = layer.__dict__.get("_selector_last_backend")
         sample = min(t, 16)
         if fmt == "dense":

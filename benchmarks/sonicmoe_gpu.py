@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     import selector
     from probes import collect_environment
     from selector.bench import calls_for, make_layer, measure_ceilings, random_routing, reference_rows
-    from selector.bench import time_back_to_back
+    from selector.bench import time_back_to_back, time_first_call
     from selector.environment import current_environment
     from selector.presets import preset
     from selector.registry import get_registry, register_plugin
@@ -161,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         index, weights = random_routing(torch, t, e, k, device, seed=t)
         x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
         row: dict = {"T": t, "padded_T": sonic.padded_tokens(t)}
-        torch.cuda.synchronize()
-        first = time.perf_counter()
-        out = layer(x, index, weights)
-        torch.cuda.synchronize()
-        row["first_call_s"] = time.perf_counter() - first
+        out, row["first_call_s"] = time_first_call(torch, lambda: layer(x, index, weights))
         row["backend_ran"] = layer.__dict__.get("_selector_last_backend")
         sample = min(t, 32)
         ref = reference_rows(torch, layer, x, index, weights, sample)

@@ -86,6 +86,15 @@ def measure_ceilings(torch: Any, device: Any) -> dict[str, float]:
     return {"bandwidth_Bps": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops": 2 * n**3 / (mm_ms * 1e-3)}
 
 
+def time_first_call(torch: Any, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(fn(), seconds to its completion on the device): a call that may JIT-compile, timed once, synced."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
 def time_back_to_back(torch: Any, fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
     """Median over `repeats` of (events around `calls` calls back to back) / calls, in seconds."""
     fn()

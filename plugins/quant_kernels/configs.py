@@ -11,10 +11,11 @@ nearest to T in log scale is used. Written by ``python -m plugins.quant_kernels.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from pathlib import Path
 from typing import Any
+
+from plugins.tile_tables import read_table
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M")
@@ -58,21 +59,7 @@ def decode(values: list[int] | None) -> dict | None:
 @functools.lru_cache(maxsize=8)
 def load_table(device_name: str, directory: str | None = None) -> dict[str, dict[int, dict]]:
     path = Path(directory or CONFIG_DIR) / (device_name.strip().replace(" ", "_").replace("/", "_") + ".json")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    table: dict[str, dict[int, dict]] = {}
-    for key, per_t in (data.get("configs") or {}).items():
-        entries = {}
-        for t, cfg in per_t.items():
-            try:
-                entries[int(t)] = normalize(cfg)
-            except (ValueError, TypeError):
-                continue
-        if entries:
-            table[key] = entries
-    return table
+    return read_table(path, normalize)
 
 
 def lookup(table: dict[str, dict[int, dict]], key: str, num_tokens: int) -> dict | None:

@@ -21,13 +21,14 @@ The entry whose token count is nearest to T (in log scale) is used; shapes or dt
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from plugins.tile_tables import read_table
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -188,22 +189,7 @@ def _config_dir() -> Path:
 def load_table(device_name: str, directory: str | None = None) -> dict[str, dict[int, dict[str, Any]]]:
     """{shape_key: {token_count: config}} for one GPU name; empty when there is no (readable) file."""
     path = Path(directory) if directory else _config_dir()
-    path = path / config_file_name(device_name)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    table: dict[str, dict[int, dict[str, Any]]] = {}
-    for key, per_t in (data.get("configs") or {}).items():
-        entries = {}
-        for t, cfg in per_t.items():
-            try:
-                entries[int(t)] = normalize(cfg)
-            except (ValueError, TypeError):
-                continue
-        if entries:
-            table[key] = entries
-    return table
+    return read_table(path / config_file_name(device_name), normalize)
 
 
 @functools.lru_cache(maxsize=16)
