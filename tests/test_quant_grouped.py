@@ -56,6 +56,32 @@ def test_quantize_rows_is_the_reference_quantisation():
     assert torch.equal(s[3].cpu(), torch.ones(4))
 
 
+def test_quantize_rows_reads_strided_rows():
+    """A transposed view (column stride != 1) quantises like its contiguous copy."""
+    from plugins.quant_kernels.ops import quantize_rows
+
+    x = torch.randn(200, 21, device=DEV).t()
+    q, s = quantize_rows(x, 64)
+    q2, s2 = quantize_rows(x.contiguous(), 64)
+    assert torch.equal(q.float(), q2.float()) and torch.equal(s, s2)
+
+
+def test_batched_mode_uses_the_callers_tile_config(monkeypatch):
+    """A flat config given to the batched path reaches both GEMMs (it travels nested through the custom op)."""
+    from plugins.quant_kernels import ops
+    from plugins.quant_kernels.forward import quant_experts_forward
+
+    seen = []
+    real = ops.projection
+    monkeypatch.setattr(ops, "projection", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
+    module = Q.quantize_experts(make_experts(4, 128, 64, dtype=torch.float32, seed=2), "fp8_block", "float32",
+                                block_size=(32, 32))
+    x = torch.randn(3, 128)
+    idx, w = random_routing(3, 4, 2)
+    quant_experts_forward(module, x, idx, w, mode="batched", config={"BLOCK_N": 16, "num_warps": 2})
+    assert [c.get("BLOCK_N") for c in seen] == [16, 16] and [c.get("num_warps") for c in seen] == [2, 2]
+
+
 # gate_up BLOCK_N vs the activation group (32 here): 16 -> separate quantisation of the intermediate;
 # 32 -> one group per tile in the epilogue; 64 -> two groups per tile (I = 72: the last one partial)
 CONFIGS = [

@@ -154,7 +154,9 @@ def combine(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [T, H]
     """Each pair's row gathered back in (token, slot) order, then one batched [1, k] x [k, H] product per token:
-    a fixed-order sum over the k slots (deterministic), fp32 accumulation, no [S, H] float32 temporaries."""
+    a fixed-order sum over the k slots (deterministic, fp32 accumulation). For a bf16 result the routing weights
+    are rounded to bf16 too (2^-9 relative, the size of the result's own rounding) so no [S, H] float32 copy is
+    made; any other result dtype gets the product in float32."""
     num_tokens, top_k = top_k_weights.shape
     num_experts = module.num_experts
     y = out[lay.pair_row]  # [S, H]
@@ -164,6 +166,8 @@ def combine(
     y = layers.post_norm(module, y)
     if layers.is_expert_parallel(module):  # sentinel rows were never computed: zero them (NaN * 0 is NaN)
         y = y.masked_fill((top_k_index.reshape(-1, 1) >= num_experts), 0.0)
+    if dtype != y.dtype:
+        y = y.float()
     weights = top_k_weights.to(y.dtype).view(num_tokens, 1, top_k)
     return torch.bmm(weights, y.view(num_tokens, top_k, -1)).view(num_tokens, -1).to(dtype)
 

@@ -56,10 +56,14 @@ def decode(values: list[int] | None) -> dict | None:
     return {"BLOCK_M": values[0] or None, **parts}
 
 
+def table_file(device_name: str, directory: str | None = None) -> Path:
+    """Where the table for a GPU name lives (the tuner writes there, load_table reads there)."""
+    return Path(directory or CONFIG_DIR) / (device_name.strip().replace(" ", "_").replace("/", "_") + ".json")
+
+
 @functools.lru_cache(maxsize=8)
 def load_table(device_name: str, directory: str | None = None) -> dict[str, dict[int, dict]]:
-    path = Path(directory or CONFIG_DIR) / (device_name.strip().replace(" ", "_").replace("/", "_") + ".json")
-    return read_table(path, normalize)
+    return read_table(table_file(device_name, directory), normalize)
 
 
 def lookup(table: dict[str, dict[int, dict]], key: str, num_tokens: int) -> dict | None:

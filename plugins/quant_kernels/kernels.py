@@ -1,9 +1,11 @@
 """Triton kernels for quantised experts: FP8 e4m3 block-scaled and FP4 e2m1 (UE8M0 group scales) weights.
 
-Both kernels quantise the activations themselves, per row and per K tile (= the activation group), to e4m3:
-dynamic (scale = amax / 448) or static (the expert's stored scale); no pre-kernel, no extra buffer. Each K
-tile contributes  dot(a_q, w_q) * a_scale[row] * w_scale[col]  to an fp32 accumulator, so the fp8 dot's
-own accumulation never spans more than one tile (as DeepGEMM promotes every 128 channels).
+Activations are quantised to e4m3 per row and per K tile (= the activation group): dynamic (scale =
+amax / 448) or static (the expert's stored scale). The grouped path with dynamic scales quantises them once,
+up front (``_quant_rows_kernel``), and its gate_up epilogue can quantise the intermediate (``QUANT_OUT``); the
+row kernel and static scales quantise inside the K loop. Each K tile contributes
+dot(a_q, w_q) * a_scale[row] * w_scale[col]  to an fp32 accumulator, so the fp8 dot's own accumulation never
+spans more than one tile (as DeepGEMM promotes every 128 channels).
 
 - ``_grouped_kernel``: a grouped GEMM over expert blocks of BLOCK_M rows, as built by the fused backend's
   ``align`` (pair indices sorted by expert, padded per expert). Tensor-core fp8 ``tl.dot``.

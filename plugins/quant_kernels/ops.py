@@ -88,6 +88,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)])."""
+    x = x if x.stride(1) == 1 else x.contiguous()  # the kernel walks columns with stride 1
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
@@ -281,7 +282,8 @@ def quant_experts_impl(
     split = (w1.shape[1] // 2) if gated and not interleaved else None
     up_args = dict(gated=gated, interleaved=interleaved, activation=activation, split_inter=split)
     if cfg is None or as1 is not None:  # batched, or static scales (per expert: x cannot be quantised up front)
-        c1, c2 = (cfg["gate_up"], cfg["down"]) if cfg else (config, config)
+        nested = cfg or _configs.normalize(config)  # the op hands batched configs over nested too (configs.decode)
+        c1, c2 = nested["gate_up"], nested["down"]
         inter = projection(mode, x, w1, s1, routing, n_pairs, a_div=top_k, act_scale=as1, bias=b1, config=c1,
                            **up_args, **common)  # fmt: skip
         y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, config=c2,

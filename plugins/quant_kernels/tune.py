@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
-    out = a.out or C.CONFIG_DIR / (torch.cuda.get_device_name().replace(" ", "_") + ".json")
+    out = a.out or C.table_file(torch.cuda.get_device_name())
     shapes = {s: SHAPES[s] for s in a.shapes.split(",") if s}
     tune(shapes, tuple(int(t) for t in a.tokens.split(",")), tuple(a.formats.split(",")), out, a.budget_s)
     print(f"wrote {out}")
