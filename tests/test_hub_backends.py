@@ -743,6 +743,20 @@ def test_deepgemm_layout_rows_and_padding() -> None:
     assert torch.equal(blackwell.rows, hopper.rows)
 
 
+def test_deepgemm_combine_sums_slots_in_the_result_dtype() -> None:
+    """float32 results keep float32 routing weights (exact to ~1e-7); bf16 results round them once (~2^-9)."""
+    from plugins.deepgemm.forward import combine, contiguous_layout
+
+    idx, w = random_routing(9, 6, 3)
+    lay = contiguous_layout(idx, num_experts=6, alignment=8, psum=False)
+    out = torch.randn(lay.num_rows, 32).bfloat16()
+    module = types.SimpleNamespace(num_experts=6)
+    rows = out[lay.pair_row].double().view(9, 3, 32)
+    expected = (rows * w.double().unsqueeze(-1)).sum(1)
+    assert relative_error(combine(out, idx, w, lay, module, torch.float32), expected) < 1e-6
+    assert relative_error(combine(out, idx, w, lay, module, torch.bfloat16), expected) < 8e-3
+
+
 @pytest.mark.parametrize(
     ("gpu", "weight_format", "scale_format"),
     [(H100, "fp8_block", "float32"), (H100, "fp8_block", "ue8m0"), (B200, "fp8_block", "ue8m0"), (B200, "fp4", None)],
