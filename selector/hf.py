@@ -266,7 +266,7 @@ def _quantized_auto(
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     if torch.compiler.is_compiling():
         uid = getattr(module, "_selector_uid", None)  # getattr: traceable (see _adopt_quantized)
-        plan = _quantized_plan_constant(uid, _model._declared_top_k(module), _DECODING.get())
+        plan = _quantized_plan_constant(uid, _model._traced_top_k(module), _DECODING.get())
     else:
         _model.track(module)
         plan = _quantized_plan(module, num_tokens, top_k, _DECODING.get())

@@ -39,6 +39,7 @@ AUTO = "auto"
 REQUEST_ATTR = "_selector_implementation"  # what the user asked for this module
 BACKBONE_ATTR = "_selector_backbone"  # the sub-config key this module answers to
 LAST_ATTR = "_selector_last_backend"  # the backend that ran the last forward (observability, tests)
+TOP_K_ATTR = "_selector_top_k"  # k of the last eager forward: what a choice made under torch.compile uses
 
 M = TypeVar("M", bound=type)
 
@@ -213,6 +214,31 @@ def track(module: torch.nn.Module) -> str:
     return uid
 
 
+# Attributes that selector and the backends read as getattr(module, name, default). Under torch.compile an
+# absent one becomes a NO_HASATTR guard per layer, checked on every call of the compiled model through
+# nn.Module.__getattr__ raising AttributeError (~1 us each on a CPU, Python code); a present one is a C++
+# dict lookup and compare. Set eagerly, to the value every reader assumes when it is absent.
+PINNED_DEFAULTS: tuple[tuple[str, object], ...] = (("selector_weight_format", "dense"),)
+
+
+def _pin_defaults(module: torch.nn.Module) -> None:
+    """Store the defaults of PINNED_DEFAULTS on the module where it lacks them (call outside tracing)."""
+    for name, value in PINNED_DEFAULTS:
+        if name not in module.__dict__ and not hasattr(type(module), name):
+            module.__dict__[name] = value
+
+
+def _traced_top_k(module: torch.nn.Module) -> int:
+    """k for a choice made while tracing: that of the module's last eager call, else as the module declares it.
+
+    Not the index's width: it may be symbolic (dynamic=True), and only constants cross into the choice.
+    The eager call stores it (TOP_K_ATTR); read back while tracing it costs one C++ guard, where reading
+    `top_k` / the config's `num_experts_per_tok` costs a NO_HASATTR guard per layer (see PINNED_DEFAULTS).
+    """
+    k = getattr(module, TOP_K_ATTR, None)
+    return _declared_top_k(module) if k is None else k
+
+
 @torch.compiler.assume_constant_result
 def _choose_constant(uid: str, top_k: int, requested: str) -> str:
     # Runs eagerly while torch.compile traces, its result a constant: one choice per compiled layer.
@@ -242,6 +268,7 @@ def run_experts(
     if facts is None or facts[0] != weight_key:  # (E, H) read off the weights once per weight layout
         facts = (weight_key, *layers.dims(module)[:2])
         module.__dict__["_selector_facts"] = facts
+        _pin_defaults(module)
     expert_parallel = layers.is_expert_parallel(module)
     validate_inputs(
         hidden_states,
@@ -254,6 +281,8 @@ def run_experts(
     )
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     track(module)
+    if module.__dict__.get(TOP_K_ATTR) != top_k:
+        module.__dict__[TOP_K_ATTR] = top_k
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     requested = implementation or module.__dict__.get(REQUEST_ATTR, AUTO)
     bucket = token_bucket(num_tokens) if requested == AUTO else 0
@@ -292,14 +321,15 @@ def _run_traced(
         expert_parallel=layers.is_expert_parallel(module),
     )
     # Shapes may be symbolic while tracing and only constants can cross into the choice: under torch.compile
-    # auto chooses once per layer, for a typical token count and the declared k.
+    # auto chooses once per layer, for a typical token count and the k of the last eager call (else the
+    # declared k).
     uid = getattr(module, "_selector_uid", None)
     if uid is None:
         raise RuntimeError(
             "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
             "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
         )
-    name = _choose_constant(uid, _declared_top_k(module), implementation or "")
+    name = _choose_constant(uid, _traced_top_k(module), implementation or "")
     return _RESOLVER.forward_of(name)(module, hidden_states, top_k_index, top_k_weights)
 
 
