@@ -30,11 +30,13 @@ def recordings() -> int:
 
 def graphs_enabled(x: torch.Tensor, max_tokens: int, variable: str) -> bool:
     """Small CUDA calls, outside torch.compile and outside a caller's capture, unless `variable`=0."""
+    # is_compiling() first: while torch.compile traces nothing else is read (the environment lookup would
+    # add guards that the compiled model checks on every call)
     return (
-        x.is_cuda
+        not torch.compiler.is_compiling()
+        and x.is_cuda
         and 0 < x.shape[0] <= max_tokens
         and os.environ.get(variable, "1") != "0"
-        and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()
     )
 

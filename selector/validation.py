@@ -21,6 +21,10 @@ LEVEL_VARIABLE = "SELECTOR_VALIDATE"
 LEVELS = ("full", "first", "shapes", "off")
 
 
+# A constant under torch.compile: run once while tracing, the result baked in. Read in traced code, the
+# environment lookup adds guards that the compiled model checks on every call; the level that shapes the
+# traced checks is the one set when the model was compiled (values are never checked there).
+@torch.compiler.assume_constant_result
 def validation_level(on_gpu: bool = False) -> str:
     level = os.environ.get(LEVEL_VARIABLE) or ("first" if on_gpu else "full")
     if level not in LEVELS:
