@@ -255,9 +255,10 @@ def _quantized_plan(module: torch.nn.Module, num_tokens: int, top_k: int, decodi
 
 
 @torch.compiler.assume_constant_result
-def _quantized_plan_constant(uid: str, top_k: int, decoding: bool) -> str:
-    # only constants cross into a function dynamo runs eagerly: the module goes by its tracked id
-    return _quantized_plan(_model._TRACKED[uid], TYPICAL_TOKENS, top_k, decoding)
+def _quantized_plan_constant(uid: str, top_k: int) -> str:
+    # only constants cross into a function dynamo runs eagerly: the module goes by its tracked id. The decode
+    # flag is read here, not in the traced caller: Dynamo cannot trace ContextVar.get (a graph break per layer).
+    return _quantized_plan(_model._TRACKED[uid], TYPICAL_TOKENS, top_k, _DECODING.get())
 
 
 def _quantized_auto(
@@ -266,7 +267,12 @@ def _quantized_auto(
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     if torch.compiler.is_compiling():
         uid = getattr(module, "_selector_uid", None)  # getattr: traceable (see _adopt_quantized)
-        plan = _quantized_plan_constant(uid, _model._traced_top_k(module), _DECODING.get())
+        if uid is None:
+            raise RuntimeError(
+                "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
+                "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
+            )
+        plan = _quantized_plan_constant(uid, _model._traced_top_k(module))
     else:
         _model.track(module)
         plan = _quantized_plan(module, num_tokens, top_k, _DECODING.get())

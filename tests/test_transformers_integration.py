@@ -683,3 +683,30 @@ def test_core_set_experts_implementation_reaches_transformers_models():
     assert set(selector.hf.get_experts_implementation(model).values()) == {"selector:grouped_mm"}
     with pytest.raises(ValueError):
         selector.set_experts_implementation(model, {"vision_config": "eager"})  # no such sub-config
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["after-an-eager-call", "cold"])
+def test_quantized_auto_compiles_as_one_graph(monkeypatch: pytest.MonkeyPatch, warm: bool) -> None:
+    """FP8 experts with "auto" under torch.compile(fullgraph=True): one graph after an eager call (the decode flag
+    is read outside the traced code); without one, the clear "call the model once" error, not a KeyError."""
+    model, _ = _fp8_model(monkeypatch)
+    register_plugin(_Fp8Plugin, "fp8_test_plugin")
+    reset_selection_caches()
+    hf._QUANT_PLANS.clear()
+    torch._dynamo.reset()
+    try:
+        ids = _prompt()
+        with torch.no_grad():
+            if warm:
+                eager = model(ids).logits
+                compiled = torch.compile(model.forward, backend="eager", fullgraph=True)(ids).logits
+                torch.testing.assert_close(compiled, eager)
+            else:
+                with pytest.raises(Exception, match="call the model once before compiling"):
+                    torch.compile(model.forward, backend="eager", fullgraph=True)(ids)
+    finally:
+        unregister_plugin("fp8_test_plugin")
+        reset_selection_caches()
+        hf._QUANT_PLANS.clear()
+        hf.register_with_transformers()
+        torch._dynamo.reset()
