@@ -51,7 +51,6 @@ class RecordedCall:
 
     def __init__(self, run: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
         global _POOL, _RECORDINGS
-        _RECORDINGS += 1
         if _POOL is None:
             _POOL = torch.cuda.graph_pool_handle()
         self.inputs = tuple(t.clone() for t in inputs)
@@ -63,6 +62,7 @@ class RecordedCall:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=_POOL):
             self.output = run(*self.inputs)
+        _RECORDINGS += 1  # counted once captured: a capture that raised recorded nothing
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         for buffer, value in zip(self.inputs, inputs):
