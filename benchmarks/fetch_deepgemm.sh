@@ -5,10 +5,11 @@
 # Where it comes from: the hub kernel (kernels-community/deep-gemm) needs the Hugging Face Hub, and PyPI's
 # `deep-gemm` 1.0.0 is a 19 kB sdist without its CUDA headers. `sgl-deep-gemm` (SGLang's DeepGEMM build,
 # import name `deep_gemm`) is complete: Python wrappers with the hub kernel's API names, the JIT headers with
-# CuTe/CUTLASS, and a `_C.so` built for CUDA 13 on apache-tvm-ffi rather than on torch's C++ ABI. Release
-# 0.1.5.post3 is the last one on tvm-ffi (later ones link torch's C++ API of a newer torch than 2.11; the
-# DeepGEMM inside sgl-kernel 0.3.21 loads on torch 2.11 but reads tensors through torch 2.9's inline ABI and
-# fails). DeepGEMM's JIT calls the node's nvcc.
+# CuTe/CUTLASS, and a `_C.so` built for CUDA 13 (releases up to 0.2.2 on apache-tvm-ffi). A prebuilt
+# extension still reads tensors through the inline code of the torch headers it was built with, so whether a
+# release works depends on the node's torch: on torch 2.11, 0.1.5 runs while 0.1.5.post3 and 0.1.6 fail at the
+# first call, and so does the DeepGEMM inside sgl-kernel 0.3.21 (a torch 2.9-era build). The folder keeps
+# several releases; deepgemm_gpu.py --smoke finds one that runs. DeepGEMM's JIT calls the node's nvcc.
 #
 #   .whl/deepgemm/            the downloaded wheels (not committed)
 #   .carry/deepgemm.tar.xz    site/tvm_ffi + site/deep_gemm-<version>/deep_gemm per release (~4 MB each)
