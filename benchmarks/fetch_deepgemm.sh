@@ -12,7 +12,7 @@
 # several releases; deepgemm_gpu.py --smoke finds one that runs. DeepGEMM's JIT calls the node's nvcc.
 #
 #   .whl/deepgemm/            the downloaded wheels (not committed)
-#   .carry/deepgemm.tar.xz    site/tvm_ffi + site/deep_gemm-<version>/deep_gemm per release (~4 MB each)
+#   .carry/deepgemm.tar.xz    site/tvm_ffi + site/deep_gemm-<version>/deep_gemm per release (~5 MB in all)
 #
 # On the GPU machine: mkdir -p /tmp/dg && tar -xJf .carry/deepgemm.tar.xz -C /tmp/dg &&
 #   python3 benchmarks/deepgemm_gpu.py --site /tmp/dg/site --package /tmp/dg/site/deep_gemm-0.1.6 --out "$OUT"
