@@ -50,15 +50,13 @@ CELLS = [
 
 def build_kernel_dir(package: Path, dest: Path, variant: str = "torch-cuda") -> Path:
     """<dest>/build/<variant>/ = the deep_gemm package (linked) + metadata.json; returns dest."""
-    target = dest / "build" / variant
-    target.mkdir(parents=True, exist_ok=True)
+    from selector.hub import write_local_kernel
+
+    target = write_local_kernel(dest, "deep-gemm", "MIT", variant)
     for entry in package.iterdir():
         link = target / entry.name
         if not link.exists():
             link.symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-    metadata = {"id": f"deep_gemm_local_{variant.replace('-', '_')}", "name": "deep-gemm", "version": 2,
-                "license": "MIT", "backend": {"type": "cuda"}, "python-depends": []}
-    (target / "metadata.json").write_text(json.dumps(metadata, indent=2))
     return dest
 
 

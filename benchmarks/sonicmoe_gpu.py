@@ -49,18 +49,9 @@ __all__ = ["enums", "moe_general_routing_inputs"]
 
 def build_kernel_dir(dest: Path, variant: str = "torch-cuda") -> Path:
     """<dest>/build/<variant>/{metadata.json,__init__.py} wrapping the importable `sonicmoe`; returns dest."""
-    target = dest / "build" / variant
-    target.mkdir(parents=True, exist_ok=True)
-    backend = variant.rsplit("-", 1)[-1] if variant.startswith("torch-") else "cuda"
-    metadata = {
-        "id": f"sonic_moe_local_{variant.replace('-', '_')}",
-        "name": "sonic-moe",
-        "version": 2,
-        "license": "Apache-2.0",
-        "backend": {"type": backend},
-        "python-depends": [],
-    }
-    (target / "metadata.json").write_text(json.dumps(metadata, indent=2))
+    from selector.hub import write_local_kernel
+
+    target = write_local_kernel(dest, "sonic-moe", "Apache-2.0", variant)
     (target / "__init__.py").write_text(SHIM)
     return dest
 

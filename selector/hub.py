@@ -98,6 +98,25 @@ def cache_root(environ: Mapping[str, str] | None = None) -> tuple[Path, str]:
     return Path(base) / "huggingface" / "hub", "the default cache"
 
 
+def write_local_kernel(dest: Path, name: str, license: str, variant: str = "torch-cuda", version: int = 2) -> Path:
+    """Lay out <dest>/build/<variant>/metadata.json for a kernel wrapped by hand (a PyPI package, a patched
+    build) and return the variant directory, where its __init__.py (or the package's files) go. Then
+    LOCAL_KERNELS=<repo id>=<dest> makes `kernels` (and `locate`) find it."""
+    target = Path(dest) / "build" / variant
+    target.mkdir(parents=True, exist_ok=True)
+    backend = variant.rsplit("-", 1)[-1] if variant.startswith("torch-") else "cuda"
+    metadata = {
+        "id": f"{name.replace('-', '_')}_local_{variant.replace('-', '_')}",
+        "name": name,
+        "version": version,
+        "license": license,
+        "backend": {"type": backend},
+        "python-depends": [],
+    }
+    (target / "metadata.json").write_text(json.dumps(metadata, indent=2))
+    return target
+
+
 def local_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
     """LOCAL_KERNELS="org/a=/path/a:org/b=/path/b" as a dict; malformed entries are skipped."""
     env = os.environ if environ is None else environ

@@ -424,6 +424,15 @@ def test_local_kernels_directory_is_found(fake_kernels: None) -> None:
     assert verdict.ok and "local kernel directory" in verdict.reason and "torch-cpu" in verdict.found
 
 
+def test_write_local_kernel_lays_out_a_directory_locate_finds(tmp_path: Path) -> None:
+    target = hub.write_local_kernel(tmp_path / "dg", "deep-gemm", "MIT", variant="torch-cpu")
+    assert target == tmp_path / "dg" / "build" / "torch-cpu"
+    meta = json.loads((target / "metadata.json").read_text())
+    assert meta["name"] == "deep-gemm" and meta["backend"] == {"type": "cpu"} and meta["version"] == 2
+    loc = hub.locate(DEEP_GEMM, make_env(torch_cuda=""), {"LOCAL_KERNELS": f"{DEEP_GEMM.repo_id}={tmp_path / 'dg'}"})
+    assert loc.state == "local" and loc.variant == "torch-cpu"
+
+
 def test_local_kernels_directory_without_a_fitting_variant(fake_kernels: None) -> None:
     env = make_env(H100)  # torch 2.11 + CUDA 13.0: a torch-cpu build does not fit
     expect("deepgemm", problem(), env, ImportError, "LOCAL_KERNELS points kernels-community/deep-gemm",
