@@ -20,6 +20,27 @@ decode steps on a GPU. The decode floor is the weight (and KV) bytes one step mu
 of a device copy measured in the same run. Cells run in priority order under a time budget (--budget-s,
 counted from the start); what does not fit is recorded as skipped. JSON is rewritten after every cell, so
 a run cut short keeps what it measured. Prints a short markdown table last.
+
+Diagnostics of the compiled decode step (issue 4: is it the experts, the rest of the model, or generate()?):
+- backend "null" (this script's only, registered into Transformers' experts interface for the run, never into
+  selector): returns zeros of the right shape and dtype without reading a weight, so its output is wrong by
+  design. Its cell is what the rest of the model and generate() cost: the lower bound for any experts
+  backend. The zeros carry 0 x the routing weights so that Inductor keeps the router, which every real
+  backend consumes, in the graph;
+- forward-only ms/step (compiled cells): in one more generate() call, the compiled decode step Transformers
+  calls (model._compiled_call) is wrapped; at one decode step the wrapper makes that same call, with the
+  same arguments, --forward-steps times back to back with no host sync between (device events around the
+  loop, one sync after), then returns as usual. That is the step without generate()'s per-step host work and
+  sync: max(GPU time, host time of the compiled call). Reported beside it: the host time per call of that
+  loop, and what generate() adds (decode ms/token - forward-only). Each call rewrites the same KV slot with
+  the same values, so the context read stays that of a real step;
+- --guard-filter inbuilt|all: compile with torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe or
+  skip_guard_on_all_nn_modules_unsafe, passed through CompileConfig.options (torch.compile takes a mode or
+  options, not both, so the mode goes in as its Inductor options); unsafe by design, so each compiled cell
+  then starts from torch._dynamo.reset() and never finds another backend's graph;
+- --defer-stop: Transformers' DeferredStopCheck (the stop flag read one step late, so the host queues the
+  next step before the device finishes this one) is enabled only on MPS; this lets it run on this device too;
+- --cells: an explicit, ordered list of cells (MODE:BACKEND:BxL), e.g. compiled cells first.
 """
 
 from __future__ import annotations
@@ -42,6 +63,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 TRANSFORMERS_BACKENDS = ("eager", "batched_mm", "grouped_mm")
+NULL = "null"  # this script's diagnostic experts backend: zeros, weights never read
+NULL_NOTE = "null: zeros, output wrong by design (rest of model + generate(): bound for any experts backend)"
+# --guard-filter: torch.compiler's unsafe guard filters (torch >= 2.7)
+GUARD_FILTERS = {"off": None, "inbuilt": "skip_guard_on_inbuilt_nn_modules_unsafe",
+                 "all": "skip_guard_on_all_nn_modules_unsafe"}
 DEFAULT_SETTINGS = "1x16,4x128,16x512"
 
 # Qwen/Qwen1.5-MoE-A2.7B config.json (the shape only; weights are random)
@@ -78,9 +104,22 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for hf_generate.json and hf_generate.md")
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help="batch x prompt length, comma separated")
-    p.add_argument("--backends", default="auto,eager,batched_mm,grouped_mm")
+    p.add_argument("--backends", default="auto,eager,batched_mm,grouped_mm",
+                   help=f"uncompiled cells; '{NULL}' is the diagnostic zeros backend (see above)")
     p.add_argument("--compiled-backends", default="auto,batched_mm,grouped_mm,eager",
                    help="in priority order; cells that do not fit the budget are skipped")
+    p.add_argument("--cells", default="",
+                   help="explicit cells in run order, MODE:BACKEND:BxL comma separated (MODE: compiled or "
+                        "uncompiled), instead of --settings x --backends / --compiled-backends")
+    p.add_argument("--forward-steps", type=int, default=64,
+                   help="compiled cells: back-to-back calls of the decode step per round for forward-only ms/step "
+                        "(0: not measured)")
+    p.add_argument("--guard-filter", choices=tuple(GUARD_FILTERS), default="off",
+                   help="compiled cells: drop Dynamo's guards on built-in nn modules (inbuilt) or on all nn "
+                        "modules (all), torch.compiler's unsafe guard filters")
+    p.add_argument("--defer-stop", action="store_true",
+                   help="let Transformers' DeferredStopCheck (stop flag read a step late, no per-step wait on the "
+                        "device) run on this device; Transformers enables it only on MPS")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed, uncompiled")
     p.add_argument("--compiled-new-tokens", type=int, default=32, help="decode steps timed, compiled")
     p.add_argument("--repeats", type=int, default=3,
@@ -129,6 +168,53 @@ def ensure_backends() -> list[str]:
         names = selector.get_registry().names
         log(f"selector is not installed as a distribution: registered built-ins in code: {names}")
     return names
+
+
+def null_experts(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "null" experts function: zeros of the output's shape and dtype; no weight is read. The zeros are
+    0 x the routing weights' sum, so Inductor cannot drop the router (as it could with plain zeros)."""
+    keep_router = top_k_weights.sum(dim=-1, keepdim=True).to(hidden_states.dtype) * 0
+    return torch.zeros_like(hidden_states) + keep_router
+
+
+def register_null_backend() -> None:
+    """Register "null" into Transformers' experts interface, for this process only (not into selector)."""
+    from transformers.integrations import moe
+
+    type(moe.ALL_EXPERTS_FUNCTIONS).register(NULL, null_experts)
+
+
+def allow_deferred_stop(device: torch.device) -> str | None:
+    """--defer-stop: let Transformers' DeferredStopCheck run on `device` (its own rules otherwise kept, by
+    asking them as for MPS). Returns why it cannot, or None."""
+    from transformers.generation import utils as gen
+
+    check = getattr(gen, "DeferredStopCheck", None)
+    if check is None or not hasattr(check, "is_supported"):
+        return f"transformers {_version('transformers')} has no DeferredStopCheck.is_supported"
+    original = check.is_supported
+
+    def is_supported(dev: torch.device, *args: Any, **kwargs: Any) -> bool:
+        return original(torch.device("mps") if dev.type == device.type else dev, *args, **kwargs)
+
+    check.is_supported = staticmethod(is_supported)
+    return None
+
+
+def make_compile_config(backend: str, mode: str, fullgraph: bool, guard_filter: str):
+    """Transformers' CompileConfig; generate() passes its fields to torch.compile. With a guard filter the mode
+    goes in as its Inductor options: torch.compile takes a mode or options, not both."""
+    from transformers import CompileConfig
+
+    name = GUARD_FILTERS[guard_filter]
+    if name is None:
+        return CompileConfig(backend=backend, mode=mode, fullgraph=fullgraph)
+    import torch._inductor
+
+    options = dict(torch._inductor.list_mode_options(mode)) if backend == "inductor" else {}
+    options["guard_filter_fn"] = getattr(torch.compiler, name)  # looked up per call: a test may wrap it
+    return CompileConfig(backend=backend, mode=None, options=options, fullgraph=fullgraph)
 
 
 def measure_bandwidth(device: torch.device) -> float | None:
@@ -218,6 +304,44 @@ class StepClock:
             torch.cuda.synchronize(self.device)
             return [a.elapsed_time(b) for a, b in zip(self.stamps, self.stamps[1:])]
         return [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+class ForwardTimer:
+    """Stands in for the compiled decode step generate() calls (model._compiled_call). At call `at_call` it
+    makes that same call `steps` times back to back, `rounds` times, then returns as usual: the step without
+    generate()'s per-step host work and sync."""
+
+    def __init__(self, compiled, at_call: int, steps: int, rounds: int, device: torch.device) -> None:
+        self.compiled, self.at_call, self.steps, self.rounds, self.device = compiled, at_call, steps, rounds, device
+        self.calls = 0
+        self.step_ms: list[float] = []  # per round: device time per call (host time off CUDA)
+        self.host_ms: list[float] = []  # per round: host time to issue one call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.at_call:
+            self.compiled(*args, **kwargs)  # settle: the first call after another one's arguments
+            for _ in range(self.rounds):
+                self._round(args, kwargs)
+        return self.compiled(*args, **kwargs)
+
+    def _round(self, args: tuple, kwargs: dict) -> None:
+        cuda = self.device.type == "cuda"
+        sync(self.device)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(self.steps):
+            self.compiled(*args, **kwargs)  # outputs dropped: no host read, so no sync
+        host = time.perf_counter() - t0
+        if cuda:
+            end.record()
+            end.synchronize()
+            self.step_ms.append(start.elapsed_time(end) / self.steps)
+        else:
+            self.step_ms.append(host * 1e3 / self.steps)
+        self.host_ms.append(host * 1e3 / self.steps)
 
 
 def timed_generate(model, ids, mask, new_tokens: int, device, extra: dict, clock: StepClock | None = None) -> float:
@@ -377,16 +501,19 @@ class CellRun:
         self.extra: dict[str, Any] = {}
         if backend == "grouped_mm" and device.type == "cuda":
             self.cell["note"] = "Transformers swaps grouped_mm for batched_mm during decode on GPU"
+        if backend == NULL:
+            self.cell["note"] = NULL_NOTE
 
     @property
     def ok(self) -> bool:
         return "status" not in self.cell
 
     def _compiled_extra(self, fullgraph: bool) -> dict[str, Any]:
-        from transformers import CompileConfig, StaticCache
+        from transformers import StaticCache
 
         args, cell = self.args, self.cell
-        config = CompileConfig(backend=args.compile_backend, mode=cell["compile_mode"], fullgraph=fullgraph)
+        config = make_compile_config(args.compile_backend, cell["compile_mode"], fullgraph, args.guard_filter)
+        cell["guard_filter"] = args.guard_filter
         if self.device.type == "cpu":
             config._compile_all_devices = True  # Transformers' own switch for compiling on a CPU (tests)
         cell["fullgraph"] = fullgraph
@@ -417,6 +544,8 @@ class CellRun:
 
     def warm(self) -> None:
         def step() -> None:
+            if self.cell["mode"] == "compiled" and self.args.guard_filter != "off":
+                torch._dynamo.reset()  # guards dropped: another backend's graph could pass them
             self.before = compile_stats()
             t0 = time.perf_counter()
             if self.cell["mode"] == "compiled":
@@ -448,6 +577,38 @@ class CellRun:
 
         if self.ok:
             self._guard(step)
+
+    def forward_only(self) -> None:
+        """Compiled cells: forward-only ms/step through a ForwardTimer in one more generate() call. A failure
+        is recorded beside the cell's numbers, not instead of them."""
+        if not self.ok or self.cell["mode"] != "compiled" or self.args.forward_steps <= 0:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.model.set_experts_implementation(self.cell["backend"])
+            timer = self._time_forward()
+            self.cell["forward_ms_per_step"] = median(timer.step_ms)
+            self.cell["forward_host_ms_per_call"] = median(timer.host_ms)
+            self.cell["forward_steps"] = f"{timer.rounds} x {timer.steps} calls at decode step {timer.at_call}"
+        except Exception as exc:  # noqa: BLE001 - the cell's generate() numbers stand without it
+            self.cell["forward_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            traceback.print_exc()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _time_forward(self) -> ForwardTimer:
+        compiled = self.model.__dict__.get("_compiled_call")
+        if compiled is None:
+            raise RuntimeError("generate() left no model._compiled_call to time")
+        timer = ForwardTimer(compiled, self.n, self.args.forward_steps, self.args.repeats, self.device)
+        self.model._compiled_call = timer  # generate() takes it as long as the CompileConfig is unchanged
+        try:
+            self._generate(1 + self.n)
+        finally:
+            self.model._compiled_call = compiled
+        if not timer.step_ms:
+            raise RuntimeError(f"generate() made {timer.calls} compiled call(s), fewer than {self.n}")
+        return timer
 
     def profile(self, path: Path) -> None:
         """GPU-busy time per decode step (device time of a 1+N-token call minus a 1-token call, over N) and
@@ -489,6 +650,11 @@ class CellRun:
             cell["decode_wall_ms_per_token"] = max(tn - t1, 0.0) / n * 1e3
             cell["decode_ms_per_token"] = median(steps) or cell["decode_wall_ms_per_token"]
             cell["step_ms"] = [[round(v, 3) for v in run] for _, run in self.runs]
+            decode = cell["decode_ms_per_token"]
+            if cell.get("forward_ms_per_step") is not None:
+                cell["generate_adds_ms_per_step"] = decode - cell["forward_ms_per_step"]
+            if cell.get("profiled_gpu_busy_ms_per_step") is not None:
+                cell["host_gap_ms_per_step"] = decode - cell["profiled_gpu_busy_ms_per_step"]
             cell["decode_tokens"] = n
             after = compile_stats()
             cell["warmup_counts"] = {k: self.warm_stats[k] - self.before[k] for k in self.before}
@@ -537,13 +703,14 @@ def ratio(v: float | None) -> str:
 
 def markdown(result: dict) -> str:
     lines = [
-        "| mode | bs x len | backend | prefill ms | decode ms/token | decode / floor | decode wall ms/token | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | bs x len | backend | prefill ms | decode ms/token | decode / floor | fwd-only ms/step "
+        "| decode wall ms/token | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in result["cells"]:
         note = c.get("status", "")
         if c.get("status") == "ok":
-            note = ""
+            note = c.get("note", "")
             if "auto_ran" in c:
                 ran = c["auto_ran"]
                 prefill = ran["prefill"][1] if ran["prefill"] else "?"
@@ -551,7 +718,13 @@ def markdown(result: dict) -> str:
             elif "auto_picks" in c:
                 note = "picks: " + ", ".join(f"T={t}: {p}" for t, p in c["auto_picks"].items())
             if c.get("profiled_gpu_busy_ms_per_step") is not None:
-                note = (note + "; " if note else "") + f"GPU busy {c['profiled_gpu_busy_ms_per_step']:.2f} ms/step"
+                note = (note + "; " if note else "") + (f"GPU busy {c['profiled_gpu_busy_ms_per_step']:.2f} ms/step, "
+                                                        f"host gap {c['host_gap_ms_per_step']:.2f}")
+            if c.get("generate_adds_ms_per_step") is not None:
+                note = (note + "; " if note else "") + (f"generate() adds {c['generate_adds_ms_per_step']:.2f} "
+                                                        f"ms/step (fwd host {c['forward_host_ms_per_call']:.2f})")
+            elif c.get("forward_error"):
+                note = (note + "; " if note else "") + f"fwd-only: {c['forward_error'][:60]}"
             if c.get("compile_mode"):
                 counts = c.get("warmup_counts", {})
                 what = (f"{c['compile_mode']}, {counts.get('dynamo_graphs', '?')} graph(s), "
@@ -566,16 +739,18 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {c['mode']} | {c['batch']}x{c['prompt']} | {c['backend']} | {fmt(c.get('prefill_ms'))} | "
             f"{fmt(c.get('decode_ms_per_token'))} | {ratio(c.get('decode_vs_floor'))} | "
-            f"{fmt(c.get('decode_wall_ms_per_token'))} | {note} |"
+            f"{fmt(c.get('forward_ms_per_step'))} | {fmt(c.get('decode_wall_ms_per_token'))} | {note} |"
         )
     lines.append("")
-    lines.append("auto vs the best Transformers backend in the same setting (lower is better for auto):")
+    lines.append("auto vs the best Transformers backend in the same setting (lower is better for auto); "
+                 f"{NULL}: the bound for any experts backend:")
     lines.append("")
     lines.append("| mode | bs x len | prefill auto / best (best) | decode auto / best (best) "
-                 "| decode wall auto / best |")
-    lines.append("|---|---|---|---|---|")
+                 f"| decode wall auto / best | decode {NULL} (/ floor) |")
+    lines.append("|---|---|---|---|---|---|")
     for key, row in comparisons(result).items():
-        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {row['prefill']} | {row['decode']} | {row['decode_wall']} |")
+        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {row['prefill']} | {row['decode']} | {row['decode_wall']} "
+                     f"| {row['null']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -586,8 +761,10 @@ def comparisons(result: dict) -> dict[tuple, dict[str, str]]:
         groups.setdefault((c["mode"], c["batch"], c["prompt"]), []).append(c)
     for key, cells in groups.items():
         auto = next((c for c in cells if c["backend"] == "auto" and c.get("status") == "ok"), None)
-        peers = [c for c in cells if c["backend"] != "auto" and c.get("status") == "ok"]
-        row = {}
+        null = next((c for c in cells if c["backend"] == NULL and c.get("decode_ms_per_token")), None)
+        peers = [c for c in cells if c["backend"] not in ("auto", NULL) and c.get("status") == "ok"]
+        row = {"null": "-" if null is None else
+               f"{null['decode_ms_per_token']:.2f} ms ({ratio(null.get('decode_vs_floor'))})"}
         for metric, field in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"),
                               ("decode_wall", "decode_wall_ms_per_token")):
             usable = [c for c in peers if c.get(field)]
@@ -598,6 +775,35 @@ def comparisons(result: dict) -> dict[tuple, dict[str, str]]:
             row[metric] = f"{auto[field] / best[field]:.2f}x ({best['backend']} {best[field]:.2f} ms)"
         out[key] = row
     return out
+
+
+def build_plan(args: argparse.Namespace, settings: list[tuple[int, ...]]) -> list[tuple[str, str, int, int]]:
+    """Cells in run order: --cells as given, else uncompiled backends x settings, then compiled ones."""
+    if args.cells:
+        return [parse_cell(item) for item in args.cells.split(",") if item]
+    backends = [b for b in args.backends.split(",") if b]
+    compiled = [b for b in args.compiled_backends.split(",") if b]
+    plan: list[tuple[str, str, int, int]] = []
+    for batch, length in settings:
+        plan += [("uncompiled", b, batch, length) for b in backends]
+    # auto and the first peer over every setting (bs=1 first: the compiled decode target), then the rest
+    for tier in (compiled[:2], compiled[2:]):
+        for batch, length in settings:
+            plan += [("compiled", b, batch, length) for b in tier]
+    return plan
+
+
+def parse_cell(item: str) -> tuple[str, str, int, int]:
+    """MODE:BACKEND:BxL; the backend may hold a colon (selector's "selector:NAME" names)."""
+    try:
+        mode, rest = item.split(":", 1)
+        backend, setting = rest.rsplit(":", 1)
+        batch, length = (int(x) for x in setting.split("x"))
+    except ValueError:
+        raise SystemExit(f"--cells: {item!r} is not MODE:BACKEND:BxL") from None
+    if mode not in ("compiled", "uncompiled"):
+        raise SystemExit(f"--cells: mode {mode!r} in {item!r} is neither compiled nor uncompiled")
+    return mode, backend, batch, length
 
 
 def write(result: dict, out: Path) -> None:
@@ -625,7 +831,13 @@ def main() -> int:
 
     names = ensure_backends()
     hf.register_with_transformers()
+    register_null_backend()
     count_cudagraph_tree_recordings()
+    filter_name = GUARD_FILTERS[args.guard_filter]
+    if filter_name is not None and not hasattr(torch.compiler, filter_name):
+        raise SystemExit(f"--guard-filter {args.guard_filter}: torch {torch.__version__} has no "
+                         f"torch.compiler.{filter_name}")
+    defer_stop = allow_deferred_stop(device) if args.defer_stop else None
     settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",") if s]
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -641,9 +853,14 @@ def main() -> int:
         },
         "model": "random Qwen1.5-MoE-A2.7B shape" if not args.tiny else "tiny Qwen2-MoE (smoke test)",
         "dtype": args.dtype,
+        "options": {"guard_filter": filter_name, "defer_stop": args.defer_stop and defer_stop is None,
+                    "forward_steps": args.forward_steps, "fullgraph": args.fullgraph,
+                    "compile_backend": args.compile_backend},
         "cells": [],
         "skipped": [],
     }
+    if defer_stop:
+        result["skipped"].append(f"--defer-stop: {defer_stop}")
     log(f"building the model on {device} ({result['model']}, {args.dtype})")
     model, cfg = build_model(args, device, dtype)
     result["config"] = cfg
@@ -657,18 +874,12 @@ def main() -> int:
     log("selection report:\n" + str(report))
     write(result, out)
 
-    backends = [b for b in args.backends.split(",") if b]
-    compiled = [b for b in args.compiled_backends.split(",") if b]
-    plan: list[tuple[str, str, int, int]] = []
-    for batch, length in settings:
-        plan += [("uncompiled", b, batch, length) for b in backends]
-    if not args.no_compile and (device.type == "cuda" or args.compile_on_cpu):
-        # auto and the first peer over every setting (bs=1 first: the compiled decode target), then the rest
-        for tier in (compiled[:2], compiled[2:]):
-            for batch, length in settings:
-                plan += [("compiled", b, batch, length) for b in tier]
-    elif not args.no_compile:
-        result["skipped"].append("compiled cells: Transformers compiles generate() only on an accelerator")
+    plan = build_plan(args, settings)
+    can_compile = not args.no_compile and (device.type == "cuda" or args.compile_on_cpu)
+    if not can_compile and any(mode == "compiled" for mode, *_ in plan):
+        why = "--no-compile" if args.no_compile else "Transformers compiles generate() only on an accelerator"
+        result["skipped"].append(f"compiled cells: {why}")
+        plan = [item for item in plan if item[0] != "compiled"]
 
     profiled = {x for x in args.profile_settings.split(",") if x}
     # uncompiled cells of one setting are one group (their rounds interleave); each compiled cell is its own
@@ -693,6 +904,7 @@ def main() -> int:
             for run in runs:
                 run.round()
         for run in runs:
+            run.forward_only()
             if f"{run.cell['batch']}x{run.cell['prompt']}" in profiled:
                 run.profile(out / "profiles.txt")
             cell = run.finish(bw)

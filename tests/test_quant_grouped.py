@@ -143,6 +143,27 @@ def test_triton_fused_runs_quantised_experts():
     assert relative_error(out, Q.reference_forward(module, x, idx, w)) < 1e-4
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypatch):
+    """QUANT_X "loop" (decode: no quantize_rows launch; gate_up quantises its A tile per K step) computes the
+    same e4m3 operands and scales as "once": the results are identical, and only "once" launches quantize_rows."""
+    from plugins.quant_kernels import ops
+
+    calls = []
+    real = ops.quantize_rows
+    monkeypatch.setattr(ops, "quantize_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    module = Q.quantize_experts(make_experts(5, 200, 64, device=DEV, seed=26), *fmt)
+    idx, w = random_routing(3, 5, 2, device=DEV, skew=True)
+    x = torch.randn(3, 200, device=DEV)
+    base = {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}
+    looped = _check(module, x, idx, w, {**base, "QUANT_X": "loop"})
+    assert calls == []
+    once = _check(module, x, idx, w, {**base, "QUANT_X": "once"})
+    assert calls == [(3, 200)]
+    assert torch.equal(looped, once)
+    assert ops.LOOP_X_MAX_PAIRS >= 8  # decode (T=1, k <= 8) takes the loop by default
+
+
 def test_tuned_table_lookup(tmp_path):
     from plugins.quant_kernels import configs
 
@@ -156,3 +177,24 @@ def test_tuned_table_lookup(tmp_path):
     assert configs.decode(configs.encode(cfg)) == configs.normalize(cfg)
     with pytest.raises(ValueError, match="power of two"):
         configs.normalize({"BLOCK_N": 48})
+    looped = {**cfg, "QUANT_X": "loop"}
+    assert configs.decode(configs.encode(looped)) == configs.normalize(looped)
+    assert configs.decode(configs.encode(cfg))["QUANT_X"] is None
+    with pytest.raises(ValueError, match="QUANT_X"):
+        configs.normalize({"QUANT_X": "twice"})
+
+
+def test_cached_plan_follows_replaced_weights():
+    """The per-module plan (checked once per set of weights) is rebuilt when a weight tensor is replaced: a
+    wrong-shaped replacement is caught by the checks again, and a good one is what the next call computes with."""
+    module = Q.quantize_experts(make_experts(4, 64, 32, device=DEV, seed=27), "fp8_block", "float32", (32, 32))
+    idx, w = random_routing(2, 4, 2, device=DEV)
+    x = torch.randn(2, 64, device=DEV)
+    before = _run(module, x, idx, w)
+    good = module.down_proj.detach().clone()
+    module.down_proj = torch.nn.Parameter(good[:, :32].contiguous(), requires_grad=False)
+    with pytest.raises(ValueError, match="down_proj must be"):
+        _run(module, x, idx, w)
+    negated = (good.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn)  # e4m3 sign bit flipped
+    module.down_proj = torch.nn.Parameter(negated, requires_grad=False)  # same shape, new tensor: negated output
+    assert torch.equal(_run(module, x, idx, w), -before)

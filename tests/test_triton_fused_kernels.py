@@ -414,7 +414,7 @@ def test_gpu_skewed_sentinel_empty(T):
 
 @pytest.mark.gpu
 def test_gpu_repeated_calls_fast_launch(monkeypatch):
-    # the second and later calls with the same shapes go through the compiled-kernel cache (kernels._launch)
+    # the second and later calls with the same shapes go through the compiled-kernel cache (kernels.launch)
     outs = []
     for seed in range(3):
         case = make_case(70, 512, 256, 16, 4, dtype=torch.bfloat16, device="cuda", seed=seed, bias=seed == 2)

@@ -2,7 +2,9 @@
 
 A configuration is ``{"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 1},
 "down": {...}}``; a flat dict (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M) applies to both GEMMs and a
-missing key is filled by the heuristics. BLOCK_K is not a knob: it is the activation group (the K tile that
+missing key is filled by the heuristics. ``"QUANT_X": "once" | "loop"`` says where the activations are quantised
+(dynamic scales): once up front by ``quantize_rows`` (one more launch), or inside the gate_up K loop (every N
+tile redoes it: cheap for a few rows, and at decode the saved launch is worth more). BLOCK_K is not a knob: it is the activation group (the K tile that
 one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
 triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..`` (fp4 likewise) and then by token count; the entry
 nearest to T in log scale is used. Written by ``python -m plugins.quant_kernels.tune``.
@@ -20,6 +22,7 @@ from plugins.tile_tables import read_table
 CONFIG_DIR = Path(__file__).with_name("configs")
 GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M")
 PARTS = ("gate_up", "down")
+QUANT_X = (None, "once", "loop")  # encoded as its index (0 = unset: the heuristic picks)
 
 
 def shape_key(fp4: bool, num_experts: int, hidden: int, inter: int, top_k: int) -> str:
@@ -34,6 +37,9 @@ def normalize(config: dict | None) -> dict[str, Any]:
     for part in PARTS:
         sub = {**flat, **{k: int(v) for k, v in (config.get(part) or {}).items() if k in GEMM_KEYS and v}}
         out[part] = sub
+    out["QUANT_X"] = config.get("QUANT_X") or None
+    if out["QUANT_X"] not in QUANT_X:
+        raise ValueError(f"quantised experts: config QUANT_X={out['QUANT_X']!r} must be 'once' or 'loop'")
     for name, val in [("BLOCK_M", out["BLOCK_M"])] + [(f"{p}.BLOCK_N", out[p].get("BLOCK_N")) for p in PARTS]:
         if val is not None and (val < 16 or val & (val - 1)):
             raise ValueError(f"quantised experts: config {name}={val} must be a power of two >= 16")
@@ -45,7 +51,7 @@ def encode(config: dict | None) -> list[int] | None:
     if not config:
         return None
     c = normalize(config)
-    return [c["BLOCK_M"] or 0] + [c[p].get(k, 0) for p in PARTS for k in GEMM_KEYS]
+    return [c["BLOCK_M"] or 0] + [c[p].get(k, 0) for p in PARTS for k in GEMM_KEYS] + [QUANT_X.index(c["QUANT_X"])]
 
 
 def decode(values: list[int] | None) -> dict | None:
@@ -53,7 +59,8 @@ def decode(values: list[int] | None) -> dict | None:
         return None
     n = len(GEMM_KEYS)
     parts = {p: {k: v for k, v in zip(GEMM_KEYS, values[1 + i * n : 1 + (i + 1) * n]) if v} for i, p in enumerate(PARTS)}
-    return {"BLOCK_M": values[0] or None, **parts}
+    quant_x = QUANT_X[values[1 + len(PARTS) * n]] if len(values) > 1 + len(PARTS) * n else None
+    return {"BLOCK_M": values[0] or None, **parts, "QUANT_X": quant_x}
 
 
 def table_file(device_name: str, directory: str | None = None) -> Path:

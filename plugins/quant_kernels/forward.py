@@ -105,20 +105,20 @@ class _Plan:
                            block_k=fmt.activation_group)  # fmt: skip
 
 
+_TENSORS = ("gate_up_proj", "gate_up_proj_scale_inv", "up_proj", "up_proj_scale_inv", "down_proj",
+            "down_proj_scale_inv", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias",
+            "gate_up_proj_activation_scale", "down_proj_activation_scale")  # fmt: skip
+
+
 def _plan_key(module: torch.nn.Module, hidden: int) -> tuple:
-    gated = getattr(module, "has_gate", True)
-    up_name = "gate_up_proj" if gated else "up_proj"
-    names = (up_name, f"{up_name}_scale_inv", "down_proj", "down_proj_scale_inv", f"{up_name}_bias", "down_proj_bias",
-             "gate_up_proj_activation_scale", "down_proj_activation_scale")  # fmt: skip
-    tensors = tuple(getattr(module, n, None) for n in names)
-    return (
-        hidden, gated, getattr(module, "is_concatenated", True), getattr(module, "has_bias", False),
-        getattr(module, "is_transposed", False), getattr(module, "has_post_expert_norm", False),
-        id(getattr(module, "act_fn", None)), type(module), getattr(module, "selector_weight_format", None),
-        getattr(module, "selector_scale_format", None), getattr(module, "selector_block_size", None),
-        getattr(module, "selector_activation_quant", None), getattr(module, "selector_compute_dtype", None),
-        tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor) else None for t in tensors),
-    )  # fmt: skip
+    """What makes a cached plan stale, read cheaply (every eager call): the weight tensors (object and storage)
+    and the activation. The format attributes are selector's own; every change of them drops the plan
+    (selector.quant._forget_caches), as does a change of the layout flags through selector."""
+    d = module.__dict__
+    params, buffers = d["_parameters"], d["_buffers"]
+    found = [params.get(n) if n in params else buffers.get(n, d.get(n)) for n in _TENSORS]
+    return (hidden, d["_modules"].get("act_fn", d.get("act_fn")),
+            *[(id(t), t.data_ptr()) if t is not None else None for t in found])  # fmt: skip
 
 
 def _plan(module: torch.nn.Module, hidden: int) -> _Plan:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from plugins.quant_kernels import configs as _configs
 from plugins.quant_kernels import kernels as K
-from plugins.triton_fused.kernels import align, combine, max_blocks_for
+from plugins.triton_fused.kernels import align, combine, launch, max_blocks_for
 
 MODES = ("grouped", "batched")
 
@@ -33,6 +33,11 @@ def _target_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 0  # the interpreter: as few programs as possible
     return 2 * _num_sms(device.index or 0)
+
+
+# Up to this many (token, slot) pairs the grouped path quantises x inside the gate_up K loop (configs.py:
+# QUANT_X); a tuned table entry says which is faster for its cell.
+LOOP_X_MAX_PAIRS = 16
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -94,9 +99,10 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     s = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
     if rows:
         block_r = 16 if rows <= 4096 else 64
-        K._quant_rows_kernel[(triton.cdiv(rows, block_r), s.shape[1])](
-            x, q, s, rows, k, x.stride(0), q.stride(0), s.stride(0), BLOCK_R=block_r, BLOCK_K=group,
-            EXACT=K.INTERPRET, num_warps=4,
+        launch(
+            K._quant_rows_kernel, (triton.cdiv(rows, block_r), s.shape[1]),
+            (x, q, s, rows, k, x.stride(0), q.stride(0), s.stride(0)),
+            dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=K.INTERPRET), 4,
         )  # fmt: skip
     return q, s
 
@@ -155,25 +161,28 @@ def _launch(
         grid = (num_blocks_m * triton.cdiv(n_out, bn),)
         a_s = a_scale if a_scale is not None else s
         o_s = out_scale if out_scale is not None else s
-        K._grouped_kernel[grid](
-            a, w, s, act_scale if static else s, bias if has_bias else s, out, sorted_rows, block_expert,
-            topk_w if topk_w is not None else s, a_s, o_s,
-            out.shape[0], n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
-            a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
-            A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None, INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch(
+            K._grouped_kernel, grid,
+            (a, w, s, act_scale if static else s, bias if has_bias else s, out, sorted_rows, block_expert,
+             topk_w if topk_w is not None else s, a_s, o_s,
+             out.shape[0], n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
+             a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0),
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
+                 A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
+                 INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype]),
+            cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
         (ids,) = routing
         cfg = _gemm_config(mode, ids.numel(), n_out, a.device, config, wide)
         bn = cfg["BLOCK_N"]
         grid = (ids.numel(), triton.cdiv(n_out, bn))
-        K._rows_kernel[grid](
-            a, w, s, act_scale if static else s, bias if has_bias else s, out, ids,
-            topk_w if topk_w is not None else s,
-            num_experts, n_out, k_dim, a_div, up_offset, n_split, split_rows, block_n_w, *strides,
-            BLOCK_N=bn, BLOCK_K=block_k, **common, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch(
+            K._rows_kernel, grid,
+            (a, w, s, act_scale if static else s, bias if has_bias else s, out, ids,
+             topk_w if topk_w is not None else s,
+             num_experts, n_out, k_dim, a_div, up_offset, n_split, split_rows, block_n_w, *strides),
+            dict(BLOCK_N=bn, BLOCK_K=block_k, **common), cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
 
 
@@ -289,9 +298,13 @@ def quant_experts_impl(
         y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, config=c2,
                        **common)  # fmt: skip
         return combine_slots(y, ids, out, top_k, num_experts)
-    # grouped, dynamic: quantise x once (not once per N tile inside the K loop); the gate_up epilogue quantises the
-    # intermediate when its tile covers whole groups, else a second quantize_rows does
-    xq, xs = quantize_rows(x, block_k)
+    # grouped, dynamic: x quantised once up front, or (few rows: decode) inside gate_up's K loop, which saves a
+    # launch; the gate_up epilogue quantises the intermediate when its tile covers whole groups, else a second
+    # quantize_rows does
+    if (cfg.get("QUANT_X") or ("loop" if n_pairs <= LOOP_X_MAX_PAIRS else "once")) == "once":
+        xq, xs = quantize_rows(x, block_k)
+    else:
+        xq, xs = x, None
     bn1 = _gemm_config(mode, routing[0].numel(), inter_dim, x.device, {**cfg["gate_up"], "BLOCK_M": routing[2]},
                        gated)["BLOCK_N"]  # fmt: skip
     quant_out = bn1 % block_k == 0

@@ -403,7 +403,9 @@ def _spec(a):
     return a
 
 
-def _launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
+def launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
+    """fn[grid](*args, **consts): runtime arguments positional, every constexpr in `consts` (the quantised
+    kernels launch through here too). Repeated launches skip Triton's own argument dispatch (tens of us)."""
     if _INTERPRET or not _FAST_LAUNCH:
         fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
         return
@@ -454,7 +456,7 @@ def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
     if n <= _SINGLE_ALIGN_MAX:
         chunk = max(16, _next_pow2(n))
         sub = min(64, chunk)
-        _launch(
+        launch(
             _align_kernel, (1,),
             (top_k_ids_flat, sorted_rows, sorted_rows, block_expert, n, num_experts, 1, mb),
             dict(BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, NCH_SUB=16, B_TILE=b_tile, SINGLE=True),
@@ -467,11 +469,11 @@ def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
         chunk = max(_ALIGN_CHUNK, _next_pow2(triton.cdiv(n, 256)))
         chunks = triton.cdiv(n, chunk)
         partial = _empty(chunks * e_pad, torch.int32, dev, 1 << 20)
-        _launch(
+        launch(
             _align_count_kernel, (chunks,), (top_k_ids_flat, partial, n, num_experts),
             dict(CHUNK=chunk, E_PAD=e_pad), warps,
         )  # fmt: skip
-        _launch(
+        launch(
             _align_kernel, (chunks,),
             (top_k_ids_flat, partial, sorted_rows, block_expert, n, num_experts, chunks, mb),
             dict(BLOCK_M=block_m, CHUNK=chunk, SUB=64, E_PAD=e_pad, NCH_SUB=16 if e_pad <= 256 else 8,
@@ -489,7 +491,7 @@ def _launch_gemm(
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (num_blocks_m * triton.cdiv(n_out, bn),)
     has_bias = bias is not None
-    _launch(
+    launch(
         _moe_gemm_kernel, grid,
         (a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a,
          num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset,
@@ -507,7 +509,7 @@ def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: i
     t, h = out.shape
     k_pad = max(2, _next_pow2(top_k))
     block_h = min(max(128, 4096 // k_pad), max(128, _next_pow2(h)))
-    _launch(
+    launch(
         _combine_kernel, (t, triton.cdiv(h, block_h)),
         (y, ids_flat, out, h, top_k, num_experts, y.stride(0), out.stride(0)),
         dict(BLOCK_H=block_h, K_PAD=k_pad), 4,
