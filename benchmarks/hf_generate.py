@@ -32,8 +32,9 @@ Diagnostics of the compiled decode step (issue 4: is it the experts, the rest of
   same arguments, --forward-steps times back to back with no host sync between (device events around the
   loop, one sync after), then returns as usual. That is the step without generate()'s per-step host work and
   sync: max(GPU time, host time of the compiled call). Reported beside it: the host time per call of that
-  loop, and what generate() adds (decode ms/token - forward-only). Each call rewrites the same KV slot with
-  the same values, so the context read stays that of a real step;
+  loop, and what generate() adds (decode ms/token - forward-only). After each call one foreach op moves the
+  static cache's write position (kept on the device by recent Transformers) back a step, so every call
+  rewrites the same KV slot with the same values and reads the context of a real step;
 - --guard-filter inbuilt|all: compile with torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe or
   skip_guard_on_all_nn_modules_unsafe, passed through CompileConfig.options (torch.compile takes a mode or
   options, not both, so the mode goes in as its Inductor options); unsafe by design, so each compiled cell
@@ -320,12 +321,19 @@ class ForwardTimer:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls == self.at_call:
-            self.compiled(*args, **kwargs)  # settle: the first call after another one's arguments
+            positions = cache_positions(kwargs)
+            self._again(args, kwargs, positions)  # settle: the first call after another one's arguments
             for _ in range(self.rounds):
-                self._round(args, kwargs)
+                self._round(args, kwargs, positions)
         return self.compiled(*args, **kwargs)
 
-    def _round(self, args: tuple, kwargs: dict) -> None:
+    def _again(self, args: tuple, kwargs: dict, positions: list[torch.Tensor]) -> None:
+        """The call, then the static cache's write position moved back: the next call redoes the same step."""
+        self.compiled(*args, **kwargs)  # outputs dropped: no host read, so no sync
+        if positions:
+            torch._foreach_sub_(positions, 1)  # one launch for every layer (outside the compiled step)
+
+    def _round(self, args: tuple, kwargs: dict, positions: list[torch.Tensor]) -> None:
         cuda = self.device.type == "cuda"
         sync(self.device)
         if cuda:
@@ -333,7 +341,7 @@ class ForwardTimer:
             start.record()
         t0 = time.perf_counter()
         for _ in range(self.steps):
-            self.compiled(*args, **kwargs)  # outputs dropped: no host read, so no sync
+            self._again(args, kwargs, positions)
         host = time.perf_counter() - t0
         if cuda:
             end.record()
@@ -342,6 +350,14 @@ class ForwardTimer:
         else:
             self.step_ms.append(host * 1e3 / self.steps)
         self.host_ms.append(host * 1e3 / self.steps)
+
+
+def cache_positions(kwargs: dict) -> list[torch.Tensor]:
+    """The write positions a static cache keeps on the device (StaticLayer.cumulative_length, which the
+    compiled step advances in place, in recent Transformers); empty where the position comes as an input."""
+    caches = [v for v in kwargs.values() if hasattr(v, "layers")]
+    layers = [layer for cache in caches for layer in cache.layers]
+    return [t for t in (getattr(layer, "cumulative_length", None) for layer in layers) if isinstance(t, torch.Tensor)]
 
 
 def timed_generate(model, ids, mask, new_tokens: int, device, extra: dict, clock: StepClock | None = None) -> float:

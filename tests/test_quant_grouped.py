@@ -164,6 +164,28 @@ def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypat
     assert ops.LOOP_X_MAX_PAIRS >= 8  # decode (T=1, k <= 8) takes the loop by default
 
 
+@pytest.mark.parametrize("sentinel", [False, True], ids=["all-local", "expert-parallel-sentinels"])
+def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
+    """ROUTE "pairs" (decode: no align launch; pair p alone in block p, experts hit twice read twice) gives the
+    sorted layout's result exactly, sentinel pairs included; it is the default for a few pairs."""
+    from plugins.quant_kernels import ops
+
+    aligned = []
+    real = ops.align
+    monkeypatch.setattr(ops, "align", lambda *a: aligned.append(a[2]) or real(*a))
+    layout = Layout(expert_parallel=sentinel)
+    module = Q.quantize_experts(make_experts(4, 96, 64, layout, device=DEV, seed=28), "fp8_block", "ue8m0", (32, 32))
+    idx, w = random_routing(4, 4, 2, device=DEV, skew=True, sentinel=sentinel)  # skewed: experts hit twice
+    x = torch.randn(4, 96, device=DEV)
+    tiles = {"gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}
+    pairs = _check(module, x, idx, w, {**tiles, "ROUTE": "pairs"})
+    assert aligned == []
+    assert torch.equal(pairs, _check(module, x, idx, w, {**tiles, "BLOCK_M": 16, "ROUTE": "sorted"}))
+    assert aligned == [16]
+    assert torch.equal(pairs, _check(module, x, idx, w, tiles))  # 8 pairs: pair blocks by default
+    assert aligned == [16] and ops.PAIR_BLOCKS_MAX_PAIRS >= 8
+
+
 def test_tuned_table_lookup(tmp_path):
     from plugins.quant_kernels import configs
 
@@ -180,6 +202,8 @@ def test_tuned_table_lookup(tmp_path):
     looped = {**cfg, "QUANT_X": "loop"}
     assert configs.decode(configs.encode(looped)) == configs.normalize(looped)
     assert configs.decode(configs.encode(cfg))["QUANT_X"] is None
+    paired = {**cfg, "ROUTE": "pairs", "QUANT_X": "once"}
+    assert configs.decode(configs.encode(paired)) == configs.normalize(paired)
     with pytest.raises(ValueError, match="QUANT_X"):
         configs.normalize({"QUANT_X": "twice"})
 

@@ -4,7 +4,9 @@ A configuration is ``{"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "num_warps": 4,
 "down": {...}}``; a flat dict (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M) applies to both GEMMs and a
 missing key is filled by the heuristics. ``"QUANT_X": "once" | "loop"`` says where the activations are quantised
 (dynamic scales): once up front by ``quantize_rows`` (one more launch), or inside the gate_up K loop (every N
-tile redoes it: cheap for a few rows, and at decode the saved launch is worth more). BLOCK_K is not a knob: it is the activation group (the K tile that
+tile redoes it: cheap for a few rows, and at decode the saved launch is worth more). ``"ROUTE": "sorted" |
+"pairs"``: pairs sorted by expert into BLOCK_M blocks (the align launch), or one 16-row block per pair (decode:
+no align; an expert hit twice is read twice). BLOCK_K is not a knob: it is the activation group (the K tile that
 one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
 triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..`` (fp4 likewise) and then by token count; the entry
 nearest to T in log scale is used. Written by ``python -m plugins.quant_kernels.tune``.
@@ -23,6 +25,7 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M")
 PARTS = ("gate_up", "down")
 QUANT_X = (None, "once", "loop")  # encoded as its index (0 = unset: the heuristic picks)
+ROUTE = (None, "sorted", "pairs")  # likewise
 
 
 def shape_key(fp4: bool, num_experts: int, hidden: int, inter: int, top_k: int) -> str:
@@ -37,9 +40,10 @@ def normalize(config: dict | None) -> dict[str, Any]:
     for part in PARTS:
         sub = {**flat, **{k: int(v) for k, v in (config.get(part) or {}).items() if k in GEMM_KEYS and v}}
         out[part] = sub
-    out["QUANT_X"] = config.get("QUANT_X") or None
-    if out["QUANT_X"] not in QUANT_X:
-        raise ValueError(f"quantised experts: config QUANT_X={out['QUANT_X']!r} must be 'once' or 'loop'")
+    for name, allowed in (("QUANT_X", QUANT_X), ("ROUTE", ROUTE)):
+        out[name] = config.get(name) or None
+        if out[name] not in allowed:
+            raise ValueError(f"quantised experts: config {name}={out[name]!r} must be one of {allowed[1:]}")
     for name, val in [("BLOCK_M", out["BLOCK_M"])] + [(f"{p}.BLOCK_N", out[p].get("BLOCK_N")) for p in PARTS]:
         if val is not None and (val < 16 or val & (val - 1)):
             raise ValueError(f"quantised experts: config {name}={val} must be a power of two >= 16")
@@ -51,7 +55,7 @@ def encode(config: dict | None) -> list[int] | None:
     if not config:
         return None
     c = normalize(config)
-    return [c["BLOCK_M"] or 0] + [c[p].get(k, 0) for p in PARTS for k in GEMM_KEYS] + [QUANT_X.index(c["QUANT_X"])]
+    return [c["BLOCK_M"] or 0] + [c[p].get(k, 0) for p in PARTS for k in GEMM_KEYS] + [QUANT_X.index(c["QUANT_X"]), ROUTE.index(c["ROUTE"])]
 
 
 def decode(values: list[int] | None) -> dict | None:
@@ -59,8 +63,8 @@ def decode(values: list[int] | None) -> dict | None:
         return None
     n = len(GEMM_KEYS)
     parts = {p: {k: v for k, v in zip(GEMM_KEYS, values[1 + i * n : 1 + (i + 1) * n]) if v} for i, p in enumerate(PARTS)}
-    quant_x = QUANT_X[values[1 + len(PARTS) * n]] if len(values) > 1 + len(PARTS) * n else None
-    return {"BLOCK_M": values[0] or None, **parts, "QUANT_X": quant_x}
+    extra = values[1 + len(PARTS) * n :] + [0, 0]
+    return {"BLOCK_M": values[0] or None, **parts, "QUANT_X": QUANT_X[extra[0]], "ROUTE": ROUTE[extra[1]]}
 
 
 def table_file(device_name: str, directory: str | None = None) -> Path:

@@ -224,15 +224,18 @@ def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
 @triton.jit
 def _grouped_kernel(
     a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, a_s_ptr, out_s_ptr,
-    num_valid, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows, bn,
+    num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows, bn,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_om, stride_on, stride_asm, stride_osm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
-    A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr,
+    A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
+
+    PAIR_BLOCKS (decode): no align; block p holds pair p alone (its other rows are padding) and
+    block_expert_ptr is the pairs' expert ids. Pairs sharing an expert read its weights once each.
 
     N is the number of OUTPUT channels (I when GATED, else the stored rows).
     A_FP8: A is already e4m3 with one scale per row and K tile at a_s_ptr (``quantize_rows``): the tile goes
@@ -249,16 +252,19 @@ def _grouped_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):  # a block past the used ones, or a sentinel pair
         return
-    expert = expert.to(tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
+    if PAIR_BLOCKS:
+        rows = tl.where(offs_m == 0, pid_m, num_valid)
+        first = pid_m
+    else:
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
+        first = tl.load(sorted_ptr + pid_m * BLOCK_M)
     row_ok = rows < num_valid
     # padding slots read the block's first row (always a real pair): finite values, never stored
-    first = tl.load(sorted_ptr + pid_m * BLOCK_M)
     a_rows = (tl.where(row_ok, rows, first) // a_div).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows[:, None] * stride_am

@@ -38,6 +38,9 @@ def _target_programs(device: torch.device) -> int:
 # Up to this many (token, slot) pairs the grouped path quantises x inside the gate_up K loop (configs.py:
 # QUANT_X); a tuned table entry says which is faster for its cell.
 LOOP_X_MAX_PAIRS = 16
+# Up to this many pairs the grouped path gives each pair its own block instead of sorting them by expert
+# (configs.py: ROUTE), which saves the align launch.
+PAIR_BLOCKS_MAX_PAIRS = 16
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -155,21 +158,21 @@ def _launch(
     wide = gated
     if mode == "grouped":
         sorted_rows, block_expert, bm = routing
-        cfg = _gemm_config(mode, sorted_rows.numel(), n_out, a.device, {**(config or {}), "BLOCK_M": bm}, wide)
-        bn = cfg["BLOCK_N"]
         num_blocks_m = block_expert.numel()
+        cfg = _gemm_config(mode, num_blocks_m * bm, n_out, a.device, {**(config or {}), "BLOCK_M": bm}, wide)
+        bn = cfg["BLOCK_N"]
         grid = (num_blocks_m * triton.cdiv(n_out, bn),)
         a_s = a_scale if a_scale is not None else s
         o_s = out_scale if out_scale is not None else s
         launch(
             K._grouped_kernel, grid,
-            (a, w, s, act_scale if static else s, bias if has_bias else s, out, sorted_rows, block_expert,
-             topk_w if topk_w is not None else s, a_s, o_s,
-             out.shape[0], n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
+            (a, w, s, act_scale if static else s, bias if has_bias else s, out,
+             block_expert if sorted_rows is None else sorted_rows, block_expert, topk_w if topk_w is not None else s,
+             a_s, o_s, out.shape[0], num_experts, n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
              a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0),
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
-                 INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype]),
+                 INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
@@ -187,10 +190,16 @@ def _launch(
 
 
 def route(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None) -> tuple[torch.Tensor, ...]:
-    """grouped: (sorted_rows, block_expert, BLOCK_M) from the fused backend's align; batched: (ids,)."""
+    """grouped: (sorted_rows, block_expert, BLOCK_M) from the fused backend's align, or (None, ids, 16): one
+    block per pair, no align launch (configs.py: ROUTE); batched: (ids,)."""
     if mode == "batched":
         return (ids_flat,)
-    bm = int((config or {}).get("BLOCK_M") or grouped_block_m(ids_flat.numel(), num_experts))  # nested or flat
+    config = config or {}
+    bm = int(config.get("BLOCK_M") or 0)  # nested or flat
+    by_size = "pairs" if ids_flat.numel() <= PAIR_BLOCKS_MAX_PAIRS and bm in (0, 16) else "sorted"
+    if (config.get("ROUTE") or by_size) == "pairs":
+        return None, ids_flat, 16
+    bm = bm or grouped_block_m(ids_flat.numel(), num_experts)
     sorted_rows, block_expert = align(ids_flat, num_experts, bm)
     return sorted_rows, block_expert, bm
 
@@ -305,7 +314,7 @@ def quant_experts_impl(
         xq, xs = quantize_rows(x, block_k)
     else:
         xq, xs = x, None
-    bn1 = _gemm_config(mode, routing[0].numel(), inter_dim, x.device, {**cfg["gate_up"], "BLOCK_M": routing[2]},
+    bn1 = _gemm_config(mode, routing[1].numel() * routing[2], inter_dim, x.device, {**cfg["gate_up"], "BLOCK_M": routing[2]},
                        gated)["BLOCK_N"]  # fmt: skip
     quant_out = bn1 % block_k == 0
     inter = projection(mode, xq, w1, s1, routing, n_pairs, a_div=top_k, bias=b1, config={**cfg["gate_up"], "BLOCK_N": bn1},

@@ -2,9 +2,10 @@
 
     python -m plugins.quant_kernels.tune --out plugins/quant_kernels/configs/NVIDIA_H200.json --budget-s 150
 
-Per (format, shape, token count) and candidate BLOCK_M: times align, the activation quantisation, each gate_up
-tile (plus a second quantisation of the intermediate when the tile does not cover whole groups) and each down
-tile, and keeps the BLOCK_M whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
+Per (format, shape, token count) and candidate layout (pairs sorted into BLOCK_M blocks, or one block per pair
+for a few pairs): times align, each gate_up tile with x quantised up front (plus that launch) or, for a few
+pairs, inside its K loop (plus a second quantisation of the intermediate when the tile does not cover whole
+groups) and each down tile, and keeps the layout whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
 top-k routing. Token counts <= 64 are timed as CUDA-graph replays (as decode runs), larger ones back to back.
 fp8 configs serve both scale formats (a scale load differs, not the tile). Stops at --budget-s and writes what
 it has.
@@ -13,6 +14,7 @@ it has.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ from plugins.quant_kernels import ops
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048, 8),
           "mixtral-8x7b": (8, 4096, 14336, 2), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # (E, H, I, k); fmt: skip
 TOKENS = (1, 8, 64, 512, 4096)
+TRY_DECODE_LAYOUTS_MAX_PAIRS = 64  # pair blocks and x quantised in the K loop are tried up to here (T=8, k=8)
 # (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
 # (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
 GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6)),
@@ -82,22 +85,29 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     iq, isc = ops.quantize_rows(ih, 128)
     t_qi = _time(lambda: ops.quantize_rows(ih, 128), graph)
     best = None
-    for bm in block_m_candidates(pairs, e):
+    layouts = [("sorted", bm) for bm in block_m_candidates(pairs, e)]
+    if pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS:
+        layouts.insert(0, ("pairs", 16))
+    quant_x = ("once", "loop") if pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS else ("once",)
+    for route, bm in layouts:
         if time.perf_counter() > deadline:
             break
-        routing = ops.route("grouped", ids, e, {"BLOCK_M": bm})
-        t_align = _time(lambda: ops.route("grouped", ids, e, {"BLOCK_M": bm}), graph)
+        rcfg = {"BLOCK_M": bm, "ROUTE": route}
+        routing = ops.route("grouped", ids, e, rcfg)
+        # pair blocks launch nothing to route (host only: an empty graph cannot be timed)
+        t_align = 0.0 if route == "pairs" else _time(lambda: ops.route("grouped", ids, e, rcfg), graph)
         size = "small" if bm <= 32 else "large"
         parts = {}
         for part, options in (("gate_up", GATE_UP[bm]), ("down", DOWN[size])):
-            for bn, warps, stages in options:
+            for (bn, warps, stages), qx in itertools.product(options, quant_x if part == "gate_up" else ("once",)):
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "GROUP_M": 1 if bm <= 32 else 8}
                 if part == "gate_up":
                     qo = bn % 128 == 0
-                    fn = lambda: ops.projection("grouped", xq, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=xs,
+                    a, a_s = (xq, xs) if qx == "once" else (x, None)
+                    fn = lambda: ops.projection("grouped", a, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=a_s,
                                                 quant_out=qo, out_dtype=torch.bfloat16, gated=True, activation="silu",
                                                 split_inter=None if fp4 else inter, **common)  # fmt: skip
-                    extra = 0.0 if qo else t_qi
+                    extra = (0.0 if qo else t_qi) + (t_qx if qx == "once" else 0.0)
                 else:
                     fn = lambda: ops.projection("grouped", iq, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc,
                                                 topk_w=wts, out_dtype=torch.bfloat16, **common)  # fmt: skip
@@ -105,18 +115,22 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                 try:
                     t = _time(fn, graph) + extra
                 except Exception as exc:  # resources: a tile this GPU cannot run
-                    log(f"    skip BM={bm} {part} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+                    log(f"    skip {route} BM={bm} {part} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
                     continue
                 if part not in parts or t < parts[part][0]:
-                    parts[part] = (t, cfg)
+                    parts[part] = (t, {**cfg, "QUANT_X": qx} if part == "gate_up" else cfg)
         if len(parts) < 2:
             continue
-        total = t_align + t_qx + parts["gate_up"][0] + parts["down"][0]
-        log(f"  T={tokens} BM={bm}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, quant x {t_qx * 1e6:.1f}, "
-            f"gate_up {parts['gate_up'][0] * 1e6:.1f} {parts['gate_up'][1]}, down {parts['down'][0] * 1e6:.1f} "
+        up_t, up_cfg = parts["gate_up"]
+        up_cfg = dict(up_cfg)
+        qx = up_cfg.pop("QUANT_X")
+        total = t_align + up_t + parts["down"][0]
+        log(f"  T={tokens} {route} BM={bm}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, x quantised {qx} "
+            f"[{t_qx * 1e6:.1f} us up front], gate_up {up_t * 1e6:.1f} {up_cfg}, down {parts['down'][0] * 1e6:.1f} "
             f"{parts['down'][1]})")  # fmt: skip
         if best is None or total < best["time_s"]:
-            best = {"config": {"BLOCK_M": bm, "gate_up": parts["gate_up"][1], "down": parts["down"][1]}, "time_s": total}
+            config = {"BLOCK_M": bm, "ROUTE": route, "QUANT_X": qx, "gate_up": up_cfg, "down": parts["down"][1]}
+            best = {"config": config, "time_s": total}
     return best
 
 
