@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install selector there (no network: wheels carried in .carry/wheels/), then
 #   part1: doctor, the whole test suite on CUDA, the bench grid;   part2: generate(), quantised and hub cells;
-#   part3: re-checks after fixes;   part4: DeepGEMM (needs .carry/deepgemm.tar.xz) and the quantised Qwen T >= 512 cells.
+#   part3: re-checks after fixes;   part4: DeepGEMM (needs .carry/deepgemm.tar.xz) and the quantised Qwen T >= 512 cells;
+#   part5 (two GPUs): GPU 1 generate() compiled cells, then DeepGEMM; GPU 0 quantised CUDA tests, decode and
+#   T >= 512 retune of the fp8 tiles, then the whole quantised grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -80,6 +82,39 @@ part4)
     --formats fp8-f32,fp8-ue8m0 --no-check --budget-s 70 --out "$OUT/quant" 2>&1 | tail -12 | tee -a "$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant_gpu_qwen_large.json" 2>/dev/null
   cp "$OUT/quant/quant_gpu.md" "$OUT/quant_gpu_qwen_large.md" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part5)
+  # session 3: GPU 1 runs generate() (issue 4) then DeepGEMM; GPU 0 the fp8 work (issue 5); each its own log
+  (
+    export CUDA_VISIBLE_DEVICES=1 LOG="$OUT/log_gpu1.txt"
+    stamp "hf_generate (GPU 1)"
+    timeout 330 python3 benchmarks/hf_generate.py --out "$OUT/hf" ${HF_ARGS:-} 2>&1 | tail -30 >>"$LOG"
+    cp "$OUT/hf/hf_generate.json" "$OUT/hf/hf_generate.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/hf"
+    if [ -f .carry/deepgemm.tar.xz ]; then
+      stamp "deepgemm (GPU 1)"
+      mkdir -p /tmp/dg && tar -xJf .carry/deepgemm.tar.xz -C /tmp/dg
+      timeout 170 python3 benchmarks/deepgemm_gpu.py --site /tmp/dg/site --package /tmp/dg/site/deep_gemm-0.1.5 \
+        --out "$OUT/dg" --budget-s 120 2>&1 | grep -v "^  " | tail -18 >>"$LOG"
+      cp "$OUT/dg/deepgemm_gpu.json" "$OUT/" 2>/dev/null; rm -rf "$OUT/dg"
+    fi
+  ) &
+  export CUDA_VISIBLE_DEVICES=0 LOG="$OUT/log_gpu0.txt"
+  stamp "quantised CUDA tests (GPU 0)"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -x tests/test_quant_grouped.py 2>&1 | tail -6 >>"$LOG"
+  stamp "fp8 tune: decode layouts (T=1, 8), then Qwen T >= 512"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  timeout 130 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b,mixtral-8x7b \
+    --tokens 1,8 --formats fp8 --budget-s 110 --out $table >>"$LOG" 2>&1
+  timeout 110 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 512,4096 \
+    --formats fp8 --budget-s 90 --out $table >>"$LOG" 2>&1
+  cp $table "$OUT/"
+  stamp "quant bench (GPU 0)"
+  timeout 200 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 180 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  stamp "fp8 correctness with the fp8 dot promoted to fp32 every 32 inputs (SELECTOR_FP8_MAX_IMPRECISE_ACC=32)"
+  SELECTOR_FP8_MAX_IMPRECISE_ACC=32 timeout 60 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b --tokens 1 \
+    --formats fp8-f32 --bf16-backends triton_fused --budget-s 40 2>&1 | grep "check" >>"$LOG"
+  wait
   ;;
 esac
 stamp done

@@ -14,7 +14,9 @@ uncompiled (dynamic cache) and compiled: Transformers compiles the decode step w
 cache; we pass one StaticCache, reset between calls, as Transformers' docs advise (a fresh cache per call has
 new tensor addresses, so CUDA graphs are recorded again in every call); the compile mode suits the backend:
 "reduce-overhead" (CUDA graphs) where the backend is CUDA-graph safe, else "default". Compiled cells record
-what torch.compile did (graphs, graph breaks, CUDA graph recordings and skips).
+what torch.compile did (graphs, graph breaks, CUDA graph recordings and skips). Each new compiled setting
+starts from torch._dynamo.reset(), as a process serving one shape would: Dynamo would otherwise compile the
+second shape with dynamic shapes (its automatic dynamic).
 Transformers' "grouped_mm" is timed as Transformers runs it in generate(): it swaps to batched_mm for the
 decode steps on a GPU. The decode floor is the weight (and KV) bytes one step must read, over the bandwidth
 of a device copy measured in the same run. Cells run in priority order under a time budget (--budget-s,
@@ -25,8 +27,8 @@ Diagnostics of the compiled decode step (issue 4: is it the experts, the rest of
 - backend "null" (this script's only, registered into Transformers' experts interface for the run, never into
   selector): returns zeros of the right shape and dtype without reading a weight, so its output is wrong by
   design. Its cell is what the rest of the model and generate() cost: the lower bound for any experts
-  backend. The zeros carry 0 x the routing weights so that Inductor keeps the router, which every real
-  backend consumes, in the graph;
+  backend. The zeros are selected by a test of the routing weights, so that Inductor keeps the router, which
+  every real backend consumes, in the graph (one small pointwise kernel per layer is the price);
 - forward-only ms/step (compiled cells): in one more generate() call, the compiled decode step Transformers
   calls (model._compiled_call) is wrapped; at one decode step the wrapper makes that same call, with the
   same arguments, --forward-steps times back to back with no host sync between (device events around the
@@ -174,9 +176,10 @@ def ensure_backends() -> list[str]:
 def null_experts(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "null" experts function: zeros of the output's shape and dtype; no weight is read. The zeros are
-    0 x the routing weights' sum, so Inductor cannot drop the router (as it could with plain zeros)."""
-    keep_router = top_k_weights.sum(dim=-1, keepdim=True).to(hidden_states.dtype) * 0
-    return torch.zeros_like(hidden_states) + keep_router
+    selected by a test of the routing weights that a working router never passes (an infinite sum): Inductor
+    cannot fold it, so the router stays in the graph (it drops plain zeros' inputs, and 0 x weights too)."""
+    broken = top_k_weights.sum(dim=-1, keepdim=True).isinf()
+    return torch.where(broken, hidden_states, 0.0)
 
 
 def register_null_backend() -> None:
@@ -191,6 +194,8 @@ def allow_deferred_stop(device: torch.device) -> str | None:
     asking them as for MPS). Returns why it cannot, or None."""
     from transformers.generation import utils as gen
 
+    if device.type != "cuda":
+        return f"not on {device.type}: DeferredStopCheck records device events"
     check = getattr(gen, "DeferredStopCheck", None)
     if check is None or not hasattr(check, "is_supported"):
         return f"transformers {_version('transformers')} has no DeferredStopCheck.is_supported"
@@ -718,7 +723,11 @@ def ratio(v: float | None) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = [
+    options = result.get("options", {})
+    on = [f"guard filter {options['guard_filter']}"] if options.get("guard_filter") else []
+    on += ["deferred stop check"] if options.get("defer_stop") else []
+    lines = [f"Run with: {', '.join(on)}.", ""] if on else []
+    lines += [
         "| mode | bs x len | backend | prefill ms | decode ms/token | decode / floor | fwd-only ms/step "
         "| decode wall ms/token | note |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -905,12 +914,17 @@ def main() -> int:
             groups[-1].append(item)
         else:
             groups.append([item])
+    compiled_setting: tuple[int, int] | None = None
     for group in groups:
         left = args.budget_s - (time.perf_counter() - START)
         need = args.compiled_cell_s if group[0][0] == "compiled" else 5.0 * len(group)
         if left < need:
             result["skipped"] += [f"{m} {b} {bs}x{ln}: time budget ({left:.0f}s left)" for m, b, bs, ln in group]
             continue
+        if group[0][0] == "compiled" and group[0][2:] != compiled_setting:
+            if compiled_setting is not None:
+                torch._dynamo.reset()  # else Dynamo compiles a second shape with dynamic shapes (automatic dynamic)
+            compiled_setting = group[0][2:]
         runs = [CellRun(model, cfg, args, device, *item) for item in group]
         for run in runs:
             c = run.cell

@@ -131,6 +131,17 @@ def _activation(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, MAX_IMPRECISE: tl.constexpr):
+    """fp32 dot; MAX_IMPRECISE > 0 promotes the fp8 tensor-core sum to fp32 every that many inputs (sm_90's
+    default, kept at 0 here, accumulates a whole dot at the tensor core's reduced precision)."""
+    if MAX_IMPRECISE > 0:
+        d = tl.dot(a, b, max_num_imprecise_acc=MAX_IMPRECISE)
+    else:
+        d = tl.dot(a, b)
+    return d
+
+
+@triton.jit
 def _quant_rows(a, static_s, BM: tl.constexpr, STATIC: tl.constexpr, EXACT: tl.constexpr):
     """a [BM, BK] fp32 -> (e4m3 [BM, BK], scale [BM]) per row."""
     if STATIC:
@@ -231,6 +242,7 @@ def _grouped_kernel(
     FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr = 0,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -297,16 +309,16 @@ def _grouped_kernel(
         if GATED and INTERLEAVED:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
                                 stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT)  # fmt: skip
-            acc += tl.dot(aq, b) * sa[:, None] * ws[None, :]
+            acc += _dot(aq, b, MAX_IMPRECISE) * sa[:, None] * ws[None, :]
         else:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
                                 stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0, EXACT)  # fmt: skip
-            acc += tl.dot(aq, b) * sa[:, None] * ws[None, :]
+            acc += _dot(aq, b, MAX_IMPRECISE) * sa[:, None] * ws[None, :]
             if GATED:
                 bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
                                       stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
                                       EXACT)  # fmt: skip
-                acc_u += tl.dot(aq, bu) * sa[:, None] * wsu[None, :]
+                acc_u += _dot(aq, bu, MAX_IMPRECISE) * sa[:, None] * wsu[None, :]
 
     bias_base = bias_ptr + expert * stride_be
     if GATED and INTERLEAVED:

@@ -12,6 +12,7 @@ so torch.compile sees one opaque node and there is no host synchronisation (CUDA
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -41,6 +42,11 @@ LOOP_X_MAX_PAIRS = 16
 # Up to this many pairs the grouped path gives each pair its own block instead of sorting them by expert
 # (configs.py: ROUTE), which saves the align launch.
 PAIR_BLOCKS_MAX_PAIRS = 16
+
+
+# A diagnostic: SELECTOR_FP8_MAX_IMPRECISE_ACC=32 makes the grouped kernel's fp8 dots promote their sum to fp32
+# every 32 inputs (kernels._dot), to measure what the tensor core's reduced-precision accumulation costs.
+MAX_IMPRECISE_ACC = int(os.environ.get("SELECTOR_FP8_MAX_IMPRECISE_ACC", "0") or 0)
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -172,7 +178,8 @@ def _launch(
              a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0),
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
-                 INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None),
+                 INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None,
+                 MAX_IMPRECISE=MAX_IMPRECISE_ACC),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
