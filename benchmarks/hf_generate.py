@@ -57,7 +57,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +208,7 @@ def allow_deferred_stop(device: torch.device) -> str | None:
     return None
 
 
-def make_compile_config(backend: str, mode: str, fullgraph: bool, guard_filter: str):
+def make_compile_config(backend: str, mode: str, fullgraph: bool, guard_filter: str) -> Any:
     """Transformers' CompileConfig; generate() passes its fields to torch.compile. With a guard filter the mode
     goes in as its Inductor options: torch.compile takes a mode or options, not both."""
     from transformers import CompileConfig
@@ -317,7 +317,8 @@ class ForwardTimer:
     makes that same call `steps` times back to back, `rounds` times, then returns as usual: the step without
     generate()'s per-step host work and sync."""
 
-    def __init__(self, compiled, at_call: int, steps: int, rounds: int, device: torch.device) -> None:
+    def __init__(self, compiled: Callable[..., Any], at_call: int, steps: int, rounds: int,
+                 device: torch.device) -> None:
         self.compiled, self.at_call, self.steps, self.rounds, self.device = compiled, at_call, steps, rounds, device
         self.calls = 0
         self.step_ms: list[float] = []  # per round: device time per call (host time off CUDA)
