@@ -74,10 +74,10 @@ def test_batched_mode_uses_the_callers_tile_config(monkeypatch):
     seen = []
     real = ops.projection
     monkeypatch.setattr(ops, "projection", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
-    module = Q.quantize_experts(make_experts(4, 128, 64, dtype=torch.float32, seed=2), "fp8_block", "float32",
-                                block_size=(32, 32))
-    x = torch.randn(3, 128)
-    idx, w = random_routing(3, 4, 2)
+    module = Q.quantize_experts(make_experts(4, 128, 64, dtype=torch.float32, device=DEV, seed=2), "fp8_block",
+                                "float32", block_size=(32, 32))  # fmt: skip
+    x = torch.randn(3, 128, device=DEV)
+    idx, w = random_routing(3, 4, 2, device=DEV)
     quant_experts_forward(module, x, idx, w, mode="batched", config={"BLOCK_N": 16, "num_warps": 2})
     assert [c.get("BLOCK_N") for c in seen] == [16, 16] and [c.get("num_warps") for c in seen] == [2, 2]
 
@@ -161,13 +161,12 @@ def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypat
     once = _check(module, x, idx, w, {**base, "QUANT_X": "once"})
     assert calls == [(3, 200)]
     assert torch.equal(looped, once)
-    assert ops.LOOP_X_MAX_PAIRS >= 8  # decode (T=1, k <= 8) takes the loop by default
 
 
 @pytest.mark.parametrize("sentinel", [False, True], ids=["all-local", "expert-parallel-sentinels"])
 def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
     """ROUTE "pairs" (decode: no align launch; pair p alone in block p, experts hit twice read twice) gives the
-    sorted layout's result exactly, sentinel pairs included; it is the default for a few pairs."""
+    sorted layout's result exactly, sentinel pairs included; it is the default for one token only."""
     from plugins.quant_kernels import ops
 
     aligned = []
@@ -182,8 +181,10 @@ def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
     assert aligned == []
     assert torch.equal(pairs, _check(module, x, idx, w, {**tiles, "BLOCK_M": 16, "ROUTE": "sorted"}))
     assert aligned == [16]
-    assert torch.equal(pairs, _check(module, x, idx, w, tiles))  # 8 pairs: pair blocks by default
-    assert aligned == [16] and ops.PAIR_BLOCKS_MAX_PAIRS >= 8
+    assert torch.equal(pairs, _check(module, x, idx, w, tiles))  # 4 tokens: sorted by default
+    assert aligned == [16, 16]
+    one = _check(module, x[:1], idx[:1], w[:1], tiles)  # one token: its own blocks, no align
+    assert aligned == [16, 16] and torch.equal(one, pairs[:1])
 
 
 def test_tuned_table_lookup(tmp_path):

@@ -147,7 +147,7 @@ def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: 
         return out.zero_()
     ids = top_k_index.reshape(-1).contiguous()
     wts = top_k_weights.reshape(-1).contiguous()
-    routing = ops.route(mode, ids, plan.common["num_experts"], config)
+    routing = ops.route(mode, ids, plan.common["num_experts"], config, top_k)
     h = ops.projection(mode, x, w1, s1, routing, ids.numel(), a_div=top_k, act_scale=as1, bias=b1,
                        split_inter=plan.split, config=config, **plan.common)  # fmt: skip
     h = layers.activate(module, h).to(x.dtype).contiguous()

@@ -36,12 +36,11 @@ def _target_programs(device: torch.device) -> int:
     return 2 * _num_sms(device.index or 0)
 
 
-# Up to this many (token, slot) pairs the grouped path quantises x inside the gate_up K loop (configs.py:
-# QUANT_X); a tuned table entry says which is faster for its cell.
-LOOP_X_MAX_PAIRS = 16
-# Up to this many pairs the grouped path gives each pair its own block instead of sorting them by expert
-# (configs.py: ROUTE), which saves the align launch.
-PAIR_BLOCKS_MAX_PAIRS = 16
+# Defaults where a config does not say (configs.py: QUANT_X, ROUTE). x is quantised up front: on the H200 the
+# in-loop variant lost in every decode cell tuned (it lengthens each K step of a latency-bound loop). One block
+# per pair for a single token (its k experts are distinct, so nothing is read twice; the align launch is saved);
+# with more tokens pairs share experts, and a pair block re-reads the expert (Mixtral T=8: 2.3x slower).
+LOOP_X_MAX_PAIRS = 0
 
 
 # A diagnostic: SELECTOR_FP8_MAX_IMPRECISE_ACC=32 makes the grouped kernel's fp8 dots promote their sum to fp32
@@ -196,15 +195,16 @@ def _launch(
         )  # fmt: skip
 
 
-def route(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None) -> tuple[torch.Tensor, ...]:
+def route(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None,
+          top_k: int | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """grouped: (sorted_rows, block_expert, BLOCK_M) from the fused backend's align, or (None, ids, 16): one
-    block per pair, no align launch (configs.py: ROUTE); batched: (ids,)."""
+    block per pair, no align launch (configs.py: ROUTE; by default for one token's `top_k` pairs); batched: (ids,)."""
     if mode == "batched":
         return (ids_flat,)
     config = config or {}
     bm = int(config.get("BLOCK_M") or 0)  # nested or flat
-    by_size = "pairs" if ids_flat.numel() <= PAIR_BLOCKS_MAX_PAIRS and bm in (0, 16) else "sorted"
-    if (config.get("ROUTE") or by_size) == "pairs":
+    one_token = top_k is not None and ids_flat.numel() == top_k and bm in (0, 16)
+    if (config.get("ROUTE") or ("pairs" if one_token else "sorted")) == "pairs":
         return None, ids_flat, 16
     bm = bm or grouped_block_m(ids_flat.numel(), num_experts)
     sorted_rows, block_expert = align(ids_flat, num_experts, bm)
@@ -302,7 +302,7 @@ def quant_experts_impl(
     n_pairs = ids.numel()
     inter_dim = w2.shape[2] * (2 if fp4 else 1)
     cfg = resolve_config(config, x.device, fp4, num_experts, h, inter_dim, t, top_k) if mode == "grouped" else None
-    routing = route(mode, ids, num_experts, cfg or config)
+    routing = route(mode, ids, num_experts, cfg or config, top_k)
     common = dict(num_experts=num_experts, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k)
     split = (w1.shape[1] // 2) if gated and not interleaved else None
     up_args = dict(gated=gated, interleaved=interleaved, activation=activation, split_inter=split)
