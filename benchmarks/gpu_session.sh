@@ -3,7 +3,8 @@
 #   part1: doctor, the whole test suite on CUDA, the bench grid;   part2: generate(), quantised and hub cells;
 #   part3: re-checks after fixes;   part4: DeepGEMM (needs .carry/deepgemm.tar.xz) and the quantised Qwen T >= 512 cells;
 #   part5 (two GPUs): GPU 1 generate() compiled cells, then DeepGEMM; GPU 0 quantised CUDA tests, decode and
-#   T >= 512 retune of the fp8 tiles, then the whole quantised grid.
+#   T >= 512 retune of the fp8 tiles, then the whole quantised grid;   part6 (two GPUs): generate() compile
+#   options on GPU 1; split-K / T=8 retune and the quantised grid on GPU 0.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -114,6 +115,36 @@ part5)
   stamp "fp8 correctness with the fp8 dot promoted to fp32 every 32 inputs (SELECTOR_FP8_MAX_IMPRECISE_ACC=32)"
   SELECTOR_FP8_MAX_IMPRECISE_ACC=32 timeout 50 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b --tokens 1 \
     --formats fp8-f32 --bf16-backends triton_fused --budget-s 35 2>&1 | grep "check" >>"$LOG"
+  wait
+  ;;
+part6)
+  # session 3, second call: GPU 1 generate() compile options (guard filter; deferred stop check);
+  # GPU 0 CUDA tests, fp8 decode retune (split K for the down projection; T=8 layouts), the quantised grid
+  (
+    export CUDA_VISIBLE_DEVICES=1 LOG="$OUT/log_gpu1.txt"
+    cells=compiled:null:1x16,compiled:auto:1x16,compiled:batched_mm:1x16
+    stamp "hf_generate --guard-filter inbuilt (GPU 1)"
+    timeout 160 python3 benchmarks/hf_generate.py --out "$OUT/hf1" --budget-s 140 --compiled-cell-s 35 \
+      --guard-filter inbuilt --cells $cells 2>&1 | tail -16 >>"$LOG"
+    cp "$OUT/hf1/hf_generate.json" "$OUT/hf_generate_guard_filter.json" 2>/dev/null; rm -rf "$OUT/hf1"
+    stamp "hf_generate --defer-stop (GPU 1)"
+    timeout 200 python3 benchmarks/hf_generate.py --out "$OUT/hf2" --budget-s 180 --compiled-cell-s 35 \
+      --defer-stop --cells $cells,compiled:grouped_mm:16x512 2>&1 | tail -16 >>"$LOG"
+    cp "$OUT/hf2/hf_generate.json" "$OUT/hf_generate_defer_stop.json" 2>/dev/null; rm -rf "$OUT/hf2"
+  ) &
+  export CUDA_VISIBLE_DEVICES=0 LOG="$OUT/log_gpu0.txt"
+  stamp "CUDA tests: quantised grouped path, fused kernels (GPU 0)"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py tests/test_triton_fused_kernels.py \
+    2>&1 | tail -6 >>"$LOG"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "fp8 tune: T=1 with split K (Mixtral, DeepSeek), T=8 layouts (all)"
+  timeout 80 python3 -m plugins.quant_kernels.tune --shapes mixtral-8x7b,deepseek-v3 --tokens 1 --formats fp8 \
+    --budget-s 65 --out $table >>"$LOG" 2>&1
+  timeout 110 python3 -m plugins.quant_kernels.tune --tokens 8 --formats fp8 --budget-s 95 --out $table >>"$LOG" 2>&1
+  cp $table "$OUT/"
+  stamp "quant bench (GPU 0)"
+  timeout 190 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 170 2>&1 | tail -36 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   wait
   ;;
 esac

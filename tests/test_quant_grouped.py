@@ -187,6 +187,26 @@ def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
     assert aligned == [16, 16] and torch.equal(one, pairs[:1])
 
 
+@pytest.mark.parametrize("layout", [Layout(), Layout(bias=True, expert_parallel=True)], ids=str)
+def test_split_k_down_matches_one_share(layout):
+    """SPLIT_K on the down projection (decode, long K): shares of K summed by the combine in fp32, the bias
+    counted once, sentinel pairs skipped; I = 96 over 32-wide groups leaves an uneven last share."""
+    from plugins.quant_kernels import ops
+
+    module = Q.quantize_experts(make_experts(4, 64, 96, layout, device=DEV, seed=29), "fp8_block", "float32", (32, 32))
+    idx, w = random_routing(3, 4, 2, device=DEV, sentinel=layout.expert_parallel)
+    x = torch.randn(3, 64, device=DEV)
+    tiles = {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}
+    whole = _check(module, x, idx, w, tiles)
+    for shares in (2, 3):
+        split = _check(module, x, idx, w, {**tiles, "down": {"BLOCK_N": 32, "SPLIT_K": shares}})
+        assert relative_error(split, whole) < 1e-6
+    cfg = {"SPLIT_K": 2, "BLOCK_N": 32}
+    routing = ops.route("grouped", idx.reshape(-1), 4, {"BLOCK_M": 16})
+    assert ops.split_k("grouped", cfg, routing, 64, 96, 32, torch.device(DEV)) == 2
+    assert ops.split_k("batched", cfg, routing, 64, 96, 32, torch.device(DEV)) == 1
+
+
 def test_tuned_table_lookup(tmp_path):
     from plugins.quant_kernels import configs
 

@@ -237,12 +237,12 @@ def _grouped_kernel(
     a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, a_s_ptr, out_s_ptr,
     num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows, bn,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_om, stride_on, stride_asm, stride_osm,
+    stride_be, stride_bn, stride_om, stride_on, stride_asm, stride_osm, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr = 0,
+    SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -254,6 +254,9 @@ def _grouped_kernel(
     straight from memory to the dot, with no quantisation work in the K loop (which otherwise serialises it).
     QUANT_OUT: the epilogue rounds its result to INTER_DTYPE (as a stored intermediate would be), quantises it
     per row and BLOCK_K channels (BLOCK_N is a multiple of BLOCK_K) and writes e4m3 to out, scales to out_s.
+    SPLIT_K (linear epilogues only: no gate, no activation, no QUANT_OUT): program_id(1) sums its share of the
+    K tiles and writes that partial sum (fp32; bias from share 0 only) to out + program_id(1) * stride_os; the
+    combine adds the shares. At decode a long K loop over few programs is latency bound (Mixtral's down: K=14336).
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -299,7 +302,9 @@ def _grouped_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
     a_s_base = a_s_ptr + a_rows * stride_asm
-    for k0 in range(0, K, BLOCK_K):
+    k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = tl.program_id(1) * k_share
+    for k0 in range(k_lo, tl.minimum(K, k_lo + k_share), BLOCK_K):
         if A_FP8:
             aq = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             sa = tl.load(a_s_base + k0 // BLOCK_K)
@@ -333,11 +338,15 @@ def _grouped_kernel(
         res = _activation(acc, ACT) * acc_u
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+            if SPLIT_K > 1:  # the bias once, in share 0
+                bias = bias * (tl.program_id(1) == 0).to(tl.float32)
+            acc += bias[None, :]
         res = _activation(acc, ACT)
     if MUL_W:
         res = res * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    o_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_os
+    o_ptrs = o_ptrs + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     o_mask = row_ok[:, None] & n_ok[None, :]
     if QUANT_OUT:
         G: tl.constexpr = BLOCK_N // BLOCK_K

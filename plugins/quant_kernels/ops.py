@@ -79,6 +79,27 @@ def _pick(options: tuple[tuple[int, int], ...], programs_per_n: int, n_out: int,
     return options[-1]
 
 
+def split_k(mode: str, config: dict | None, routing: tuple, n_out: int, k_dim: int, block_k: int,
+            device: torch.device) -> int:  # fmt: skip
+    """Shares of K for a linear grouped projection: the config's SPLIT_K, else enough to give every SM two
+    programs when few (block, N tile) programs each walk a long K loop (>= 32 steps; each share keeps >= 8)."""
+    if mode != "grouped":
+        return 1
+    asked = int((config or {}).get("SPLIT_K") or 0)
+    if asked:
+        return max(1, min(asked, triton.cdiv(k_dim, block_k)))
+    target = _target_programs(device)
+    steps = triton.cdiv(k_dim, block_k)
+    if target == 0 or steps < 32:
+        return 1
+    bn = int((config or {}).get("BLOCK_N") or 64)
+    programs = routing[1].numel() * triton.cdiv(n_out, bn)
+    split = 1
+    while programs * split < target and steps // (2 * split) >= 8 and split < 8:
+        split *= 2
+    return split
+
+
 def _gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config: dict | None, wide: bool) -> dict:
     """One GEMM's launch parameters: those `config` sets (flat keys), the heuristics for the rest."""
     cfg = {k: v for k, v in (config or {}).items() if v and not isinstance(v, dict)}
@@ -158,7 +179,7 @@ def _launch(
     )  # fmt: skip
     strides = (
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *_scale_strides(s),
-        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, out.stride(0), out.stride(1),
+        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, out.stride(-2), out.stride(-1),
     )  # fmt: skip
     wide = gated
     if mode == "grouped":
@@ -166,18 +187,20 @@ def _launch(
         num_blocks_m = block_expert.numel()
         cfg = _gemm_config(mode, num_blocks_m * bm, n_out, a.device, {**(config or {}), "BLOCK_M": bm}, wide)
         bn = cfg["BLOCK_N"]
-        grid = (num_blocks_m * triton.cdiv(n_out, bn),)
+        split = out.shape[0] if out.dim() == 3 else 1  # split K: [shares, pairs, N] fp32 partial sums
+        grid = (num_blocks_m * triton.cdiv(n_out, bn), split)
         a_s = a_scale if a_scale is not None else s
         o_s = out_scale if out_scale is not None else s
         launch(
             K._grouped_kernel, grid,
             (a, w, s, act_scale if static else s, bias if has_bias else s, out,
              block_expert if sorted_rows is None else sorted_rows, block_expert, topk_w if topk_w is not None else s,
-             a_s, o_s, out.shape[0], num_experts, n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
-             a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0),
+             a_s, o_s, out.shape[-2], num_experts, n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
+             a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0,
+             out.stride(0) if split > 1 else 0),
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
-                 INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None,
+                 INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
                  MAX_IMPRECISE=MAX_IMPRECISE_ACC),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
@@ -237,7 +260,8 @@ def projection(
     a_scale: torch.Tensor | None = None,
     quant_out: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One projection for every (token, slot) pair -> [num_pairs, N] (N = I when `gated`, else C).
+    """One projection for every (token, slot) pair -> [num_pairs, N] (N = I when `gated`, else C); with K split
+    (grouped, linear epilogue: config SPLIT_K or the decode heuristic) [shares, num_pairs, N] fp32 partial sums.
 
     Sentinel pairs' rows are left unwritten (the combine skips them). `a_scale`: `a` is e4m3 from
     ``quantize_rows``. `quant_out` (grouped mode, BLOCK_N a multiple of block_k): returns (e4m3 out, scales),
@@ -247,7 +271,11 @@ def projection(
     k_dim = w.shape[2] * (2 if fp4 else 1)
     n_out = c // 2 if gated else c
     inter_dtype = out_dtype or (a.dtype if a_scale is None else torch.bfloat16)
-    out = torch.empty((num_pairs, n_out), dtype=torch.float8_e4m3fn if quant_out else inter_dtype, device=a.device)
+    split = split_k(mode, config, routing, n_out, k_dim, block_k, a.device) if not (gated or quant_out) else 1
+    if split > 1:  # K shared out: fp32 partial sums, added by the combine (combine_slots)
+        out = torch.empty((split, num_pairs, n_out), dtype=torch.float32, device=a.device)
+    else:
+        out = torch.empty((num_pairs, n_out), dtype=torch.float8_e4m3fn if quant_out else inter_dtype, device=a.device)
     out_scale = None
     if quant_out:
         out_scale = torch.empty((num_pairs, triton.cdiv(n_out, block_k)), dtype=torch.float32, device=a.device)

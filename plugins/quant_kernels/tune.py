@@ -30,14 +30,18 @@ SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048,
           "mixtral-8x7b": (8, 4096, 14336, 2), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # (E, H, I, k); fmt: skip
 TOKENS = (1, 8, 64, 512, 4096)
 TRY_DECODE_LAYOUTS_MAX_PAIRS = 64  # pair blocks and x quantised in the K loop are tried up to here (T=8, k=8)
+TRY_QUANT_X_LOOP = False
 # (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
 # (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
 GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6)),
            32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
            64: ((64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
            128: ((64, 8, 3), (64, 8, 4), (32, 4, 4))}  # fmt: skip
-DOWN = {"small": ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 3)),
+# down: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); K split in shares only where the K loop is long (>= 32 steps)
+DOWN = {"small": ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 3),
+                  (32, 4, 4, 4), (64, 4, 4, 2), (64, 4, 4, 4), (64, 4, 4, 8), (128, 4, 4, 4)),
         "large": ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))}  # fmt: skip
+SPLIT_MIN_STEPS = 32
 
 
 def block_m_candidates(pairs: int, num_experts: int) -> tuple[int, ...]:
@@ -88,7 +92,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     layouts = [("sorted", bm) for bm in block_m_candidates(pairs, e)]
     if pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS:
         layouts.insert(0, ("pairs", 16))
-    quant_x = ("once", "loop") if pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS else ("once",)
+    # x quantised in the K loop lost every decode cell on the H200 (session 3): tried only with --try-quant-x-loop
+    quant_x = ("once", "loop") if TRY_QUANT_X_LOOP and pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS else ("once",)
     for route, bm in layouts:
         if time.perf_counter() > deadline:
             break
@@ -99,8 +104,12 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         size = "small" if bm <= 32 else "large"
         parts = {}
         for part, options in (("gate_up", GATE_UP[bm]), ("down", DOWN[size])):
-            for (bn, warps, stages), qx in itertools.product(options, quant_x if part == "gate_up" else ("once",)):
+            for (bn, warps, stages, *split), qx in itertools.product(options, quant_x if part == "gate_up" else ("once",)):
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "GROUP_M": 1 if bm <= 32 else 8}
+                if part == "down":
+                    if split and triton.cdiv(inter, 128) < SPLIT_MIN_STEPS:
+                        continue
+                    cfg["SPLIT_K"] = split[0] if split else 1
                 if part == "gate_up":
                     qo = bn % 128 == 0
                     a, a_s = (xq, xs) if qx == "once" else (x, None)
@@ -179,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default="fp8,fp4")
     p.add_argument("--budget-s", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--try-quant-x-loop", action="store_true", help="also time x quantised in gate_up's K loop")
     a = p.parse_args(argv)
+    global TRY_QUANT_X_LOOP
+    TRY_QUANT_X_LOOP = a.try_quant_x_loop
     out = a.out or C.table_file(torch.cuda.get_device_name())
     shapes = {s: SHAPES[s] for s in a.shapes.split(",") if s}
     tune(shapes, tuple(int(t) for t in a.tokens.split(",")), tuple(a.formats.split(",")), out, a.budget_s)

@@ -361,10 +361,13 @@ def _combine_kernel(
     num_experts,
     stride_ym,
     stride_om,
+    stride_ys,
     BLOCK_H: tl.constexpr,
     K_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """out[t] = sum_j y[t*k + j] over the non-sentinel slots; all k rows loaded at once, fixed-shape fp32 sum."""
+    """out[t] = sum_j y[t*k + j] over the non-sentinel slots; all k rows loaded at once, fixed-shape fp32 sum.
+    SPLIT > 1: y holds that many partial sums per row (split K), at y + s * stride_ys, added in a fixed order."""
     t = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -374,10 +377,14 @@ def _combine_kernel(
     rows = t * top_k + j
     e = tl.load(ids_ptr + rows, mask=j_ok, other=-1)
     ok = j_ok & (e >= 0) & (e < num_experts)
-    v = tl.load(
-        y_ptr + rows.to(tl.int64)[:, None] * stride_ym + offs[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0
-    )
-    acc = tl.sum(v.to(tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        v = tl.load(
+            y_ptr + s * stride_ys + rows.to(tl.int64)[:, None] * stride_ym + offs[None, :],
+            mask=ok[:, None] & h_ok[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(v.to(tl.float32), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -506,13 +513,15 @@ def _launch_gemm(
 
 
 def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: int, num_experts: int) -> None:
+    """out[t] = the sum of y's rows of token t (y [T*k, H], or [shares, T*k, H] partial sums of a split K)."""
     t, h = out.shape
+    split = y.shape[0] if y.dim() == 3 else 1
     k_pad = max(2, _next_pow2(top_k))
     block_h = min(max(128, 4096 // k_pad), max(128, _next_pow2(h)))
     launch(
         _combine_kernel, (t, triton.cdiv(h, block_h)),
-        (y, ids_flat, out, h, top_k, num_experts, y.stride(0), out.stride(0)),
-        dict(BLOCK_H=block_h, K_PAD=k_pad), 4,
+        (y, ids_flat, out, h, top_k, num_experts, y.stride(-2), out.stride(0), y.stride(0) if split > 1 else 0),
+        dict(BLOCK_H=block_h, K_PAD=k_pad, SPLIT=split), 4,
     )  # fmt: skip
 
 
