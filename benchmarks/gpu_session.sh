@@ -4,7 +4,8 @@
 #   part3: re-checks after fixes;   part4: DeepGEMM (needs .carry/deepgemm.tar.xz) and the quantised Qwen T >= 512 cells;
 #   part5 (two GPUs): GPU 1 generate() compiled cells, then DeepGEMM; GPU 0 quantised CUDA tests, decode and
 #   T >= 512 retune of the fp8 tiles, then the whole quantised grid;   part6 (two GPUs): generate() compile
-#   options on GPU 1; split-K / T=8 retune and the quantised grid on GPU 0.
+#   options on GPU 1; split-K / T=8 retune and the quantised grid on GPU 0;   part7: the same generate()
+#   options (wheels carried), a profile of the Qwen fp8 cells and those cells again.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -145,6 +146,33 @@ part6)
   stamp "quant bench (GPU 0)"
   timeout 190 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 170 2>&1 | tail -36 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  wait
+  ;;
+part7)
+  # session 3, last call (carry .carry/wheels: selector reads its user config through platformdirs):
+  # GPU 1 generate() compile options; GPU 0 where the Qwen fp8 time goes, and the Qwen cells again
+  (
+    export CUDA_VISIBLE_DEVICES=1 LOG="$OUT/log_gpu1.txt"
+    cells=compiled:null:1x16,compiled:auto:1x16,compiled:batched_mm:1x16
+    stamp "hf_generate --guard-filter inbuilt (GPU 1)"
+    timeout 150 python3 benchmarks/hf_generate.py --out "$OUT/hf1" --budget-s 135 --compiled-cell-s 35 \
+      --guard-filter inbuilt --cells $cells 2>&1 | tail -14 >>"$LOG"
+    cp "$OUT/hf1/hf_generate.json" "$OUT/hf_generate_guard_filter.json" 2>/dev/null; rm -rf "$OUT/hf1"
+    stamp "hf_generate --defer-stop (GPU 1)"
+    timeout 150 python3 benchmarks/hf_generate.py --out "$OUT/hf2" --budget-s 135 --compiled-cell-s 35 \
+      --defer-stop --cells $cells 2>&1 | tail -14 >>"$LOG"
+    cp "$OUT/hf2/hf_generate.json" "$OUT/hf_generate_defer_stop.json" 2>/dev/null; rm -rf "$OUT/hf2"
+  ) &
+  export CUDA_VISIBLE_DEVICES=0 LOG="$OUT/log_gpu0.txt"
+  stamp "profile: Qwen fp8 and bf16 (GPU 0)"
+  for f in fp8-f32 bf16; do
+    timeout 60 python3 benchmarks/quant_profile.py --shape qwen3-30b-a3b --tokens 1,512,4096 --format $f 2>&1 \
+      | tail -40 >>"$LOG"
+  done
+  stamp "quant bench: Qwen shapes (GPU 0)"
+  timeout 150 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --no-check --budget-s 135 \
+    --out "$OUT/quant" 2>&1 | tail -40 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant_gpu_qwen.json" 2>/dev/null; rm -rf "$OUT/quant"
   wait
   ;;
 esac

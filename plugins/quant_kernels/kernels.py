@@ -302,9 +302,14 @@ def _grouped_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
     a_s_base = a_s_ptr + a_rows * stride_asm
-    k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = tl.program_id(1) * k_share
-    for k0 in range(k_lo, tl.minimum(K, k_lo + k_share), BLOCK_K):
+    if SPLIT_K > 1:
+        k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = tl.program_id(1) * k_share
+        k_hi = tl.minimum(K, k_lo + k_share)
+    else:  # the unsplit loop exactly as before split K existed
+        k_lo = 0
+        k_hi = K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if A_FP8:
             aq = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             sa = tl.load(a_s_base + k0 // BLOCK_K)
