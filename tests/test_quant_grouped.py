@@ -243,3 +243,23 @@ def test_cached_plan_follows_replaced_weights():
     negated = (good.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn)  # e4m3 sign bit flipped
     module.down_proj = torch.nn.Parameter(negated, requires_grad=False)  # same shape, new tensor: negated output
     assert torch.equal(_run(module, x, idx, w), -before)
+
+
+def test_eager_calls_skip_the_custom_op_with_the_same_result(monkeypatch):
+    """Eager calls run the implementation directly (the op's dispatch costs host time); through the op
+    (SELECTOR_QUANT_VIA_OP=1, and always under torch.compile) the result is identical, config included."""
+    from plugins.quant_kernels import ops
+
+    module = Q.quantize_experts(make_experts(4, 64, 64, device=DEV, seed=30), "fp8_block", "float32", (32, 32))
+    idx, w = random_routing(5, 4, 2, device=DEV)
+    x = torch.randn(5, 64, device=DEV)
+    config = {"BLOCK_M": 16, "down": {"BLOCK_N": 32, "SPLIT_K": 2}}
+    decoded = []  # only the op carries the config as ints and decodes it
+    real = ops._decode
+    monkeypatch.setattr(ops, "_decode", lambda v: decoded.append(v) or real(v))
+    direct = _run(module, x, idx, w, config)
+    assert decoded == []
+    monkeypatch.setattr(ops, "EAGER_BYPASS_OP", False)
+    via_op = _run(module, x, idx, w, config)
+    assert len(decoded) == 1 and decoded[0] is not None
+    assert torch.equal(direct, via_op)
