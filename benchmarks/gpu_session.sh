@@ -5,7 +5,8 @@
 #   part5 (two GPUs): GPU 1 generate() compiled cells, then DeepGEMM; GPU 0 quantised CUDA tests, decode and
 #   T >= 512 retune of the fp8 tiles, then the whole quantised grid;   part6 (two GPUs): generate() compile
 #   options on GPU 1; split-K / T=8 retune and the quantised grid on GPU 0;   part7: the same generate()
-#   options (wheels carried), a profile of the Qwen fp8 cells and those cells again.
+#   options (wheels carried), a profile of the Qwen fp8 cells and those cells again;   part8 (one GPU): the
+#   quantised CUDA tests, a Qwen T=1 retune and the whole quantised grid after the eager op bypass.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -174,6 +175,20 @@ part7)
     --out "$OUT/quant" 2>&1 | tail -40 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant_gpu_qwen.json" 2>/dev/null; rm -rf "$OUT/quant"
   wait
+  ;;
+part8)
+  # session 3, last call (one GPU): CUDA tests of the quantised path; Qwen T=1 retune with x quantised in the
+  # K loop (one row per pair block); the whole quantised grid with the eager op bypass
+  stamp "CUDA tests: quantised grouped path"
+  timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py 2>&1 | tail -4 | tee -a "$LOG"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "fp8 tune: Qwen T=1, x quantised up front or in the K loop"
+  timeout 70 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1 --formats fp8 \
+    --budget-s 55 --try-quant-x-loop --out $table 2>&1 | tee -a "$LOG" | grep -c "T=1"
+  cp $table "$OUT/"
+  stamp "quant bench"
+  timeout 185 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 165 2>&1 | tail -36 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac
 stamp done

@@ -161,6 +161,8 @@ def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypat
     once = _check(module, x, idx, w, {**base, "QUANT_X": "once"})
     assert calls == [(3, 200)]
     assert torch.equal(looped, once)
+    paired = _check(module, x, idx, w, {**base, "QUANT_X": "loop", "ROUTE": "pairs"})  # one row quantised per step
+    assert calls == [(3, 200)] and torch.equal(paired, once)
 
 
 @pytest.mark.parametrize("sentinel", [False, True], ids=["all-local", "expert-parallel-sentinels"])

@@ -313,6 +313,12 @@ def _grouped_kernel(
         if A_FP8:
             aq = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             sa = tl.load(a_s_base + k0 // BLOCK_K)
+        elif PAIR_BLOCKS:  # every row of a pair block reads the pair's row: quantise it once, then broadcast
+            a1 = tl.load(a_ptr + (first // a_div).to(tl.int64) * stride_am + (k0 + offs_k) * stride_ak,
+                         mask=(k0 + offs_k) < K, other=0.0)  # fmt: skip
+            aq1, sa1 = _quant_rows(a1.to(tl.float32)[None, :], static_s, 1, STATIC, EXACT)
+            aq = tl.broadcast_to(aq1, (BLOCK_M, BLOCK_K))
+            sa = tl.broadcast_to(sa1, (BLOCK_M,))
         else:
             a = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             aq, sa = _quant_rows(a.to(tl.float32), static_s, BLOCK_M, STATIC, EXACT)
