@@ -83,9 +83,9 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _compiled_generate(model, ids, cache, new_tokens: int) -> torch.Tensor:
+def _compiled_generate(model, ids, cache, new_tokens: int, config=None) -> torch.Tensor:
     """generate() with Transformers' compiled decode step (CPU: its own test switch), one reused cache."""
-    config = CompileConfig(backend="eager", fullgraph=True)
+    config = config or CompileConfig(backend="eager", fullgraph=True)
     config._compile_all_devices = True
     cache.reset()
     # the cache's keyword: "cache" from Transformers 5.2x, "past_key_values" before
@@ -143,6 +143,31 @@ def test_compiled_decode_is_one_graph_that_runs_the_fused_kernel(fused_cpu, monk
     assert counters["stats"]["unique_graphs"] == 1  # fullgraph: a break would have raised
     assert not counters["graph_break"]
     assert calls.count(1) == 3 * 3 * len(_experts(model))  # 3 compiled decode steps per call, every layer
+
+
+def test_compile_config_with_module_guards_skipped(fused_cpu, monkeypatch):
+    """selector.hf.compile_config(skip_module_guards=True) reaches torch.compile through generate(): Dynamo
+    consults the guard filter, and the compiled decode gives the eager tokens."""
+    model = _model("auto")
+    ids = _prompt(batch=1, length=5)
+    with torch.no_grad():
+        eager_tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                      min_new_tokens=3, do_sample=False)
+    consulted = []
+    real = torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe
+    monkeypatch.setattr(torch.compiler, "skip_guard_on_inbuilt_nn_modules_unsafe",
+                        lambda entries: consulted.append(len(entries)) or real(entries))
+    config = hf.compile_config(backend="eager", skip_module_guards=True)
+    assert config.mode is None and config.fullgraph and "guard_filter_fn" in config.options
+    torch._dynamo.reset()
+    tokens = _compiled_generate(model, ids, StaticCache(config=model.config, max_cache_len=16), 3, config)
+    torch._dynamo.reset()  # the next test compiles with guards again
+    torch.testing.assert_close(tokens, eager_tokens, rtol=0, atol=0)
+    assert consulted and max(consulted) > 0
+    plain = hf.compile_config()
+    assert plain.mode == "reduce-overhead" and plain.fullgraph and not plain.options
+    inductor = hf.compile_config(skip_module_guards=True)  # the mode travels as its Inductor options
+    assert inductor.mode is None and inductor.options["triton.cudagraphs"] is True
 
 
 # ---------------------------------------------------------------------------------------------------------
