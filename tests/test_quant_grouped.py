@@ -265,3 +265,19 @@ def test_eager_calls_skip_the_custom_op_with_the_same_result(monkeypatch):
     via_op = _run(module, x, idx, w, config)
     assert len(decoded) == 1 and decoded[0] is not None
     assert torch.equal(direct, via_op)
+
+
+@pytest.mark.parametrize("layout", [Layout(post_norm=True), Layout(custom_gate=True, interleaved=True)], ids=str)
+def test_split_k_where_torch_runs_between_the_projections(layout, monkeypatch):
+    """Layers whose gate or norm is torch code run the projections one by one: with a long K the down projection
+    may split (a custom gate), but never before a post-expert norm, which needs each pair's whole output."""
+    from plugins.quant_kernels import ops
+
+    monkeypatch.setattr(ops, "_target_programs", lambda device: 1 << 20)  # every projection looks too small
+    splits = []
+    real = ops.split_k
+    monkeypatch.setattr(ops, "split_k", lambda *a: splits.append(real(*a)) or splits[-1])
+    module = Q.quantize_experts(make_experts(3, 32, 1024, layout, device=DEV, seed=31), "fp8_block", "float32", (32, 32))
+    idx, w = random_routing(2, 3, 2, device=DEV)
+    _check(module, torch.randn(2, 32, device=DEV), idx, w, {"BLOCK_M": 16, "BLOCK_N": 32})
+    assert splits == ([1, 1] if layout.post_norm else [1, 4])  # gate_up, down; 32 K steps: 4 shares of 8

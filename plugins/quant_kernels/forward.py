@@ -148,11 +148,13 @@ def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: 
     ids = top_k_index.reshape(-1).contiguous()
     wts = top_k_weights.reshape(-1).contiguous()
     routing = ops.route(mode, ids, plan.common["num_experts"], config, top_k)
+    whole = {**(config or {}), "SPLIT_K": 1}  # torch code below needs whole outputs, not partial sums
     h = ops.projection(mode, x, w1, s1, routing, ids.numel(), a_div=top_k, act_scale=as1, bias=b1,
-                       split_inter=plan.split, config=config, **plan.common)  # fmt: skip
+                       split_inter=plan.split, config=whole, **plan.common)  # fmt: skip
     h = layers.activate(module, h).to(x.dtype).contiguous()
+    down_config = whole if plan.post_norm else config  # the combine adds a split down's shares; a norm cannot
     y = ops.projection(mode, h, w2, s2, routing, ids.numel(), a_div=1, act_scale=as2, bias=b2,
-                       topk_w=None if plan.post_norm else wts, config=config, **plan.common)  # fmt: skip
+                       topk_w=None if plan.post_norm else wts, config=down_config, **plan.common)  # fmt: skip
     if plan.post_norm:
         y = (layers.post_norm(module, y).float() * wts.float().unsqueeze(-1)).to(x.dtype)
     return ops.combine_slots(y, ids, out, top_k, plan.common["num_experts"])

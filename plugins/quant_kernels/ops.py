@@ -273,7 +273,8 @@ def projection(
     k_dim = w.shape[2] * (2 if fp4 else 1)
     n_out = c // 2 if gated else c
     inter_dtype = out_dtype or (a.dtype if a_scale is None else torch.bfloat16)
-    split = split_k(mode, config, routing, n_out, k_dim, block_k, a.device) if not (gated or quant_out) else 1
+    linear = not (gated or quant_out) and activation == "none"  # partial sums only add up through a linear epilogue
+    split = split_k(mode, config, routing, n_out, k_dim, block_k, a.device) if linear else 1
     if split > 1:  # K shared out: fp32 partial sums, added by the combine (combine_slots)
         out = torch.empty((split, num_pairs, n_out), dtype=torch.float32, device=a.device)
     else:
