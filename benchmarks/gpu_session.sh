@@ -19,6 +19,20 @@ if ls .carry/wheels/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"
 stamp() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+# generate() compile options on GPU 1 (parts 6 and 7): the 1x16 compiled cells with Dynamo's guard filter, then
+# with Transformers' deferred stop check; $1: more cells for the second run
+compile_options_on_gpu1() {
+  export CUDA_VISIBLE_DEVICES=1 LOG="$OUT/log_gpu1.txt"
+  local cells=compiled:null:1x16,compiled:auto:1x16,compiled:batched_mm:1x16
+  stamp "hf_generate --guard-filter inbuilt (GPU 1)"
+  timeout 150 python3 benchmarks/hf_generate.py --out "$OUT/hf1" --budget-s 135 --compiled-cell-s 35 \
+    --guard-filter inbuilt --cells $cells 2>&1 | tail -14 >>"$LOG"
+  cp "$OUT/hf1/hf_generate.json" "$OUT/hf_generate_guard_filter.json" 2>/dev/null; rm -rf "$OUT/hf1"
+  stamp "hf_generate --defer-stop (GPU 1)"
+  timeout 170 python3 benchmarks/hf_generate.py --out "$OUT/hf2" --budget-s 150 --compiled-cell-s 35 \
+    --defer-stop --cells "$cells$1" 2>&1 | tail -14 >>"$LOG"
+  cp "$OUT/hf2/hf_generate.json" "$OUT/hf_generate_defer_stop.json" 2>/dev/null; rm -rf "$OUT/hf2"
+}
 
 case "${1:-part1}" in
 part1)
@@ -122,18 +136,7 @@ part5)
 part6)
   # session 3, second call: GPU 1 generate() compile options (guard filter; deferred stop check);
   # GPU 0 CUDA tests, fp8 decode retune (split K for the down projection; T=8 layouts), the quantised grid
-  (
-    export CUDA_VISIBLE_DEVICES=1 LOG="$OUT/log_gpu1.txt"
-    cells=compiled:null:1x16,compiled:auto:1x16,compiled:batched_mm:1x16
-    stamp "hf_generate --guard-filter inbuilt (GPU 1)"
-    timeout 160 python3 benchmarks/hf_generate.py --out "$OUT/hf1" --budget-s 140 --compiled-cell-s 35 \
-      --guard-filter inbuilt --cells $cells 2>&1 | tail -16 >>"$LOG"
-    cp "$OUT/hf1/hf_generate.json" "$OUT/hf_generate_guard_filter.json" 2>/dev/null; rm -rf "$OUT/hf1"
-    stamp "hf_generate --defer-stop (GPU 1)"
-    timeout 200 python3 benchmarks/hf_generate.py --out "$OUT/hf2" --budget-s 180 --compiled-cell-s 35 \
-      --defer-stop --cells $cells,compiled:grouped_mm:16x512 2>&1 | tail -16 >>"$LOG"
-    cp "$OUT/hf2/hf_generate.json" "$OUT/hf_generate_defer_stop.json" 2>/dev/null; rm -rf "$OUT/hf2"
-  ) &
+  compile_options_on_gpu1 ",compiled:grouped_mm:16x512" &
   export CUDA_VISIBLE_DEVICES=0 LOG="$OUT/log_gpu0.txt"
   stamp "CUDA tests: quantised grouped path, fused kernels (GPU 0)"
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py tests/test_triton_fused_kernels.py \
@@ -152,18 +155,7 @@ part6)
 part7)
   # session 3, last call (carry .carry/wheels: selector reads its user config through platformdirs):
   # GPU 1 generate() compile options; GPU 0 where the Qwen fp8 time goes, and the Qwen cells again
-  (
-    export CUDA_VISIBLE_DEVICES=1 LOG="$OUT/log_gpu1.txt"
-    cells=compiled:null:1x16,compiled:auto:1x16,compiled:batched_mm:1x16
-    stamp "hf_generate --guard-filter inbuilt (GPU 1)"
-    timeout 150 python3 benchmarks/hf_generate.py --out "$OUT/hf1" --budget-s 135 --compiled-cell-s 35 \
-      --guard-filter inbuilt --cells $cells 2>&1 | tail -14 >>"$LOG"
-    cp "$OUT/hf1/hf_generate.json" "$OUT/hf_generate_guard_filter.json" 2>/dev/null; rm -rf "$OUT/hf1"
-    stamp "hf_generate --defer-stop (GPU 1)"
-    timeout 150 python3 benchmarks/hf_generate.py --out "$OUT/hf2" --budget-s 135 --compiled-cell-s 35 \
-      --defer-stop --cells $cells 2>&1 | tail -14 >>"$LOG"
-    cp "$OUT/hf2/hf_generate.json" "$OUT/hf_generate_defer_stop.json" 2>/dev/null; rm -rf "$OUT/hf2"
-  ) &
+  compile_options_on_gpu1 "" &
   export CUDA_VISIBLE_DEVICES=0 LOG="$OUT/log_gpu0.txt"
   stamp "profile: Qwen fp8 and bf16 (GPU 0)"
   for f in fp8-f32 bf16; do
