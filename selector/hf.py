@@ -766,7 +766,7 @@ def compile_config(
     if backend == "inductor":
         from torch._inductor import list_mode_options
 
-        options.update(list_mode_options(mode))
+        options.update(list_mode_options(mode or "default"))
     options["guard_filter_fn"] = guard_filter
     return CompileConfig(backend=backend, mode=None, options=options, fullgraph=fullgraph)
 

@@ -168,6 +168,8 @@ def test_compile_config_with_module_guards_skipped(fused_cpu, monkeypatch):
     assert plain.mode == "reduce-overhead" and plain.fullgraph and not plain.options
     inductor = hf.compile_config(skip_module_guards=True)  # the mode travels as its Inductor options
     assert inductor.mode is None and inductor.options["triton.cudagraphs"] is True
+    default = hf.compile_config(mode=None, skip_module_guards=True)  # Inductor's default mode: no extra options
+    assert set(default.options) == {"guard_filter_fn"}
 
 
 # ---------------------------------------------------------------------------------------------------------

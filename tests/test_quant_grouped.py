@@ -190,7 +190,7 @@ def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(bias=True, expert_parallel=True)], ids=str)
-def test_split_k_down_matches_one_share(layout):
+def test_split_k_down_matches_one_share(layout, monkeypatch):
     """SPLIT_K on the down projection (decode, long K): shares of K summed by the combine in fp32, the bias
     counted once, sentinel pairs skipped; I = 96 over 32-wide groups leaves an uneven last share."""
     from plugins.quant_kernels import ops
@@ -199,9 +199,14 @@ def test_split_k_down_matches_one_share(layout):
     idx, w = random_routing(3, 4, 2, device=DEV, sentinel=layout.expert_parallel)
     x = torch.randn(3, 64, device=DEV)
     tiles = {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}
+    outputs = []
+    real_projection = ops.projection
+    monkeypatch.setattr(ops, "projection", lambda *a, **kw: outputs.append(real_projection(*a, **kw)) or outputs[-1])
     whole = _check(module, x, idx, w, tiles)
+    assert outputs[-1].shape == (6, 64)
     for shares in (2, 3):
         split = _check(module, x, idx, w, {**tiles, "down": {"BLOCK_N": 32, "SPLIT_K": shares}})
+        assert outputs[-1].shape == (shares, 6, 64) and outputs[-1].dtype == torch.float32  # partial sums
         assert relative_error(split, whole.cpu().double()) < 1e-5  # the routing weight applied per share: rounding only
     cfg = {"SPLIT_K": 2, "BLOCK_N": 32}
     routing = ops.route("grouped", idx.reshape(-1), 4, {"BLOCK_M": 16})
@@ -222,6 +227,11 @@ def test_tuned_table_lookup(tmp_path):
     assert configs.decode(configs.encode(cfg)) == configs.normalize(cfg)
     with pytest.raises(ValueError, match="power of two"):
         configs.normalize({"BLOCK_N": 48})
+    paired_table = {key: {1: configs.normalize({"ROUTE": "pairs"}), 64: configs.normalize({"BLOCK_M": 32})}}
+    assert configs.lookup(paired_table, key, 1)["ROUTE"] == "pairs"
+    assert configs.lookup(paired_table, key, 2)["ROUTE"] is None  # pairs would share experts: the default rule
+    with pytest.raises(ValueError, match="encoded config"):
+        configs.decode(configs.encode(cfg)[:-2])
     looped = {**cfg, "QUANT_X": "loop"}
     assert configs.decode(configs.encode(looped)) == configs.normalize(looped)
     assert configs.decode(configs.encode(cfg))["QUANT_X"] is None
@@ -245,6 +255,8 @@ def test_cached_plan_follows_replaced_weights():
     negated = (good.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn)  # e4m3 sign bit flipped
     module.down_proj = torch.nn.Parameter(negated, requires_grad=False)  # same shape, new tensor: negated output
     assert torch.equal(_run(module, x, idx, w), -before)
+    module.selector_compute_dtype = torch.bfloat16  # set by hand: the next call computes in bf16
+    assert _run(module, x, idx, w).dtype == torch.float32 and not torch.equal(_run(module, x, idx, w), -before)
 
 
 def test_eager_calls_skip_the_custom_op_with_the_same_result(monkeypatch):
@@ -281,3 +293,17 @@ def test_split_k_where_torch_runs_between_the_projections(layout, monkeypatch):
     idx, w = random_routing(2, 3, 2, device=DEV)
     _check(module, torch.randn(2, 32, device=DEV), idx, w, {"BLOCK_M": 16, "BLOCK_N": 32})
     assert splits == ([1, 1] if layout.post_norm else [1, 4])  # gate_up, down; 32 K steps: 4 shares of 8
+
+
+def test_autograd_is_not_silently_dropped():
+    """The eager bypass of the custom op stands aside while autograd records: the output stays attached to x and
+    a backward fails loudly (no gradient formula for the quantised kernels) instead of losing x's gradient."""
+    module = Q.quantize_experts(make_experts(4, 64, 32, device=DEV, seed=32), "fp8_block", "float32", (32, 32))
+    idx, w = random_routing(3, 4, 2, device=DEV)
+    x = torch.randn(3, 64, device=DEV, requires_grad=True)
+    out = _run(module, x, idx, w)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not _run(module, x, idx, w).requires_grad

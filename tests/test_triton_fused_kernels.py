@@ -281,6 +281,17 @@ def test_custom_op_path_matches_direct(monkeypatch):
     assert torch.allclose(direct, op, rtol=1e-6, atol=1e-6)
 
 
+def test_autograd_goes_through_the_op():
+    """While autograd records, the eager bypass stands aside: the output stays attached to x and a backward
+    fails loudly (the op has no gradient formula) instead of losing x's gradient."""
+    case = make_case(4, 32, 16, 4, 2)
+    x = case["x"].clone().requires_grad_(True)
+    out = K.fused_experts(x, case["w1"], case["w2"], case["ids"], case["wts"], num_experts=4)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
+
+
 def test_fake_impl_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -63,7 +63,9 @@ def decode(values: list[int] | None) -> dict | None:
         return None
     n = len(GEMM_KEYS)
     parts = {p: {k: v for k, v in zip(GEMM_KEYS, values[1 + i * n : 1 + (i + 1) * n]) if v} for i, p in enumerate(PARTS)}
-    extra = values[1 + len(PARTS) * n :] + [0, 0]
+    if len(values) != 1 + len(PARTS) * n + 2:
+        raise ValueError(f"quantised experts: an encoded config has {1 + len(PARTS) * n + 2} ints, got {len(values)}")
+    extra = values[1 + len(PARTS) * n :]
     return {"BLOCK_M": values[0] or None, **parts, "QUANT_X": QUANT_X[extra[0]], "ROUTE": ROUTE[extra[1]]}
 
 
@@ -78,11 +80,17 @@ def load_table(device_name: str, directory: str | None = None) -> dict[str, dict
 
 
 def lookup(table: dict[str, dict[int, dict]], key: str, num_tokens: int) -> dict | None:
+    """The entry nearest to num_tokens in log scale. An entry tuned with one block per pair (ROUTE "pairs") serves
+    no more tokens than it was tuned at: with more, pairs share experts and a pair block re-reads them."""
     entries = table.get(key)
     if not entries:
         return None
     t = math.log2(max(1, num_tokens))
-    return entries[min(entries, key=lambda n: (abs(math.log2(max(1, n)) - t), n))]
+    tuned_at = min(entries, key=lambda n: (abs(math.log2(max(1, n)) - t), n))
+    entry = entries[tuned_at]
+    if entry.get("ROUTE") == "pairs" and num_tokens > tuned_at:
+        entry = {**entry, "ROUTE": None}  # the default rule decides
+    return entry
 
 
 @functools.lru_cache(maxsize=4096)

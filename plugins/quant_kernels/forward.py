@@ -110,15 +110,20 @@ _TENSORS = ("gate_up_proj", "gate_up_proj_scale_inv", "up_proj", "up_proj_scale_
             "gate_up_proj_activation_scale", "down_proj_activation_scale")  # fmt: skip
 
 
+_FLAGS = ("has_gate", "is_concatenated", "has_bias", "is_transposed", "has_post_expert_norm", "selector_weight_format",
+          "selector_scale_format", "selector_block_size", "selector_activation_quant", "selector_compute_dtype")  # fmt: skip
+
+
 def _plan_key(module: torch.nn.Module, hidden: int) -> tuple:
-    """What makes a cached plan stale, read cheaply (every eager call): the weight tensors (object and storage)
-    and the activation. The format attributes are selector's own; every change of them drops the plan
-    (selector.quant._forget_caches), as does a change of the layout flags through selector."""
+    """What makes a cached plan stale, read cheaply (every eager call): the weight tensors (object, storage,
+    dtype, shape), the activation, and the layout and format attributes set on the module itself (a class
+    attribute is the same on every call). Straight from the module's dicts: nn.Module.__getattr__ raising for
+    an absent name costs a microsecond each."""
     d = module.__dict__
     params, buffers = d["_parameters"], d["_buffers"]
     found = [params.get(n) if n in params else buffers.get(n, d.get(n)) for n in _TENSORS]
-    return (hidden, d["_modules"].get("act_fn", d.get("act_fn")),
-            *[(id(t), t.data_ptr()) if t is not None else None for t in found])  # fmt: skip
+    return (hidden, type(module), d["_modules"].get("act_fn", d.get("act_fn")), *[d.get(n) for n in _FLAGS],
+            *[(id(t), t.data_ptr(), t.dtype, t.shape) if t is not None else None for t in found])  # fmt: skip
 
 
 def _plan(module: torch.nn.Module, hidden: int) -> _Plan:

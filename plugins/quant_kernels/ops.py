@@ -94,7 +94,8 @@ def split_k(mode: str, config: dict | None, routing: tuple, n_out: int, k_dim: i
     steps = triton.cdiv(k_dim, block_k)
     if target == 0 or steps < 32:
         return 1
-    bn = int((config or {}).get("BLOCK_N") or 64)
+    bm = routing[2]
+    bn = _gemm_config(mode, routing[1].numel() * bm, n_out, device, {**(config or {}), "BLOCK_M": bm}, False)["BLOCK_N"]
     programs = routing[1].numel() * triton.cdiv(n_out, bn)
     split = 1
     while programs * split < target and steps // (2 * split) >= 8 and split < 8:
@@ -440,7 +441,8 @@ def quant_experts(
     call against 257 us of kernels), as triton_fused found for its own op."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
-    if EAGER_BYPASS_OP and not torch.compiler.is_compiling():
+    # not when autograd records: through the op a backward fails loudly instead of dropping x's gradient
+    if EAGER_BYPASS_OP and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
         return quant_experts_impl(
             x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
             interleaved, fp4, ue8m0, block_n, block_k, mode, _configs.normalize(config) if config else None,

@@ -5,7 +5,7 @@
 Per (format, shape, token count) and candidate layout (pairs sorted into BLOCK_M blocks, or one block per pair
 for a few pairs): times align, each gate_up tile with x quantised up front (plus that launch) or, for a few
 pairs, inside its K loop (plus a second quantisation of the intermediate when the tile does not cover whole
-groups) and each down tile, and keeps the layout whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
+groups) and each down tile with the combine, and keeps the layout whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
 top-k routing. Token counts <= 64 are timed as CUDA-graph replays (as decode runs), larger ones back to back.
 fp8 configs serve both scale formats (a scale load differs, not the tile). Stops at --budget-s and writes what
 it has.
@@ -81,6 +81,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
     ids = torch.rand(tokens, e, device=dev).topk(top_k, dim=1).indices.reshape(-1).contiguous()
     wts = torch.rand(ids.numel(), device=dev)
+    out = torch.empty(tokens, h, device=dev, dtype=torch.bfloat16)
     pairs, graph = ids.numel(), tokens <= 64
     common = dict(num_experts=e, fp4=fp4, ue8m0=fp4, block_n=1 if fp4 else 128, block_k=128)
     xq, xs = ops.quantize_rows(x, 128)
@@ -118,8 +119,11 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                                                 split_inter=None if fp4 else inter, **common)  # fmt: skip
                     extra = (0.0 if qo else t_qi) + (t_qx if qx == "once" else 0.0)
                 else:
-                    fn = lambda: ops.projection("grouped", iq, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc,
-                                                topk_w=wts, out_dtype=torch.bfloat16, **common)  # fmt: skip
+                    # with the combine: a split down hands it shares x pairs x H fp32 partial sums to add
+                    fn = lambda: ops.combine_slots(
+                        ops.projection("grouped", iq, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc,
+                                       topk_w=wts, out_dtype=torch.bfloat16, **common),
+                        ids, out, top_k, e)  # fmt: skip
                     extra = 0.0
                 try:
                     t = _time(fn, graph) + extra

@@ -413,7 +413,7 @@ def _spec(a):
 def launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
     """fn[grid](*args, **consts): runtime arguments positional, every constexpr in `consts` (the quantised
     kernels launch through here too). Repeated launches skip Triton's own argument dispatch (tens of us)."""
-    if _INTERPRET or not _FAST_LAUNCH:
+    if _INTERPRET or not _FAST_LAUNCH or torch.compiler.is_compiling():  # Dynamo cannot trace data_ptr()
         fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
         return
     dev = args[0].device
@@ -710,7 +710,8 @@ def fused_experts(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
         transposed, gate_up_bias, down_bias,
     )  # fmt: skip
-    if _EAGER_BYPASS_OP and not torch.compiler.is_compiling():
+    grad = torch.is_grad_enabled() and hidden_states.requires_grad  # the op makes a backward fail loudly
+    if _EAGER_BYPASS_OP and not torch.compiler.is_compiling() and not grad:
         # Eager (and CUDA-graph capture): the op's dispatcher costs ~50 us of host time per call on the H200
         # machine (measured), more than the whole decode step; the op only matters to torch.compile.
         return fused_experts_impl(
