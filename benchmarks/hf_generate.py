@@ -209,18 +209,14 @@ def allow_deferred_stop(device: torch.device) -> str | None:
 
 
 def make_compile_config(backend: str, mode: str, fullgraph: bool, guard_filter: str) -> Any:
-    """Transformers' CompileConfig; generate() passes its fields to torch.compile. With a guard filter the mode
-    goes in as its Inductor options: torch.compile takes a mode or options, not both."""
-    from transformers import CompileConfig
+    """selector.hf.compile_config; "all" swaps in Dynamo's filter for every nn module (the library offers only the
+    one for torch's own modules)."""
+    from selector.hf import compile_config
 
-    name = GUARD_FILTERS[guard_filter]
-    if name is None:
-        return CompileConfig(backend=backend, mode=mode, fullgraph=fullgraph)
-    import torch._inductor
-
-    options = dict(torch._inductor.list_mode_options(mode)) if backend == "inductor" else {}
-    options["guard_filter_fn"] = getattr(torch.compiler, name)  # looked up per call: a test may wrap it
-    return CompileConfig(backend=backend, mode=None, options=options, fullgraph=fullgraph)
+    config = compile_config(mode, fullgraph=fullgraph, skip_module_guards=guard_filter != "off", backend=backend)
+    if guard_filter == "all":
+        config.options["guard_filter_fn"] = getattr(torch.compiler, GUARD_FILTERS["all"])
+    return config
 
 
 def measure_bandwidth(device: torch.device) -> float | None:

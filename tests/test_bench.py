@@ -57,15 +57,20 @@ def test_bench_needs_cuda() -> None:
         run_bench(["qwen3-30b-a3b"], [1])
 
 
-def test_measured_timings_steer_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    result = _result()
-    # pretend grouped_mm measured faster than triton_fused at T=1 on this GPU
-    result.cells[1].time_s = 10e-6
+def _use_as_tuning(result: BenchResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `result` the only measured timings selector reads (callers tuning.reload() when done)."""
     path = tmp_path / "tuning.json"
     tuning.write_records(path, tuning.records_from_bench(result.to_dict()))
     monkeypatch.setattr(tuning, "DATA_DIR", tmp_path / "none")
     monkeypatch.setattr(tuning, "user_tuning_path", lambda: path)
     tuning.reload()
+
+
+def test_measured_timings_steer_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = _result()
+    # pretend grouped_mm measured faster than triton_fused at T=1 on this GPU
+    result.cells[1].time_s = 10e-6
+    _use_as_tuning(result, tmp_path, monkeypatch)
     try:
         env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0", "SELECTOR_PACKAGE_TRITON": "3.6.0", "PATH": ""})
         problem = preset("qwen3-30b-a3b").with_tokens(2)
@@ -83,11 +88,7 @@ def test_graph_mode_timings_apply_only_while_capturing(tmp_path: Path, monkeypat
 
     result = _result()
     result.cells.append(Cell("qwen3-30b-a3b", 1, "bfloat16", "grouped_mm", "graph", time_s=1e-6, floor_s=18e-6))
-    path = tmp_path / "tuning.json"
-    tuning.write_records(path, tuning.records_from_bench(result.to_dict()))
-    monkeypatch.setattr(tuning, "DATA_DIR", tmp_path / "none")
-    monkeypatch.setattr(tuning, "user_tuning_path", lambda: path)
-    tuning.reload()
+    _use_as_tuning(result, tmp_path, monkeypatch)
     try:
         env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0", "PATH": ""})
         problem = preset("qwen3-30b-a3b").with_tokens(1)

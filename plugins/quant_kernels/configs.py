@@ -3,8 +3,8 @@
 A configuration is ``{"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 1},
 "down": {...}}``; a flat dict (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M) applies to both GEMMs and a
 missing key is filled by the heuristics. ``"QUANT_X": "once" | "loop"`` says where the activations are quantised
-(dynamic scales): once up front by ``quantize_rows`` (one more launch), or inside the gate_up K loop (every N
-tile redoes it: cheap for a few rows, and at decode the saved launch is worth more). ``"ROUTE": "sorted" |
+(dynamic scales): once up front by ``quantize_rows`` (one more launch; the default), or inside the gate_up K loop
+(every N tile redoes it; slower in every decode cell tuned on the H200, so only on request). ``"ROUTE": "sorted" |
 "pairs"``: pairs sorted by expert into BLOCK_M blocks (the align launch), or one 16-row block per pair (decode:
 no align; an expert hit twice is read twice). BLOCK_K is not a knob: it is the activation group (the K tile that
 one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in

@@ -40,13 +40,11 @@ def _target_programs(device: torch.device) -> int:
 # in-loop variant lost in every decode cell tuned (it lengthens each K step of a latency-bound loop). One block
 # per pair for a single token (its k experts are distinct, so nothing is read twice; the align launch is saved);
 # with more tokens pairs share experts, and a pair block re-reads the expert (Mixtral T=8: 2.3x slower).
-LOOP_X_MAX_PAIRS = 0
 
-
-# A diagnostic: SELECTOR_FP8_MAX_IMPRECISE_ACC=32 makes the grouped kernel's fp8 dots promote their sum to fp32
-# every 32 inputs (kernels._dot), to measure what the tensor core's reduced-precision accumulation costs.
 # SELECTOR_QUANT_VIA_OP=1: eager calls go through the custom op too (as under torch.compile)
 EAGER_BYPASS_OP = os.environ.get("SELECTOR_QUANT_VIA_OP", "0") in ("", "0")
+# A diagnostic: SELECTOR_FP8_MAX_IMPRECISE_ACC=32 makes the grouped kernel's fp8 dots promote their sum to fp32
+# every 32 inputs (kernels._dot), to measure what the tensor core's reduced-precision accumulation costs.
 MAX_IMPRECISE_ACC = int(os.environ.get("SELECTOR_FP8_MAX_IMPRECISE_ACC", "0") or 0)
 
 
@@ -346,10 +344,9 @@ def quant_experts_impl(
         y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, config=c2,
                        **common)  # fmt: skip
         return combine_slots(y, ids, out, top_k, num_experts)
-    # grouped, dynamic: x quantised once up front, or (few rows: decode) inside gate_up's K loop, which saves a
-    # launch; the gate_up epilogue quantises the intermediate when its tile covers whole groups, else a second
-    # quantize_rows does
-    if (cfg.get("QUANT_X") or ("loop" if n_pairs <= LOOP_X_MAX_PAIRS else "once")) == "once":
+    # grouped, dynamic: x quantised once up front, or (config QUANT_X "loop") inside gate_up's K loop; the gate_up
+    # epilogue quantises the intermediate when its tile covers whole groups, else a second quantize_rows does
+    if (cfg.get("QUANT_X") or "once") == "once":
         xq, xs = quantize_rows(x, block_k)
     else:
         xq, xs = x, None
@@ -445,7 +442,7 @@ def quant_experts(
     if EAGER_BYPASS_OP and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
         return quant_experts_impl(
             x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
-            interleaved, fp4, ue8m0, block_n, block_k, mode, _configs.normalize(config) if config else None,
+            interleaved, fp4, ue8m0, block_n, block_k, mode, config,
         )  # fmt: skip
     return torch.ops.selector.quant_experts(
         x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
