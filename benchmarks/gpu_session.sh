@@ -6,7 +6,9 @@
 #   T >= 512 retune of the fp8 tiles, then the whole quantised grid;   part6 (two GPUs): generate() compile
 #   options on GPU 1; split-K / T=8 retune and the quantised grid on GPU 0;   part7: the same generate()
 #   options (wheels carried), a profile of the Qwen fp8 cells and those cells again;   part8 (one GPU): the
-#   quantised CUDA tests, a Qwen T=1 retune and the whole quantised grid after the eager op bypass.
+#   quantised CUDA tests, a Qwen T=1 retune and the whole quantised grid after the eager op bypass;
+#   part9 (session 4, one GPU): where the Qwen fp8 time goes (host, allocator, kernels), eager decode with and
+#   without graphs, quantize_rows / combine tiles.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -181,6 +183,28 @@ part8)
   stamp "quant bench"
   timeout 185 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 165 2>&1 | tail -36 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part9)
+  # session 4, first call (one GPU): where the Qwen fp8 T >= 512 time goes (host issue time, allocator events,
+  # kernels), also after a 38 GiB temporary as the grid's batched_mm leaves; eager decode with and without
+  # recorded graphs; quantize_rows / combine tiles; one weight-scale load per tile off (A/B); the Qwen T=512 grid
+  P="python3 benchmarks/quant_profile.py"
+  qwen=qwen3-30b-a3b,qwen1.5-moe-a2.7b
+  stamp "profile: Qwen T=512,4096"
+  timeout 150 $P --shapes $qwen --tokens 512,4096 --formats fp8-f32,fp8-ue8m0,bf16 --out "$OUT/large" 2>&1 | grep -v -i warn >"$OUT/large.txt"
+  stamp "profile: Qwen T=512 after a 38 GiB temporary"
+  timeout 60 $P --shapes $qwen --tokens 512 --formats fp8-f32,fp8-ue8m0 --pressure-gb 38 --out "$OUT/pressure" 2>&1 | grep -v -i warn >"$OUT/pressure.txt"
+  stamp "micro: quantize_rows, combine"
+  timeout 60 $P --micro --shapes qwen3-30b-a3b,deepseek-v3 --tokens 512,4096 --out "$OUT/micro" >"$OUT/micro.txt" 2>&1
+  stamp "profile: eager decode, graphs on and off"
+  timeout 170 $P --shapes $qwen,mixtral-8x7b,deepseek-v3 --tokens 1,8,64 --formats fp8-f32,bf16 --graphs on,off \
+    --out "$OUT/decode" 2>&1 | grep -v -i warn >"$OUT/decode.txt"
+  stamp "profile: one scale row off"
+  SELECTOR_QUANT_ONE_SCALE_ROW=0 timeout 80 $P --shapes $qwen --tokens 1,8,512 --formats fp8-f32 \
+    --out "$OUT/onerow_off" 2>&1 | grep -v -i warn >"$OUT/onerow_off.txt"
+  stamp "quant grid: Qwen T=512"
+  timeout 100 python3 benchmarks/quant_gpu.py --shapes $qwen --tokens 512 --no-check --out "$OUT/grid" 2>&1 | tail -12 >>"$LOG"
+  grep -h "us per call" "$OUT"/*.txt | cut -c1-230 | tee -a "$LOG" | tail -60
   ;;
 esac
 stamp done

@@ -307,3 +307,25 @@ def test_autograd_is_not_silently_dropped():
         out.sum().backward()
     with torch.no_grad():
         assert not _run(module, x, idx, w).requires_grad
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", [Layout(bias=True), Layout(interleaved=True)], ids=str)
+def test_one_scale_load_per_tile_where_a_tile_lies_in_one_scale_row(layout, fmt, monkeypatch):
+    """A weight tile whose width divides the scale block's reads one scale per K step (ONE_SCALE_ROW); wider
+    tiles gather one per column. Both give the reference result, for gate and up halves and interleaved pairs."""
+    from plugins.quant_kernels import ops
+
+    flags = []
+    real = ops.launch
+    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: flags.append(consts.get("ONE_SCALE_ROW"))
+                        or real(fn, grid, args, consts, *a))  # fmt: skip
+    module = Q.quantize_experts(make_experts(4, 96, 64, layout, device=DEV, seed=33), *fmt)  # 32 x 32 blocks
+    idx, w = random_routing(5, 4, 2, device=DEV, skew=True)
+    x = torch.randn(5, 96, device=DEV)
+    narrow = _check(module, x, idx, w, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 16}, "down": {"BLOCK_N": 32}})
+    assert [f for f in flags if f is not None] == [True, True]  # interleaved: 2 x 16 channels per tile
+    flags.clear()
+    wide = _check(module, x, idx, w, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64}, "down": {"BLOCK_N": 64}})
+    assert [f for f in flags if f is not None] == [False, False]
+    assert relative_error(narrow, wide.cpu().double()) < 1e-5  # the same operands; sums in another order

@@ -142,6 +142,16 @@ def _dot(a, b, MAX_IMPRECISE: tl.constexpr):
 
 
 @triton.jit
+def _scaled(d, sa, ws, ONE_ROW: tl.constexpr):
+    """A K tile's dot times its row scales sa [BM] and weight scales ws ([BN], or one scalar when ONE_ROW)."""
+    if ONE_ROW:
+        r = d * (sa * ws)[:, None]
+    else:
+        r = d * sa[:, None] * ws[None, :]
+    return r
+
+
+@triton.jit
 def _quant_rows(a, static_s, BM: tl.constexpr, STATIC: tl.constexpr, EXACT: tl.constexpr):
     """a [BM, BK] fp32 -> (e4m3 [BM, BK], scale [BM]) per row."""
     if STATIC:
@@ -153,21 +163,35 @@ def _quant_rows(a, static_s, BM: tl.constexpr, STATIC: tl.constexpr, EXACT: tl.c
 
 
 @triton.jit
-def _fp8_col_scale(s_base, offs_c, c_ok, kb, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0: tl.constexpr):
-    srow = tl.where(offs_c < n_split, offs_c // bn, split_rows + (offs_c - n_split) // bn)
-    ptrs = s_base + srow * stride_sn + kb * stride_sk
-    if UE8M0:
-        ws = _pow2(tl.load(ptrs, mask=c_ok, other=127).to(tl.int32) & 255)
+def _fp8_col_scale(s_base, offs_c, c_ok, kb, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0: tl.constexpr,
+                   ONE_ROW: tl.constexpr):  # fmt: skip
+    """The weight scale of each column in offs_c at K block kb; ONE_ROW: the whole tile lies in one scale row
+    (its width divides the block's), so one scalar load serves it instead of a gather per column."""
+    if ONE_ROW:
+        c0 = tl.min(offs_c, axis=0)
+        srow = tl.where(c0 < n_split, c0 // bn, split_rows + (c0 - n_split) // bn)
+        ptrs = s_base + srow * stride_sn + kb * stride_sk
+        if UE8M0:
+            ws = _pow2(tl.load(ptrs).to(tl.int32) & 255)
+        else:
+            ws = tl.load(ptrs).to(tl.float32)
     else:
-        ws = tl.load(ptrs, mask=c_ok, other=1.0).to(tl.float32)
+        srow = tl.where(offs_c < n_split, offs_c // bn, split_rows + (offs_c - n_split) // bn)
+        ptrs = s_base + srow * stride_sn + kb * stride_sk
+        if UE8M0:
+            ws = _pow2(tl.load(ptrs, mask=c_ok, other=127).to(tl.int32) & 255)
+        else:
+            ws = tl.load(ptrs, mask=c_ok, other=1.0).to(tl.float32)
     return ws
 
 
 @triton.jit
 def _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
                 stride_wn, stride_wk, stride_sn, stride_sk,
-                BK: tl.constexpr, BNC: tl.constexpr, FP4: tl.constexpr, UE8M0: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """The weight tile of channels offs_c [BNC] and inputs [k0, k0 + BK) as e4m3 [BK, BNC], and its column scale."""
+                BK: tl.constexpr, BNC: tl.constexpr, FP4: tl.constexpr, UE8M0: tl.constexpr, EXACT: tl.constexpr,
+                ONE_ROW: tl.constexpr = False):  # fmt: skip
+    """The weight tile of channels offs_c [BNC] and inputs [k0, k0 + BK) as e4m3 [BK, BNC], and its column scale
+    ([BNC], or a scalar when ONE_ROW)."""
     if FP4:
         G: tl.constexpr = BK // 32
         offs_b = k0 // 2 + tl.arange(0, BK // 2)
@@ -193,7 +217,8 @@ def _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
             w_base + offs_k[:, None] * stride_wk + offs_c[None, :] * stride_wn,
             mask=(offs_k[:, None] < K) & c_ok[None, :], other=0.0,
         )  # fmt: skip
-        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0)
+        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0,
+                            ONE_ROW)  # fmt: skip
     return b, ws
 
 
@@ -223,7 +248,8 @@ def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
             w_base + offs_c[:, None] * stride_wn + offs_k[None, :] * stride_wk,
             mask=c_ok[:, None] & (offs_k[None, :] < K), other=0.0,
         ).to(tl.float32)  # fmt: skip
-        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0)
+        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0,
+                            False)  # fmt: skip
     return w, ws
 
 
@@ -242,7 +268,7 @@ def _grouped_kernel(
     FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
+    SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -257,6 +283,8 @@ def _grouped_kernel(
     SPLIT_K (linear epilogues only: no gate, no activation, no QUANT_OUT): program_id(1) sums its share of the
     K tiles and writes that partial sum (fp32; bias from share 0 only) to out + program_id(1) * stride_os; the
     combine adds the shares. At decode a long K loop over few programs is latency bound (Mixtral's down: K=14336).
+    ONE_SCALE_ROW (fp8): every weight tile lies within one scale row (the tile width divides the block's), so
+    each K step loads one weight scale, not one per column.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -324,17 +352,17 @@ def _grouped_kernel(
             aq, sa = _quant_rows(a.to(tl.float32), static_s, BLOCK_M, STATIC, EXACT)
         if GATED and INTERLEAVED:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT)  # fmt: skip
-            acc += _dot(aq, b, MAX_IMPRECISE) * sa[:, None] * ws[None, :]
+                                stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW)  # fmt: skip
+            acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_SCALE_ROW)
         else:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0, EXACT)  # fmt: skip
-            acc += _dot(aq, b, MAX_IMPRECISE) * sa[:, None] * ws[None, :]
+                                stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW)  # fmt: skip
+            acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_SCALE_ROW)
             if GATED:
                 bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
                                       stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
-                                      EXACT)  # fmt: skip
-                acc_u += _dot(aq, bu, MAX_IMPRECISE) * sa[:, None] * wsu[None, :]
+                                      EXACT, ONE_SCALE_ROW)  # fmt: skip
+                acc_u += _scaled(_dot(aq, bu, MAX_IMPRECISE), sa, wsu, ONE_SCALE_ROW)
 
     bias_base = bias_ptr + expert * stride_be
     if GATED and INTERLEAVED:

@@ -46,6 +46,8 @@ EAGER_BYPASS_OP = os.environ.get("SELECTOR_QUANT_VIA_OP", "0") in ("", "0")
 # A diagnostic: SELECTOR_FP8_MAX_IMPRECISE_ACC=32 makes the grouped kernel's fp8 dots promote their sum to fp32
 # every 32 inputs (kernels._dot), to measure what the tensor core's reduced-precision accumulation costs.
 MAX_IMPRECISE_ACC = int(os.environ.get("SELECTOR_FP8_MAX_IMPRECISE_ACC", "0") or 0)
+# SELECTOR_QUANT_ONE_SCALE_ROW=0: gather one weight scale per column even where a tile lies in one scale row (A/B)
+ONE_SCALE_ROW = os.environ.get("SELECTOR_QUANT_ONE_SCALE_ROW", "1") != "0"
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -121,18 +123,20 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
               torch.float8_e4m3fn: tl.float8e4nv}  # fmt: skip
 
 
-def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)])."""
+def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None,
+                  num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)]).
+    `block_r`, `num_warps`: rows per program and its warps (benchmarks sweep them; None: the default below)."""
     x = x if x.stride(1) == 1 else x.contiguous()  # the kernel walks columns with stride 1
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
     if rows:
-        block_r = 16 if rows <= 4096 else 64
+        block_r = block_r or (16 if rows <= 4096 else 64)
         launch(
             K._quant_rows_kernel, (triton.cdiv(rows, block_r), s.shape[1]),
             (x, q, s, rows, k, x.stride(0), q.stride(0), s.stride(0)),
-            dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=K.INTERPRET), 4,
+            dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=K.INTERPRET), num_warps,
         )  # fmt: skip
     return q, s
 
@@ -189,6 +193,10 @@ def _launch(
         cfg = _gemm_config(mode, num_blocks_m * bm, n_out, a.device, {**(config or {}), "BLOCK_M": bm}, wide)
         bn = cfg["BLOCK_N"]
         split = out.shape[0] if out.dim() == 3 else 1  # split K: [shares, pairs, N] fp32 partial sums
+        # a tile of stored channels (2 x BLOCK_N interleaved) starts at a multiple of its width: when that width
+        # divides the scale block's, the tile lies in one scale row (a gate tile never reaches the up half)
+        tile_c = 2 * bn if gated and interleaved else bn
+        one_row = ONE_SCALE_ROW and not fp4 and block_n_w % tile_c == 0
         grid = (num_blocks_m * triton.cdiv(n_out, bn), split)
         a_s = a_scale if a_scale is not None else s
         o_s = out_scale if out_scale is not None else s
@@ -202,7 +210,7 @@ def _launch(
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
-                 MAX_IMPRECISE=MAX_IMPRECISE_ACC),
+                 MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:

@@ -379,12 +379,14 @@ def _combine_kernel(
     ok = j_ok & (e >= 0) & (e < num_experts)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
+        # the rows are read whatever the ids say (every slot's row exists), so this load does not wait for the
+        # ids load; a sentinel slot's unwritten row (any bits, NaN included) is then dropped by the select
         v = tl.load(
             y_ptr + s * stride_ys + rows.to(tl.int64)[:, None] * stride_ym + offs[None, :],
-            mask=ok[:, None] & h_ok[None, :],
+            mask=j_ok[:, None] & h_ok[None, :],
             other=0.0,
         )
-        acc += tl.sum(v.to(tl.float32), axis=0)
+        acc += tl.sum(tl.where(ok[:, None], v.to(tl.float32), 0.0), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -512,16 +514,18 @@ def _launch_gemm(
     )  # fmt: skip
 
 
-def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: int, num_experts: int) -> None:
-    """out[t] = the sum of y's rows of token t (y [T*k, H], or [shares, T*k, H] partial sums of a split K)."""
+def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: int, num_experts: int,
+            block_h: int | None = None, num_warps: int = 4) -> None:  # fmt: skip
+    """out[t] = the sum of y's rows of token t (y [T*k, H], or [shares, T*k, H] partial sums of a split K).
+    `block_h`, `num_warps`: columns per program and its warps (benchmarks sweep them; None: the default below)."""
     t, h = out.shape
     split = y.shape[0] if y.dim() == 3 else 1
     k_pad = max(2, _next_pow2(top_k))
-    block_h = min(max(128, 4096 // k_pad), max(128, _next_pow2(h)))
+    block_h = block_h or min(max(128, 4096 // k_pad), max(128, _next_pow2(h)))
     launch(
         _combine_kernel, (t, triton.cdiv(h, block_h)),
         (y, ids_flat, out, h, top_k, num_experts, y.stride(-2), out.stride(0), y.stride(0) if split > 1 else 0),
-        dict(BLOCK_H=block_h, K_PAD=k_pad, SPLIT=split), 4,
+        dict(BLOCK_H=block_h, K_PAD=k_pad, SPLIT=split), num_warps,
     )  # fmt: skip
 
 
