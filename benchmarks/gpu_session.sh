@@ -8,7 +8,7 @@
 #   options (wheels carried), a profile of the Qwen fp8 cells and those cells again;   part8 (one GPU): the
 #   quantised CUDA tests, a Qwen T=1 retune and the whole quantised grid after the eager op bypass;
 #   part9 (session 4, one GPU): where the Qwen fp8 time goes (host, allocator, kernels), eager decode with and
-#   without graphs, quantize_rows / combine tiles.
+#   without graphs, quantize_rows / combine tiles;   part10: CUDA tests, Qwen fp8 retune, host profile, Qwen grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -205,6 +205,25 @@ part9)
   stamp "quant grid: Qwen T=512"
   timeout 100 python3 benchmarks/quant_gpu.py --shapes $qwen --tokens 512 --no-check --out "$OUT/grid" 2>&1 | tail -12 >>"$LOG"
   grep -h "us per call" "$OUT"/*.txt | cut -c1-230 | tee -a "$LOG" | tail -60
+  ;;
+part10)
+  # session 4, second call (one GPU): CUDA tests of what changed (one scale load per tile, combine tiles,
+  # graphs for repeated larger calls); fp8 retune of the Qwen shapes; host profile of the decode replay path;
+  # the Qwen quantised grid
+  stamp "CUDA tests"
+  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py tests/test_triton_fused_graphs.py \
+    tests/test_graphs_policy.py tests/test_triton_fused_kernels.py 2>&1 | tail -5 | tee -a "$LOG"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "fp8 tune: Qwen T=1,8,512,4096"
+  timeout 170 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,512,4096 \
+    --formats fp8 --budget-s 150 --out $table 2>&1 | tail -3 | tee -a "$LOG"
+  cp $table "$OUT/"
+  stamp "host profile: decode replay"
+  timeout 80 python3 benchmarks/quant_profile.py --shapes qwen3-30b-a3b --tokens 1,8 --formats fp8-f32,bf16 \
+    --host-profile --out "$OUT/host" 2>&1 | grep -v -i warn >"$OUT/host.txt"
+  stamp "quant grid: Qwen shapes"
+  timeout 150 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --no-check --budget-s 130 \
+    --out "$OUT/grid" 2>&1 | tail -30 >>"$LOG"
   ;;
 esac
 stamp done

@@ -1,7 +1,8 @@
-"""Recorded CUDA graphs for decode-sized calls: a backend's launches replayed as one graph.
+"""Recorded CUDA graphs for decode-sized and repeated calls: a backend's launches replayed as one graph.
 
 At a handful of tokens a layer's kernels take tens of microseconds while launching them from Python takes
-longer. A backend records one call per (module, shape) in a CUDA graph and replays it: the inputs are
+longer (on a slow host, up to a few hundred tokens: see DECODE_TOKENS / REPEAT_TOKENS). A backend records one
+call per (module, shape) in a CUDA graph and replays it: the inputs are
 copied into the graph's buffers, the graph replays, the output is cloned out (the caller may keep it).
 Graphs are kept beside the module in a weak map, not in it: a CUDA graph cannot be deep-copied, and users
 copy models. Never used while torch.compile traces or while the caller captures its own graph.
@@ -18,6 +19,13 @@ from typing import Any
 import torch
 
 GRAPHS_PER_MODULE = 8  # least recently used graphs beyond this are dropped
+# Up to DECODE_TOKENS a call is recorded on first use. Above, up to REPEAT_TOKENS, only when its shape comes back
+# (the second call with the same key): one launch from Python costs 40-60 us on the H200 machine's host, so a
+# few hundred tokens' kernels still take less time than launching them (Qwen3 fp8, T=512: 775 us to issue the
+# call, 240 us of kernels), while a prefill size seen once would pay a recording (a sync and a warm-up) for nothing.
+DECODE_TOKENS = 64
+REPEAT_TOKENS = 4096
+SEEN_PER_MODULE = 16  # keys seen once (not recorded), remembered per module and backend, least recent dropped
 _POOL: Any = None  # one memory pool for all graphs: they replay one after another on one stream
 _GRAPHS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, OrderedDict]] = weakref.WeakKeyDictionary()
 _RECORDINGS = 0  # graphs recorded in this process: a decode loop that records more than once per shape is a bug
@@ -78,9 +86,18 @@ def replay(
     run: Callable[..., torch.Tensor],
     inputs: tuple[torch.Tensor, ...],
 ) -> torch.Tensor:
-    """run(*inputs) through a graph recorded on first use of `key` (which must capture every shape/pointer)."""
+    """run(*inputs) through a graph recorded for `key` (which must capture every shape/pointer): on its first use
+    up to DECODE_TOKENS tokens (inputs[0].shape[0]), on its second above that; until then run(*inputs) directly."""
     graphs = graphs_of(module, namespace)
     recorded = graphs.get(key)
+    if recorded is None and inputs[0].shape[0] > DECODE_TOKENS:
+        seen = graphs_of(module, namespace + "/seen")
+        if key not in seen:
+            seen[key] = True
+            while len(seen) > SEEN_PER_MODULE:
+                seen.popitem(last=False)
+            return run(*inputs)
+        del seen[key]
     if recorded is None:
         recorded = graphs[key] = RecordedCall(run, inputs)
         while len(graphs) > GRAPHS_PER_MODULE:

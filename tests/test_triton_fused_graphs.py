@@ -55,3 +55,21 @@ def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
     out = forward.triton_fused_experts_forward(module, x, idx, w)
     assert len(graphs.graphs_of(module, "triton_fused")) == 0
     assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
+
+
+def test_larger_calls_are_recorded_when_their_shape_comes_back() -> None:
+    """Above graphs.DECODE_TOKENS a shape's first call runs directly (a one-off prefill size records nothing);
+    its second call records, later ones replay; up to REPEAT_TOKENS."""
+    from plugins.triton_fused import forward
+
+    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
+    t = graphs.DECODE_TOKENS + 1
+    x = torch.randn(t, 32, device="cuda", dtype=torch.bfloat16)
+    idx, w = random_routing(t, 4, 2, device="cuda")
+    before = graphs.recordings()
+    forward.triton_fused_experts_forward(module, x, idx, w)
+    assert graphs.recordings() == before
+    for _ in range(3):
+        out = forward.triton_fused_experts_forward(module, x, idx, w)
+    assert graphs.recordings() == before + 1
+    assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2

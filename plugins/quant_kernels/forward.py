@@ -7,9 +7,10 @@ activation and no post-expert norm run entirely in the kernels (one custom op); 
 gate such as GPT-OSS's, another activation, a post-expert norm) run the projections in the kernels and that
 code in torch between them.
 
-What the module holds is checked once per set of weights (a cached plan). At decode sizes (T <= 64) on a GPU
-the in-kernel path is recorded once per (module, shape) in a CUDA graph and replayed, as the fused backend
-does: inputs are copied into the graph's buffers, the graph replays, the output is cloned out.
+What the module holds is checked once per set of weights (a cached plan). On a GPU the in-kernel path is
+recorded once per (module, shape) in a CUDA graph and replayed, as the fused backend does (selector.graphs: on
+first use up to 64 tokens, on a shape's second call up to 4096): inputs are copied into the graph's buffers, the
+graph replays, the output is cloned out.
 `SELECTOR_QUANT_GRAPHS=0` turns that off; it is never used while torch.compile traces or a caller captures.
 """
 
@@ -165,9 +166,9 @@ def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: 
     return ops.combine_slots(y, ids, out, top_k, plan.common["num_experts"])
 
 
-# ---- decode: replay a recorded CUDA graph (launching four Triton kernels from Python costs more than they run)
+# ---- replay a recorded CUDA graph (launching the Triton kernels from Python can cost more than they run)
 
-GRAPH_MAX_TOKENS = 64
+GRAPH_MAX_TOKENS = graphs.REPEAT_TOKENS  # recorded on first use up to graphs.DECODE_TOKENS, above when repeated
 
 
 def _graphs_enabled(x: torch.Tensor, plan: _Plan, config: dict | None) -> bool:

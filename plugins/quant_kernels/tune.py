@@ -33,7 +33,8 @@ TRY_DECODE_LAYOUTS_MAX_PAIRS = 64  # pair blocks and x quantised in the K loop a
 TRY_QUANT_X_LOOP = False
 # (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
 # (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
-GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6)),
+GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6), (16, 2, 4), (32, 2, 4),
+                (32, 4, 6)),
            32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
            64: ((64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
            128: ((64, 8, 3), (64, 8, 4), (32, 4, 4))}  # fmt: skip

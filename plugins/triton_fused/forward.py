@@ -1,7 +1,8 @@
 """Adapter from a Transformers-style experts module to the fused Triton kernel.
 
-At decode sizes launching four Triton kernels from Python takes longer than running them, so up to
-GRAPH_MAX_TOKENS tokens the call is replayed from a recorded CUDA graph (selector.graphs);
+At decode sizes launching four Triton kernels from Python takes longer than running them (on a slow host up
+to a few hundred tokens), so up to GRAPH_MAX_TOKENS tokens the call is replayed from a recorded CUDA graph
+(selector.graphs: on first use up to 64 tokens, on a shape's second call above);
 `SELECTOR_TRITON_FUSED_GRAPHS=0` turns this off. Quantised experts (selector.quant) run the quantised
 grouped path of plugins/quant_kernels, which records its own decode graphs (`SELECTOR_QUANT_GRAPHS`).
 """
@@ -15,7 +16,7 @@ from selector import graphs, layers
 from selector.problem import activation_name
 from selector.quant import quant_format
 
-GRAPH_MAX_TOKENS = 64  # above this the launches are a small share of the time
+GRAPH_MAX_TOKENS = graphs.REPEAT_TOKENS  # recorded on first use up to graphs.DECODE_TOKENS, above when repeated
 
 
 def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

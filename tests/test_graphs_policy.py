@@ -1,0 +1,60 @@
+"""When selector.graphs records a call (CPU: a fake recording stands in for the CUDA graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selector import graphs
+
+
+class FakeRecording:
+    """Counts recordings; 'replays' by running the call again."""
+
+    def __init__(self, run, inputs) -> None:  # noqa: ANN001
+        self.run = run
+        made.append(inputs[0].shape[0])
+
+    def __call__(self, inputs):  # noqa: ANN001, ANN204
+        return self.run(*inputs)
+
+
+made: list[int] = []
+
+
+@pytest.fixture
+def module(monkeypatch):
+    monkeypatch.setattr(graphs, "RecordedCall", FakeRecording)
+    made.clear()
+    return torch.nn.Linear(2, 2)
+
+
+def _call(module, tokens: int) -> torch.Tensor:  # noqa: ANN001
+    x = torch.full((tokens, 2), 3.0)
+    return graphs.replay(module, "test", ("shape", tokens), lambda a: a * 2, (x,))
+
+
+def test_decode_sizes_record_on_first_use(module) -> None:  # noqa: ANN001
+    assert torch.equal(_call(module, graphs.DECODE_TOKENS), torch.full((graphs.DECODE_TOKENS, 2), 6.0))
+    _call(module, graphs.DECODE_TOKENS)
+    assert made == [graphs.DECODE_TOKENS]
+
+
+def test_larger_calls_record_when_their_shape_comes_back(module) -> None:  # noqa: ANN001
+    big = graphs.DECODE_TOKENS + 1
+    assert torch.equal(_call(module, big), torch.full((big, 2), 6.0))  # direct, nothing recorded
+    assert made == []
+    for _ in range(3):
+        _call(module, big)
+    assert made == [big]  # recorded on the second call, replayed after
+
+
+def test_one_off_sizes_never_record_and_are_forgotten(module) -> None:  # noqa: ANN001
+    sizes = range(graphs.DECODE_TOKENS + 1, graphs.DECODE_TOKENS + 2 + graphs.SEEN_PER_MODULE)
+    for tokens in sizes:
+        _call(module, tokens)
+    assert made == [] and len(graphs.graphs_of(module, "test/seen")) == graphs.SEEN_PER_MODULE
+    _call(module, sizes[0])  # forgotten (least recent beyond SEEN_PER_MODULE): direct again
+    assert made == []
+    _call(module, sizes[-1])
+    assert made == [sizes[-1]]
