@@ -73,8 +73,7 @@ class RecordedCall:
         _RECORDINGS += 1  # counted once captured: a capture that raised recorded nothing
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        for buffer, value in zip(self.inputs, inputs):
-            buffer.copy_(value)
+        torch._foreach_copy_(self.inputs, inputs)  # one call from Python for all the input copies
         self.graph.replay()
         return self.output.clone()
 

@@ -287,6 +287,11 @@ def _split_gate_up(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "has_gate", True)) and bool(getattr(module, "is_concatenated", True))
 
 
+def is_quantised(module: torch.nn.Module) -> bool:
+    """quant_format(module) is not None, without building the format (backends ask on every call)."""
+    return getattr(module, "selector_weight_format", "dense") not in (None, "dense")
+
+
 def quant_format(module: torch.nn.Module) -> QuantFormat | None:
     """The module's QuantFormat, or None for dense experts."""
     weight_format = getattr(module, "selector_weight_format", "dense")

@@ -189,19 +189,21 @@ def quant_experts_forward(
     plan = _plan(module, hidden_states.shape[1])
     if plan.tensors[0].device != hidden_states.device:
         raise _fail(f"weights are on {plan.tensors[0].device}, hidden_states on {hidden_states.device}")
-    x = hidden_states.to(plan.compute or hidden_states.dtype)
+    dtype = hidden_states.dtype
+    x = hidden_states if plan.compute in (None, dtype) else hidden_states.to(plan.compute)  # .to costs host time
     if x.dtype not in COMPUTE_DTYPES:
         raise _fail(f"compute dtype {x.dtype} is not supported (float32, bfloat16, float16)")
     x = x if x.stride(1) == 1 else x.contiguous()
     if not _graphs_enabled(x, plan, config):
-        return _direct(plan, module, x, top_k_index, top_k_weights, mode, config).to(hidden_states.dtype)
-    key = (id(plan), mode, tuple(x.shape), x.dtype, tuple(top_k_index.shape), top_k_index.dtype,
-           top_k_weights.dtype, x.device)  # fmt: skip
+        out = _direct(plan, module, x, top_k_index, top_k_weights, mode, config)
+    else:
+        key = (id(plan), mode, x.shape, x.dtype, top_k_index.shape, top_k_index.dtype, top_k_weights.dtype, x.device)
 
-    def run(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return _direct(plan, module, a, b, c, mode, None)
+        def run(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return _direct(plan, module, a, b, c, mode, None)
 
-    return graphs.replay(module, "quant", key, run, (x, top_k_index, top_k_weights)).to(hidden_states.dtype)
+        out = graphs.replay(module, "quant", key, run, (x, top_k_index, top_k_weights))
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def quant_batched_forward(module, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
