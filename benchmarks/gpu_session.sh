@@ -8,7 +8,8 @@
 #   options (wheels carried), a profile of the Qwen fp8 cells and those cells again;   part8 (one GPU): the
 #   quantised CUDA tests, a Qwen T=1 retune and the whole quantised grid after the eager op bypass;
 #   part9 (session 4, one GPU): where the Qwen fp8 time goes (host, allocator, kernels), eager decode with and
-#   without graphs, quantize_rows / combine tiles;   part10: CUDA tests, Qwen fp8 retune, host profile, Qwen grid.
+#   without graphs, quantize_rows / combine tiles;   part10: CUDA tests, Qwen fp8 retune, host profile, Qwen grid;
+#   part11: CUDA tests of the weight-only decode path, fp8 decode retune, the whole quantised grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -224,6 +225,21 @@ part10)
   stamp "quant grid: Qwen shapes"
   timeout 150 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --no-check --budget-s 130 \
     --out "$OUT/grid" 2>&1 | tail -30 >>"$LOG"
+  ;;
+part11)
+  # session 4, third call (one GPU): CUDA tests of the weight-only decode path; fp8 decode retune of every
+  # shape with it as a candidate; the whole quantised grid
+  stamp "CUDA tests: quantised grouped path"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py tests/test_graphs_policy.py 2>&1 \
+    | tail -3 | tee -a "$LOG"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "fp8 tune: T=1,8, every shape"
+  timeout 160 python3 -m plugins.quant_kernels.tune --tokens 1,8 --formats fp8 --budget-s 140 --out $table 2>&1 \
+    | grep "T=" | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
+  cp $table "$OUT/"
+  stamp "quant grid"
+  timeout 190 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 170 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac
 stamp done
