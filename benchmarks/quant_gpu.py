@@ -11,8 +11,7 @@ One run, on one GPU:
    and quantised cells (fp8-f32, fp8-ue8m0, fp4 through batched_mm and grouped_mm), timed back to back with
    CUDA events around the whole run ("eager") and, for T <= 64, as CUDA-graph replays ("graph");
    floor = max(bytes / BW, FLOPs / PEAK) with bytes = experts hit x (weights + scales as stored) + 2 x T x H x 2;
-   quantised cells at T <= 64 are also checked against the float64 reference on their first 8 tokens (a cell
-   whose tuned entry is weight-only, QUANT_X "none", against the reference with unquantised activations);
+   quantised cells at T <= 64 are also checked against the float64 reference on their first 8 tokens;
 4. a short table, and the issue's targets: at T <= 64 the best FP8 time <= 0.65 x the best bf16 time (same
    mode), at T >= 512 the best FP8 time <= 2 x its floor.
 
@@ -164,18 +163,6 @@ def forward_of(name: str):  # noqa: ANN201
     return selector.get_registry().get(name).load()
 
 
-def weight_only(layer: torch.nn.Module, backend: str, tokens: int, k: int) -> bool:
-    """Whether this cell's grouped path keeps its activations in bf16 (a tuned QUANT_X "none" entry)."""
-    fmt = Q.quant_format(layer)
-    if backend not in ("triton_fused", "grouped_mm") or fmt is None or fmt.activation_quant != "dynamic":
-        return False
-    from plugins.quant_kernels import ops
-
-    h, i = layer.down_proj.shape[1], layer.down_proj.shape[2] * (2 if fmt.weight_format == "fp4" else 1)
-    cfg = ops.resolve_config(None, layer.down_proj.device, fmt.weight_format == "fp4", layer.num_experts, h, i, tokens, k)
-    return cfg.get("QUANT_X") == "none"
-
-
 def floor_of(layer: torch.nn.Module, index: torch.Tensor, h: int, i: int, k: int, ceilings: dict) -> tuple[float, float, float]:
     hit = int(torch.unique(index).numel())
     per_expert = Q.weight_bytes(layer) / layer.num_experts  # as stored, scales included
@@ -246,7 +233,7 @@ def run_cells(name: str, built: dict, tokens: int, ceilings: dict, args, log, de
     for fmt_name, layer in built["layers"].items():
         backends = BF16_BACKENDS if fmt_name == "bf16" else QUANT_TIMED
         floor, moved, flops = floor_of(layer, index, h, i, k, ceilings)
-        refs: dict[bool, torch.Tensor] = {}  # float64 references: activations quantised as the kernels do, or not
+        ref = None
         for backend in backends:
             if fmt_name == "bf16" and backend not in args.bf16_backends:
                 continue
@@ -284,12 +271,9 @@ def run_cells(name: str, built: dict, tokens: int, ceilings: dict, args, log, de
                     cell.time_s = timed(lambda fwd=fwd, layer=layer: fwd(layer, x, index, weights), mode)
                     if fmt_name != "bf16" and tokens <= GRAPH_MAX_TOKENS and mode == "eager":
                         rows = min(tokens, 8)
-                        as_kernel = not weight_only(layer, backend, tokens, k)  # compared with what it computes
-                        if as_kernel not in refs:
-                            refs[as_kernel] = Q.reference_forward(layer, x[:rows], index[:rows], weights[:rows],
-                                                                  quantize_activations_as_kernel=as_kernel, device=device)
+                        if ref is None:
+                            ref = Q.reference_forward(layer, x[:rows], index[:rows], weights[:rows], device=device)
                         out = fwd(layer, x, index, weights)[:rows].double()
-                        ref = refs[as_kernel]
                         cell.rel_error = ((out - ref).norm() / ref.norm()).item()
                 except torch.cuda.OutOfMemoryError:
                     cell.skipped = "out of memory"

@@ -329,37 +329,3 @@ def test_one_scale_load_per_tile_where_a_tile_lies_in_one_scale_row(layout, fmt,
     wide = _check(module, x, idx, w, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64}, "down": {"BLOCK_N": 64}})
     assert [f for f in flags if f is not None] == [False, False]
     assert relative_error(narrow, wide.cpu().double()) < 1e-5  # the same operands; sums in another order
-
-
-WEIGHT_ONLY_FORMATS = FORMATS + [pytest.param(("fp4", "ue8m0", None), id="fp4")]
-
-
-@pytest.mark.parametrize("fmt", WEIGHT_ONLY_FORMATS)
-@pytest.mark.parametrize("layout", [Layout(bias=True), Layout(interleaved=True, expert_parallel=True)], ids=str)
-@pytest.mark.parametrize("route", ["pairs", "sorted"])
-def test_weight_only_decode_keeps_activations_in_bf16(route, layout, fmt, monkeypatch):
-    """QUANT_X "none": bf16 activations and widened weight tiles, no quantisation launch; the result is the
-    float64 one from the dequantised weights with unquantised activations (only the bf16 intermediate rounds)."""
-    from plugins.quant_kernels import ops
-
-    calls = []
-    real = ops.quantize_rows
-    monkeypatch.setattr(ops, "quantize_rows", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    h = 256 if fmt[0] == "fp4" else 96  # fp4: 128-wide activation groups
-    module = Q.quantize_experts(make_experts(4, h, 160, layout, dtype=torch.bfloat16, device=DEV, seed=34), *fmt)
-    idx, w = random_routing(3, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
-    x = torch.randn(3, h, device=DEV, dtype=torch.bfloat16)
-    config = {"BLOCK_M": 16, "ROUTE": route, "QUANT_X": "none", "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 64}}
-    out = _run(module, x, idx, w, config)
-    assert calls == [] and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    exact = Q.reference_forward(module, x, idx, w, quantize_activations_as_kernel=False)
-    assert relative_error(out, exact) < 1e-2
-    quantised = _run(module, x, idx, w, {**config, "QUANT_X": "once"})
-    assert calls and relative_error(quantised, exact) > relative_error(out, exact)  # activation rounding shows
-
-
-def test_weight_only_needs_16_bit_activations():
-    """fp32 compute has no 16-bit tile to widen to: QUANT_X "none" falls back to quantising x up front."""
-    module = Q.quantize_experts(make_experts(4, 64, 32, device=DEV, seed=35), "fp8_block", "float32", (32, 32))
-    idx, w = random_routing(2, 4, 2, device=DEV)
-    _check(module, torch.randn(2, 64, device=DEV), idx, w, {"BLOCK_M": 16, "QUANT_X": "none", "BLOCK_N": 32})

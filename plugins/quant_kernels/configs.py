@@ -4,9 +4,7 @@ A configuration is ``{"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "num_warps": 4,
 "down": {...}}``; a flat dict (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M) applies to both GEMMs and a
 missing key is filled by the heuristics. ``"QUANT_X": "once" | "loop"`` says where the activations are quantised
 (dynamic scales): once up front by ``quantize_rows`` (one more launch; the default), or inside the gate_up K loop
-(every N tile redoes it; slower in every decode cell tuned on the H200, so only on request), or not at all
-(``"none"``: weight-only quantisation, bf16 / fp16 activations and weight tiles widened to them; no quantisation
-launch, and closer to the unquantised-activation result; the tuner tries it at decode). ``"ROUTE": "sorted" |
+(every N tile redoes it; slower in every decode cell tuned on the H200, so only on request). ``"ROUTE": "sorted" |
 "pairs"``: pairs sorted by expert into BLOCK_M blocks (the align launch), or one 16-row block per pair (decode:
 no align; an expert hit twice is read twice). BLOCK_K is not a knob: it is the activation group (the K tile that
 one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
@@ -26,7 +24,7 @@ from plugins.tile_tables import read_table
 CONFIG_DIR = Path(__file__).with_name("configs")
 GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_K")  # SPLIT_K: down only (linear)
 PARTS = ("gate_up", "down")
-QUANT_X = (None, "once", "loop", "none")  # encoded as its index (0 = unset: the heuristic picks)
+QUANT_X = (None, "once", "loop")  # encoded as its index (0 = unset: the heuristic picks)
 ROUTE = (None, "sorted", "pairs")  # likewise
 
 

@@ -1,8 +1,7 @@
 """Triton kernels for quantised experts: FP8 e4m3 block-scaled and FP4 e2m1 (UE8M0 group scales) weights.
 
 Activations are quantised to e4m3 per row and per K tile (= the activation group): dynamic (scale =
-amax / 448) or static (the expert's stored scale); or (``A_16``, a decode option) left in bf16 / fp16 with the
-weight tiles widened to that type. The grouped path with dynamic scales quantises them once,
+amax / 448) or static (the expert's stored scale). The grouped path with dynamic scales quantises them once,
 up front (``_quant_rows_kernel``), and its gate_up epilogue can quantise the intermediate (``QUANT_OUT``); the
 row kernel and static scales quantise inside the K loop. Each K tile contributes
 dot(a_q, w_q) * a_scale[row] * w_scale[col]  to an fp32 accumulator, so the fp8 dot's own accumulation never
@@ -153,24 +152,6 @@ def _scaled(d, sa, ws, ONE_ROW: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(a, sa, b, ws, A_16: tl.constexpr, ONE_ROW: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
-              EXACT: tl.constexpr):  # fmt: skip
-    """One K tile's scaled product: e4m3 a and b (row scales sa), or (A_16) 16-bit a and b widened to a's type."""
-    if A_16:
-        if EXACT:  # the interpreter's 16-bit dot multiplies raw bits: in fp32 (the products are exact either way)
-            d = tl.dot(a.to(tl.float32), b.to(tl.float32))
-        else:
-            d = tl.dot(a, b.to(a.dtype))
-        if ONE_ROW:
-            r = d * ws
-        else:
-            r = d * ws[None, :]
-    else:
-        r = _scaled(_dot(a, b, MAX_IMPRECISE), sa, ws, ONE_ROW)
-    return r
-
-
-@triton.jit
 def _quant_rows(a, static_s, BM: tl.constexpr, STATIC: tl.constexpr, EXACT: tl.constexpr):
     """a [BM, BK] fp32 -> (e4m3 [BM, BK], scale [BM]) per row."""
     if STATIC:
@@ -287,7 +268,7 @@ def _grouped_kernel(
     FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, A_16: tl.constexpr,
+    SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -304,8 +285,6 @@ def _grouped_kernel(
     combine adds the shares. At decode a long K loop over few programs is latency bound (Mixtral's down: K=14336).
     ONE_SCALE_ROW (fp8): every weight tile lies within one scale row (the tile width divides the block's), so
     each K step loads one weight scale, not one per column.
-    A_16 (weight-only quantisation, decode): A stays in its 16-bit type and each weight tile is widened to it
-    (e4m3 and e2m1 values are exact in bf16 / fp16); no activation is quantised, so no quantisation launch runs.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -359,10 +338,7 @@ def _grouped_kernel(
         k_lo = 0
         k_hi = K
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if A_16:
-            aq = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
-            sa = tl.full([BLOCK_M], 1.0, tl.float32)
-        elif A_FP8:
+        if A_FP8:
             aq = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             sa = tl.load(a_s_base + k0 // BLOCK_K)
         elif PAIR_BLOCKS:  # every row of a pair block reads the pair's row: quantise it once, then broadcast
@@ -377,16 +353,16 @@ def _grouped_kernel(
         if GATED and INTERLEAVED:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
                                 stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW)  # fmt: skip
-            acc += _tile_dot(aq, sa, b, ws, A_16, ONE_SCALE_ROW, MAX_IMPRECISE, EXACT)
+            acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_SCALE_ROW)
         else:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
                                 stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW)  # fmt: skip
-            acc += _tile_dot(aq, sa, b, ws, A_16, ONE_SCALE_ROW, MAX_IMPRECISE, EXACT)
+            acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_SCALE_ROW)
             if GATED:
                 bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
                                       stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
                                       EXACT, ONE_SCALE_ROW)  # fmt: skip
-                acc_u += _tile_dot(aq, sa, bu, wsu, A_16, ONE_SCALE_ROW, MAX_IMPRECISE, EXACT)
+                acc_u += _scaled(_dot(aq, bu, MAX_IMPRECISE), sa, wsu, ONE_SCALE_ROW)
 
     bias_base = bias_ptr + expert * stride_be
     if GATED and INTERLEAVED:

@@ -174,7 +174,6 @@ def _launch(
     a_scale: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     inter_dtype: torch.dtype | None = None,
-    a_16: bool = False,
 ) -> None:
     static = act_scale is not None
     has_bias = bias is not None
@@ -211,7 +210,7 @@ def _launch(
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
-                 MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, A_16=a_16),
+                 MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
@@ -269,20 +268,14 @@ def projection(
     config: dict | None = None,
     a_scale: torch.Tensor | None = None,
     quant_out: bool = False,
-    a_16: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One projection for every (token, slot) pair -> [num_pairs, N] (N = I when `gated`, else C); with K split
     (grouped, linear epilogue: config SPLIT_K or the decode heuristic) [shares, num_pairs, N] fp32 partial sums.
 
     Sentinel pairs' rows are left unwritten (the combine skips them). `a_scale`: `a` is e4m3 from
     ``quantize_rows``. `quant_out` (grouped mode, BLOCK_N a multiple of block_k): returns (e4m3 out, scales),
-    the result rounded to `out_dtype` and quantised per row and block_k channels. `a_16` (grouped mode, dynamic
-    scales, `a` bf16 / fp16): nothing quantises `a`; the weight tiles are widened to its type (weight-only).
+    the result rounded to `out_dtype` and quantised per row and block_k channels.
     """
-    if a_16 and (mode != "grouped" or a.dtype not in (torch.bfloat16, torch.float16) or a_scale is not None
-                 or quant_out or act_scale is not None):  # fmt: skip
-        raise ValueError(f"quantised experts: 16-bit activations need the grouped mode, bf16/fp16 input and dynamic "
-                         f"scales (got {mode}, {a.dtype})")  # fmt: skip
     c = w.shape[1]
     k_dim = w.shape[2] * (2 if fp4 else 1)
     n_out = c // 2 if gated else c
@@ -307,7 +300,7 @@ def projection(
         num_experts=num_experts, n_out=n_out, k_dim=k_dim, a_div=a_div, up_offset=c // 2 if gated else 0,
         n_split=n_split, split_rows=split_rows, block_n_w=block_n, block_k=block_k, gated=gated,
         interleaved=interleaved, act=K.ACT_CODE[activation], fp4=fp4, ue8m0=ue8m0, config=config,
-        a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype, a_16=a_16,
+        a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype,
     )  # fmt: skip
     return (out, out_scale) if quant_out else out
 
@@ -359,16 +352,9 @@ def quant_experts_impl(
         y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, config=c2,
                        **common)  # fmt: skip
         return combine_slots(y, ids, out, top_k, num_experts)
-    quant_x = cfg.get("QUANT_X") or "once"
-    if quant_x == "none" and x.dtype in (torch.bfloat16, torch.float16):  # weight-only: no quantisation launch
-        inter = projection(mode, x, w1, s1, routing, n_pairs, a_div=top_k, bias=b1, config=cfg["gate_up"], a_16=True,
-                           out_dtype=x.dtype, **up_args, **common)  # fmt: skip
-        y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, bias=b2, topk_w=wts, config=cfg["down"],
-                       a_16=True, out_dtype=x.dtype, **common)  # fmt: skip
-        return combine_slots(y, ids, out, top_k, num_experts)
     # grouped, dynamic: x quantised once up front, or (config QUANT_X "loop") inside gate_up's K loop; the gate_up
     # epilogue quantises the intermediate when its tile covers whole groups, else a second quantize_rows does
-    if quant_x != "loop":
+    if (cfg.get("QUANT_X") or "once") == "once":
         xq, xs = quantize_rows(x, block_k)
     else:
         xq, xs = x, None

@@ -94,11 +94,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     layouts = [("sorted", bm) for bm in block_m_candidates(pairs, e)]
     if pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS:
         layouts.insert(0, ("pairs", 16))
-    # x quantised in the K loop lost every decode cell on the H200 (session 3): tried only with --try-quant-x-loop;
-    # "none" (weight-only: bf16 activations, no quantisation launch) is a whole-layer choice, tried at decode
+    # x quantised in the K loop lost every decode cell on the H200 (session 3): tried only with --try-quant-x-loop
     quant_x = ("once", "loop") if TRY_QUANT_X_LOOP and pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS else ("once",)
-    if pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS:
-        quant_x += ("none",)
     for route, bm in layouts:
         if time.perf_counter() > deadline:
             break
@@ -107,29 +104,21 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         # pair blocks launch nothing to route (host only: an empty graph cannot be timed)
         t_align = 0.0 if route == "pairs" else _time(lambda: ops.route("grouped", ids, e, rcfg), graph)
         size = "small" if bm <= 32 else "large"
-        parts = {}  # (part, "a8" or "a16") -> (time, config)
-        down_modes = ("once", "none") if "none" in quant_x else ("once",)
+        parts = {}
         for part, options in (("gate_up", GATE_UP[bm]), ("down", DOWN[size])):
-            for (bn, warps, stages, *split), qx in itertools.product(options, quant_x if part == "gate_up" else down_modes):
+            for (bn, warps, stages, *split), qx in itertools.product(options, quant_x if part == "gate_up" else ("once",)):
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "GROUP_M": 1 if bm <= 32 else 8}
                 if part == "down":
                     if split and triton.cdiv(inter, 128) < SPLIT_MIN_STEPS:
                         continue
                     cfg["SPLIT_K"] = split[0] if split else 1
-                a16 = qx == "none"
                 if part == "gate_up":
-                    qo = bn % 128 == 0 and not a16
+                    qo = bn % 128 == 0
                     a, a_s = (xq, xs) if qx == "once" else (x, None)
                     fn = lambda: ops.projection("grouped", a, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=a_s,
                                                 quant_out=qo, out_dtype=torch.bfloat16, gated=True, activation="silu",
-                                                split_inter=None if fp4 else inter, a_16=a16, **common)  # fmt: skip
-                    extra = 0.0 if a16 else (0.0 if qo else t_qi) + (t_qx if qx == "once" else 0.0)
-                elif a16:
-                    fn = lambda: ops.combine_slots(
-                        ops.projection("grouped", ih, w2, s2, routing, pairs, a_div=1, config=cfg, topk_w=wts,
-                                       out_dtype=torch.bfloat16, a_16=True, **common),
-                        ids, out, top_k, e)  # fmt: skip
-                    extra = 0.0
+                                                split_inter=None if fp4 else inter, **common)  # fmt: skip
+                    extra = (0.0 if qo else t_qi) + (t_qx if qx == "once" else 0.0)
                 else:
                     # with the combine: a split down hands it shares x pairs x H fp32 partial sums to add
                     fn = lambda: ops.combine_slots(
@@ -142,23 +131,20 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                 except Exception as exc:  # resources: a tile this GPU cannot run
                     log(f"    skip {route} BM={bm} {part} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
                     continue
-                slot = (part, "a16" if a16 else "a8")
-                if slot not in parts or t < parts[slot][0]:
-                    parts[slot] = (t, {**cfg, "QUANT_X": qx} if part == "gate_up" else cfg)
-        for family in ("a8", "a16"):
-            if ("gate_up", family) not in parts or ("down", family) not in parts:
-                continue
-            up_t, up_cfg = parts[("gate_up", family)]
-            up_cfg = dict(up_cfg)
-            qx = up_cfg.pop("QUANT_X")
-            down_t, down_cfg = parts[("down", family)]
-            total = t_align + up_t + down_t
-            how = "weight-only" if qx == "none" else f"x quantised {qx} [{t_qx * 1e6:.1f} us up front]"
-            log(f"  T={tokens} {route} BM={bm}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, {how}, gate_up "
-                f"{up_t * 1e6:.1f} {up_cfg}, down {down_t * 1e6:.1f} {down_cfg})")  # fmt: skip
-            if best is None or total < best["time_s"]:
-                config = {"BLOCK_M": bm, "ROUTE": route, "QUANT_X": qx, "gate_up": up_cfg, "down": down_cfg}
-                best = {"config": config, "time_s": total}
+                if part not in parts or t < parts[part][0]:
+                    parts[part] = (t, {**cfg, "QUANT_X": qx} if part == "gate_up" else cfg)
+        if len(parts) < 2:
+            continue
+        up_t, up_cfg = parts["gate_up"]
+        up_cfg = dict(up_cfg)
+        qx = up_cfg.pop("QUANT_X")
+        total = t_align + up_t + parts["down"][0]
+        log(f"  T={tokens} {route} BM={bm}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, x quantised {qx} "
+            f"[{t_qx * 1e6:.1f} us up front], gate_up {up_t * 1e6:.1f} {up_cfg}, down {parts['down'][0] * 1e6:.1f} "
+            f"{parts['down'][1]})")  # fmt: skip
+        if best is None or total < best["time_s"]:
+            config = {"BLOCK_M": bm, "ROUTE": route, "QUANT_X": qx, "gate_up": up_cfg, "down": parts["down"][1]}
+            best = {"config": config, "time_s": total}
     return best
 
 
