@@ -228,7 +228,7 @@ part10)
   ;;
 part11)
   # session 4, third call (one GPU): CUDA tests of the weight-only decode path; fp8 decode retune of every
-  # shape with it as a candidate; the whole quantised grid
+  # shape with it as a candidate (it lost every cell and was reverted after this call); the whole quantised grid
   stamp "CUDA tests: quantised grouped path"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py tests/test_graphs_policy.py 2>&1 \
     | tail -3 | tee -a "$LOG"
