@@ -9,7 +9,8 @@
 #   quantised CUDA tests, a Qwen T=1 retune and the whole quantised grid after the eager op bypass;
 #   part9 (session 4, one GPU): where the Qwen fp8 time goes (host, allocator, kernels), eager decode with and
 #   without graphs, quantize_rows / combine tiles;   part10: CUDA tests, Qwen fp8 retune, host profile, Qwen grid;
-#   part11: CUDA tests of the weight-only decode path, fp8 decode retune, the whole quantised grid.
+#   part11: CUDA tests of the weight-only decode path, fp8 decode retune, the whole quantised grid;
+#   part12: CUDA tests of gate_up split K (finished in the kernel), fp8 T=1 retune, the whole quantised grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -239,6 +240,20 @@ part11)
   cp $table "$OUT/"
   stamp "quant grid"
   timeout 190 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 170 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part12)
+  # session 4, last call (one GPU): CUDA tests of gate_up split K finished in the kernel; fp8 T=1 retune with it
+  # as a candidate; the whole quantised grid
+  stamp "CUDA tests: quantised grouped path"
+  timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py 2>&1 | tail -3 | tee -a "$LOG"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "fp8 tune: T=1, every shape"
+  timeout 120 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 105 --out $table 2>&1 \
+    | grep "T=" | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
+  cp $table "$OUT/"
+  stamp "quant grid"
+  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac

@@ -329,3 +329,33 @@ def test_one_scale_load_per_tile_where_a_tile_lies_in_one_scale_row(layout, fmt,
     wide = _check(module, x, idx, w, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64}, "down": {"BLOCK_N": 64}})
     assert [f for f in flags if f is not None] == [False, False]
     assert relative_error(narrow, wide.cpu().double()) < 1e-5  # the same operands; sums in another order
+
+
+FINISH_LAYOUTS = [Layout(bias=True), Layout(interleaved=True, expert_parallel=True), Layout(gated=False, bias=True)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS + [pytest.param(("fp4", "ue8m0", None), id="fp4")])
+@pytest.mark.parametrize("layout", FINISH_LAYOUTS, ids=str)
+@pytest.mark.parametrize("route", ["pairs", "sorted"])
+def test_split_k_gate_up_finished_by_its_last_share(route, layout, fmt, monkeypatch):
+    """SPLIT_K on gate_up (its epilogue needs the whole sum: gate, activation, quantised intermediate): each
+    share writes fp32 sums and the last to arrive adds them in share order and runs the epilogue. Same result
+    as one share up to the order of fp32 sums; uneven shares (K = 7 groups over 2 and 3)."""
+    from plugins.quant_kernels import ops
+
+    launched = []
+    real = ops.launch
+    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: launched.append((grid, consts.get("FINISH")))
+                        or real(fn, grid, args, consts, *a))  # fmt: skip
+    h = 7 * 128 if fmt[0] == "fp4" else 7 * 32  # fp4: 128-wide activation groups
+    module = Q.quantize_experts(make_experts(4, h, 64, layout, device=DEV, seed=36), *fmt)
+    idx, w = random_routing(3, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
+    x = torch.randn(3, h, device=DEV)
+    bn = 64 if fmt[0] == "fp4" else 32  # a 128-wide fp4 group needs the intermediate quantised separately
+    base = {"BLOCK_M": 16, "ROUTE": route, "down": {"BLOCK_N": 32}}
+    whole = _check(module, x, idx, w, {**base, "gate_up": {"BLOCK_N": bn}})
+    for shares in (2, 3):
+        launched.clear()
+        split = _check(module, x, idx, w, {**base, "gate_up": {"BLOCK_N": bn, "SPLIT_K": shares}})
+        assert [(g[1], f) for g, f in launched if f is not None][0] == (shares, True)  # gate_up: shares, finished
+        assert relative_error(split, whole.cpu().double()) < 1e-5

@@ -22,7 +22,7 @@ from typing import Any
 from plugins.tile_tables import read_table
 
 CONFIG_DIR = Path(__file__).with_name("configs")
-GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_K")  # SPLIT_K: down only (linear)
+GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_K")  # SPLIT_K: ops.split_k / finish_split
 PARTS = ("gate_up", "down")
 QUANT_X = (None, "once", "loop")  # encoded as its index (0 = unset: the heuristic picks)
 ROUTE = (None, "sorted", "pairs")  # likewise

@@ -261,14 +261,15 @@ def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
 @triton.jit
 def _grouped_kernel(
     a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, a_s_ptr, out_s_ptr,
-    num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows, bn,
+    part_ptr, count_ptr, num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows, bn,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_om, stride_on, stride_asm, stride_osm, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr,
+    SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, FINISH: tl.constexpr,
+    PART_W: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -280,9 +281,12 @@ def _grouped_kernel(
     straight from memory to the dot, with no quantisation work in the K loop (which otherwise serialises it).
     QUANT_OUT: the epilogue rounds its result to INTER_DTYPE (as a stored intermediate would be), quantises it
     per row and BLOCK_K channels (BLOCK_N is a multiple of BLOCK_K) and writes e4m3 to out, scales to out_s.
-    SPLIT_K (linear epilogues only: no gate, no activation, no QUANT_OUT): program_id(1) sums its share of the
-    K tiles and writes that partial sum (fp32; bias from share 0 only) to out + program_id(1) * stride_os; the
+    SPLIT_K: program_id(1) sums its share of the K tiles. Linear epilogues (no gate, no activation, no
+    QUANT_OUT) write that partial sum (fp32; bias from share 0 only) to out + program_id(1) * stride_os, and the
     combine adds the shares. At decode a long K loop over few programs is latency bound (Mixtral's down: K=14336).
+    FINISH (any other epilogue): each share writes its fp32 sums (PART_W columns, then the up half's BLOCK_N) to
+    part_ptr and counts itself in count_ptr[tile] (zeroed by the caller); the last one to arrive adds every
+    share in share order (the same bits whichever arrives last) and runs the epilogue alone.
     ONE_SCALE_ROW (fp8): every weight tile lies within one scale row (the tile width divides the block's), so
     each K step loads one weight scale, not one per column.
     """
@@ -364,6 +368,24 @@ def _grouped_kernel(
                                       EXACT, ONE_SCALE_ROW)  # fmt: skip
                 acc_u += _scaled(_dot(aq, bu, MAX_IMPRECISE), sa, wsu, ONE_SCALE_ROW)
 
+    if FINISH:
+        tile = pid_m * num_pid_n + pid_n
+        row_w: tl.constexpr = PART_W + BLOCK_N
+        part = part_ptr + (tile.to(tl.int64) * BLOCK_M + offs_m[:, None]) * row_w
+        share = (num_blocks_m * num_pid_n).to(tl.int64) * BLOCK_M * row_w
+        cols_a = tl.arange(0, PART_W)[None, :]
+        cols_u = PART_W + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(part + tl.program_id(1) * share + cols_a, acc)
+        tl.store(part + tl.program_id(1) * share + cols_u, acc_u)
+        # acq_rel: this share's sums are visible before it is counted, and the last one sees every share's
+        if tl.atomic_add(count_ptr + tile, 1) != SPLIT_K - 1:
+            return
+        acc = tl.load(part + cols_a)
+        acc_u = tl.load(part + cols_u)
+        for sh in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part + sh * share + cols_a)
+            acc_u += tl.load(part + sh * share + cols_u)
+
     bias_base = bias_ptr + expert * stride_be
     if GATED and INTERLEAVED:
         if HAS_BIAS:
@@ -378,7 +400,7 @@ def _grouped_kernel(
     else:
         if HAS_BIAS:
             bias = tl.load(bias_base + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
-            if SPLIT_K > 1:  # the bias once, in share 0
+            if SPLIT_K > 1 and not FINISH:  # the bias once, in share 0
                 bias = bias * (tl.program_id(1) == 0).to(tl.float32)
             acc += bias[None, :]
         res = _activation(acc, ACT)

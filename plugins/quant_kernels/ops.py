@@ -103,6 +103,16 @@ def split_k(mode: str, config: dict | None, routing: tuple, n_out: int, k_dim: i
     return split
 
 
+def finish_split(mode: str, config: dict | None, k_dim: int, block_k: int) -> int:
+    """Shares of K for a projection whose epilogue needs the whole sum (gate, activation, quantised output): only
+    where the config asks (SPLIT_K); the kernel's last share to finish adds them (FINISH). Decode: more programs
+    for a latency-bound K loop (Qwen gate_up at T=1: 96 programs of 16 K steps)."""
+    asked = int((config or {}).get("SPLIT_K") or 0)
+    if mode != "grouped" or asked <= 1:
+        return 1
+    return max(1, min(asked, triton.cdiv(k_dim, block_k)))
+
+
 def _gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config: dict | None, wide: bool) -> dict:
     """One GEMM's launch parameters: those `config` sets (flat keys), the heuristics for the rest."""
     cfg = {k: v for k, v in (config or {}).items() if v and not isinstance(v, dict)}
@@ -174,6 +184,7 @@ def _launch(
     a_scale: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     inter_dtype: torch.dtype | None = None,
+    finish_split: int = 1,
 ) -> None:
     static = act_scale is not None
     has_bias = bias is not None
@@ -197,20 +208,26 @@ def _launch(
         # divides the scale block's, the tile lies in one scale row (a gate tile never reaches the up half)
         tile_c = 2 * bn if gated and interleaved else bn
         one_row = ONE_SCALE_ROW and not fp4 and block_n_w % tile_c == 0
-        grid = (num_blocks_m * triton.cdiv(n_out, bn), split)
+        tiles = num_blocks_m * triton.cdiv(n_out, bn)
+        part = count = s  # unused unless the kernel finishes a split K itself (FINISH)
+        if finish_split > 1:
+            split = finish_split
+            part = torch.empty(split * tiles * bm * (tile_c + bn), dtype=torch.float32, device=a.device)
+            count = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+        grid = (tiles, split)
         a_s = a_scale if a_scale is not None else s
         o_s = out_scale if out_scale is not None else s
         launch(
             K._grouped_kernel, grid,
             (a, w, s, act_scale if static else s, bias if has_bias else s, out,
              block_expert if sorted_rows is None else sorted_rows, block_expert, topk_w if topk_w is not None else s,
-             a_s, o_s, out.shape[-2], num_experts, n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
+             a_s, o_s, part, count, out.shape[-2], num_experts, n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
              a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0,
-             out.stride(0) if split > 1 else 0),
+             out.stride(0) if out.dim() == 3 else 0),
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
-                 MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row),
+                 MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
@@ -271,6 +288,7 @@ def projection(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One projection for every (token, slot) pair -> [num_pairs, N] (N = I when `gated`, else C); with K split
     (grouped, linear epilogue: config SPLIT_K or the decode heuristic) [shares, num_pairs, N] fp32 partial sums.
+    Other epilogues split K only where the config asks (``finish_split``) and still return whole results.
 
     Sentinel pairs' rows are left unwritten (the combine skips them). `a_scale`: `a` is e4m3 from
     ``quantize_rows``. `quant_out` (grouped mode, BLOCK_N a multiple of block_k): returns (e4m3 out, scales),
@@ -282,6 +300,7 @@ def projection(
     inter_dtype = out_dtype or (a.dtype if a_scale is None else torch.bfloat16)
     linear = not (gated or quant_out) and activation == "none"  # partial sums only add up through a linear epilogue
     split = split_k(mode, config, routing, n_out, k_dim, block_k, a.device) if linear else 1
+    finish = 1 if linear else finish_split(mode, config, k_dim, block_k)
     if split > 1:  # K shared out: fp32 partial sums, added by the combine (combine_slots)
         out = torch.empty((split, num_pairs, n_out), dtype=torch.float32, device=a.device)
     else:
@@ -300,7 +319,7 @@ def projection(
         num_experts=num_experts, n_out=n_out, k_dim=k_dim, a_div=a_div, up_offset=c // 2 if gated else 0,
         n_split=n_split, split_rows=split_rows, block_n_w=block_n, block_k=block_k, gated=gated,
         interleaved=interleaved, act=K.ACT_CODE[activation], fp4=fp4, ue8m0=ue8m0, config=config,
-        a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype,
+        a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype, finish_split=finish,
     )  # fmt: skip
     return (out, out_scale) if quant_out else out
 

@@ -33,8 +33,9 @@ TRY_DECODE_LAYOUTS_MAX_PAIRS = 64  # pair blocks and x quantised in the K loop a
 TRY_QUANT_X_LOOP = False
 # (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
 # (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
+# gate_up: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); a split gate_up is finished by its last share in the kernel
 GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6), (16, 2, 4), (32, 2, 4),
-                (32, 4, 6)),
+                (32, 4, 6), (32, 4, 4, 2), (64, 4, 4, 2), (64, 4, 6, 2), (128, 4, 4, 2), (64, 4, 4, 4)),
            32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
            64: ((64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
            128: ((64, 8, 3), (64, 8, 4), (32, 4, 4))}  # fmt: skip
@@ -112,6 +113,10 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     if split and triton.cdiv(inter, 128) < SPLIT_MIN_STEPS:
                         continue
                     cfg["SPLIT_K"] = split[0] if split else 1
+                elif split:
+                    if qx != "once" or triton.cdiv(h, 128) < 4 * split[0]:  # each share keeps >= 4 K steps
+                        continue
+                    cfg["SPLIT_K"] = split[0]
                 if part == "gate_up":
                     qo = bn % 128 == 0
                     a, a_s = (xq, xs) if qx == "once" else (x, None)
