@@ -25,6 +25,8 @@ GRAPHS_PER_MODULE = 8  # least recently used graphs beyond this are dropped
 # call, 240 us of kernels), while a prefill size seen once would pay a recording (a sync and a warm-up) for nothing.
 DECODE_TOKENS = 64
 REPEAT_TOKENS = 4096
+REPEAT_MAX_BYTES = 16 << 20  # and only while its buffers (inputs, and an output like x) stay this small: a
+# graph keeps them for as long as it lives, per layer (Qwen3 T=512: 4 MiB; DeepSeek T=4096: 117 MB, GPU-bound anyway)
 SEEN_PER_MODULE = 16  # keys seen once (not recorded), remembered per module and backend, least recent dropped
 _POOL: Any = None  # one memory pool for all graphs: they replay one after another on one stream
 _GRAPHS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, OrderedDict]] = weakref.WeakKeyDictionary()
@@ -54,6 +56,11 @@ def graphs_of(module: torch.nn.Module, namespace: str) -> OrderedDict:
     return _GRAPHS.setdefault(module, {}).setdefault(namespace, OrderedDict())
 
 
+def copy_inputs(buffers: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
+    """buffer.copy_(value) for each pair (any dtypes, any strides), in one call from Python."""
+    torch._foreach_copy_(buffers, values)
+
+
 class RecordedCall:
     """One captured call: static input buffers, the graph, its output buffer."""
 
@@ -73,7 +80,7 @@ class RecordedCall:
         _RECORDINGS += 1  # counted once captured: a capture that raised recorded nothing
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        torch._foreach_copy_(self.inputs, inputs)  # one call from Python for all the input copies
+        copy_inputs(self.inputs, inputs)
         self.graph.replay()
         return self.output.clone()
 
@@ -86,10 +93,13 @@ def replay(
     inputs: tuple[torch.Tensor, ...],
 ) -> torch.Tensor:
     """run(*inputs) through a graph recorded for `key` (which must capture every shape/pointer): on its first use
-    up to DECODE_TOKENS tokens (inputs[0].shape[0]), on its second above that; until then run(*inputs) directly."""
+    up to DECODE_TOKENS tokens (inputs[0].shape[0]), on its second above that (within REPEAT_MAX_BYTES); until
+    then, and above the bytes, run(*inputs) directly."""
     graphs = graphs_of(module, namespace)
     recorded = graphs.get(key)
     if recorded is None and inputs[0].shape[0] > DECODE_TOKENS:
+        if sum(t.nbytes for t in inputs) + inputs[0].nbytes > REPEAT_MAX_BYTES:
+            return run(*inputs)
         seen = graphs_of(module, namespace + "/seen")
         if key not in seen:
             seen[key] = True

@@ -58,3 +58,18 @@ def test_one_off_sizes_never_record_and_are_forgotten(module) -> None:  # noqa: 
     assert made == []
     _call(module, sizes[-1])
     assert made == [sizes[-1]]
+
+
+def test_large_calls_run_direct_above_the_byte_cap(module) -> None:  # noqa: ANN001
+    tokens = graphs.REPEAT_MAX_BYTES // 8 + 1  # two [T, 2] float32 buffers (input, output) above the cap
+    for _ in range(3):
+        out = _call(module, tokens)
+    assert made == [] and torch.equal(out, torch.full((tokens, 2), 6.0))
+
+
+def test_input_copies_take_any_dtype_and_stride() -> None:
+    """The replay's one-call copy into the recorded buffers: mixed dtypes, a transposed and a sliced source."""
+    buffers = (torch.zeros(4, 3, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2))
+    values = (torch.randn(3, 4).t().to(torch.bfloat16), torch.arange(16).reshape(4, 4)[:, ::2], torch.rand(4, 2))
+    graphs.copy_inputs(buffers, values)
+    assert all(torch.equal(b, v) for b, v in zip(buffers, values))

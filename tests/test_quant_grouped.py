@@ -320,7 +320,8 @@ def test_one_scale_load_per_tile_where_a_tile_lies_in_one_scale_row(layout, fmt,
     real = ops.launch
     monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: flags.append(consts.get("ONE_SCALE_ROW"))
                         or real(fn, grid, args, consts, *a))  # fmt: skip
-    module = Q.quantize_experts(make_experts(4, 96, 64, layout, device=DEV, seed=33), *fmt)  # 32 x 32 blocks
+    # 32 x 32 blocks; I = 72 ends the gate half inside a block, so the up half's rows start a new scale row
+    module = Q.quantize_experts(make_experts(4, 96, 72, layout, device=DEV, seed=33), *fmt)
     idx, w = random_routing(5, 4, 2, device=DEV, skew=True)
     x = torch.randn(5, 96, device=DEV)
     narrow = _check(module, x, idx, w, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 16}, "down": {"BLOCK_N": 32}})
@@ -340,7 +341,9 @@ FINISH_LAYOUTS = [Layout(bias=True), Layout(interleaved=True, expert_parallel=Tr
 def test_split_k_gate_up_finished_by_its_last_share(route, layout, fmt, monkeypatch):
     """SPLIT_K on gate_up (its epilogue needs the whole sum: gate, activation, quantised intermediate): each
     share writes fp32 sums and the last to arrive adds them in share order and runs the epilogue. Same result
-    as one share up to the order of fp32 sums; uneven shares (K = 7 groups over 2 and 3)."""
+    as one share up to the order of fp32 sums; uneven shares (K = 7 groups over 2, 3 and 5, one share empty). The
+    interpreter runs programs in order, so the last share always arrives last here; the GPU runs order freely.
+    Counters start from torch.zeros on every launch (poisoned buffers would not show a stale count here)."""
     from plugins.quant_kernels import ops
 
     launched = []
@@ -354,7 +357,7 @@ def test_split_k_gate_up_finished_by_its_last_share(route, layout, fmt, monkeypa
     bn = 64 if fmt[0] == "fp4" else 32  # a 128-wide fp4 group needs the intermediate quantised separately
     base = {"BLOCK_M": 16, "ROUTE": route, "down": {"BLOCK_N": 32}}
     whole = _check(module, x, idx, w, {**base, "gate_up": {"BLOCK_N": bn}})
-    for shares in (2, 3):
+    for shares in (2, 3, 5):  # 7 K steps over 5 shares: steps of 2, the last share empty
         launched.clear()
         split = _check(module, x, idx, w, {**base, "gate_up": {"BLOCK_N": bn, "SPLIT_K": shares}})
         assert [(g[1], f) for g, f in launched if f is not None][0] == (shares, True)  # gate_up: shares, finished

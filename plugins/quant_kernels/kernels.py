@@ -377,7 +377,9 @@ def _grouped_kernel(
         cols_u = PART_W + tl.arange(0, BLOCK_N)[None, :]
         tl.store(part + tl.program_id(1) * share + cols_a, acc)
         tl.store(part + tl.program_id(1) * share + cols_u, acc_u)
-        # acq_rel: this share's sums are visible before it is counted, and the last one sees every share's
+        # every warp's stores first (older Tritons put no barrier before a scalar atomic), then acq_rel: this
+        # share's sums are visible before it is counted, and the last one to count sees every share's
+        tl.debug_barrier()
         if tl.atomic_add(count_ptr + tile, 1) != SPLIT_K - 1:
             return
         acc = tl.load(part + cols_a)
