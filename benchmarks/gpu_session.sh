@@ -10,7 +10,8 @@
 #   part9 (session 4, one GPU): where the Qwen fp8 time goes (host, allocator, kernels), eager decode with and
 #   without graphs, quantize_rows / combine tiles;   part10: CUDA tests, Qwen fp8 retune, host profile, Qwen grid;
 #   part11: CUDA tests of the weight-only decode path, fp8 decode retune, the whole quantised grid;
-#   part12: CUDA tests of gate_up split K (finished in the kernel), fp8 T=1 retune, the whole quantised grid.
+#   part12: CUDA tests of gate_up split K (finished in the kernel), fp8 T=1 retune, the whole quantised grid;
+#   part13: the review fixes on CUDA, and the Qwen T=4096 cells again.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -255,6 +256,16 @@ part12)
   stamp "quant grid"
   timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part13)
+  # session 4, check after the review fixes (one GPU, ~3 minutes): the split-K finish (now behind a barrier) and
+  # graph tests on CUDA; the Qwen T=4096 cells, which run direct now (their graphs would keep 32 MiB per layer)
+  stamp "CUDA tests: split-K finish, one scale row, graphs"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py -k "finished_by or one_scale" \
+    tests/test_triton_fused_graphs.py 2>&1 | tail -2 | tee -a "$LOG"
+  stamp "quant grid: Qwen T=4096"
+  timeout 80 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 4096 --no-check \
+    --formats fp8-f32,fp8-ue8m0 --bf16-backends triton_fused --out "$OUT/grid" 2>&1 | tail -8 >>"$LOG"
   ;;
 esac
 stamp done
