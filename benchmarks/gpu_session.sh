@@ -39,6 +39,20 @@ compile_options_on_gpu1() {
   cp "$OUT/hf2/hf_generate.json" "$OUT/hf_generate_defer_stop.json" 2>/dev/null; rm -rf "$OUT/hf2"
 }
 
+# CUDA tests $1 within $2 s; fp8 retune of every shape at $3 tokens within $4 s; the whole quantised grid within $5 s
+tests_tune_grid() {
+  local table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "CUDA tests: $1"
+  timeout "$2" python3 -m pytest -q -p no:cacheprovider $1 2>&1 | tail -3 | tee -a "$LOG"
+  stamp "fp8 tune: T=$3, every shape"
+  timeout $(($4 + 15)) python3 -m plugins.quant_kernels.tune --tokens "$3" --formats fp8 --budget-s "$4" --out $table \
+    2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
+  cp $table "$OUT/"
+  stamp "quant grid"
+  timeout $(($5 + 20)) python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s "$5" 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+}
+
 case "${1:-part1}" in
 part1)
   stamp doctor
@@ -231,31 +245,12 @@ part10)
 part11)
   # session 4, third call (one GPU): CUDA tests of the weight-only decode path; fp8 decode retune of every
   # shape with it as a candidate (it lost every cell and was reverted after this call); the whole quantised grid
-  stamp "CUDA tests: quantised grouped path"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py tests/test_graphs_policy.py 2>&1 \
-    | tail -3 | tee -a "$LOG"
-  table=plugins/quant_kernels/configs/NVIDIA_H200.json
-  stamp "fp8 tune: T=1,8, every shape"
-  timeout 160 python3 -m plugins.quant_kernels.tune --tokens 1,8 --formats fp8 --budget-s 140 --out $table 2>&1 \
-    | grep "T=" | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
-  cp $table "$OUT/"
-  stamp "quant grid"
-  timeout 190 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 170 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  tests_tune_grid "tests/test_quant_grouped.py tests/test_graphs_policy.py" 120 1,8 140 170
   ;;
 part12)
   # session 4, last call (one GPU): CUDA tests of gate_up split K finished in the kernel; fp8 T=1 retune with it
   # as a candidate; the whole quantised grid
-  stamp "CUDA tests: quantised grouped path"
-  timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py 2>&1 | tail -3 | tee -a "$LOG"
-  table=plugins/quant_kernels/configs/NVIDIA_H200.json
-  stamp "fp8 tune: T=1, every shape"
-  timeout 120 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 105 --out $table 2>&1 \
-    | grep "T=" | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
-  cp $table "$OUT/"
-  stamp "quant grid"
-  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  tests_tune_grid tests/test_quant_grouped.py 110 1 105 160
   ;;
 part13)
   # session 4, check after the review fixes (one GPU, ~3 minutes): the split-K finish (now behind a barrier) and
