@@ -87,9 +87,9 @@ def split_k(mode: str, config: dict | None, routing: tuple, n_out: int, k_dim: i
     programs when few (block, N tile) programs each walk a long K loop (>= 32 steps; each share keeps >= 8)."""
     if mode != "grouped":
         return 1
-    asked = int((config or {}).get("SPLIT_K") or 0)
+    asked = _asked_split(config, k_dim, block_k)
     if asked:
-        return max(1, min(asked, triton.cdiv(k_dim, block_k)))
+        return asked
     target = _target_programs(device)
     steps = triton.cdiv(k_dim, block_k)
     if target == 0 or steps < 32:
@@ -107,10 +107,13 @@ def finish_split(mode: str, config: dict | None, k_dim: int, block_k: int) -> in
     """Shares of K for a projection whose epilogue needs the whole sum (gate, activation, quantised output): only
     where the config asks (SPLIT_K); the kernel's last share to finish adds them (FINISH). Decode: more programs
     for a latency-bound K loop (Qwen gate_up at T=1: 96 programs of 16 K steps)."""
+    return max(1, _asked_split(config, k_dim, block_k)) if mode == "grouped" else 1
+
+
+def _asked_split(config: dict | None, k_dim: int, block_k: int) -> int:
+    """The config's SPLIT_K, from 1 to one share per K tile; 0 when it does not say."""
     asked = int((config or {}).get("SPLIT_K") or 0)
-    if mode != "grouped" or asked <= 1:
-        return 1
-    return max(1, min(asked, triton.cdiv(k_dim, block_k)))
+    return max(1, min(asked, triton.cdiv(k_dim, block_k))) if asked else 0
 
 
 def _gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config: dict | None, wide: bool) -> dict:
