@@ -11,7 +11,8 @@
 #   without graphs, quantize_rows / combine tiles;   part10: CUDA tests, Qwen fp8 retune, host profile, Qwen grid;
 #   part11: CUDA tests of the weight-only decode path, fp8 decode retune, the whole quantised grid;
 #   part12: CUDA tests of gate_up split K (finished in the kernel), fp8 T=1 retune, the whole quantised grid;
-#   part13: the review fixes on CUDA, and the Qwen T=4096 cells again.
+#   part13: the review fixes on CUDA, and the Qwen T=4096 cells again;
+#   part14: CUDA tests of the down kernel's own combine (pair blocks), T=1 A/B, fp8 T=1 retune, the whole grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -261,6 +262,29 @@ part13)
   stamp "quant grid: Qwen T=4096"
   timeout 80 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 4096 --no-check \
     --formats fp8-f32,fp8-ue8m0 --bf16-backends triton_fused --out "$OUT/grid" 2>&1 | tail -8 >>"$LOG"
+  ;;
+part14)
+  # session 5, first call (one GPU): CUDA tests of the down kernel's own combine with pair blocks (counters and
+  # output zeroed by x's quantisation); A/B of it at T=1 on the Qwen shapes; fp8 T=1 retune (Qwen first, with
+  # split down candidates for pair blocks); the whole quantised grid. Stops after the tests if any fails.
+  stamp "CUDA tests: quantised grouped path"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py 2>&1 | tail -3 | tee -a "$LOG" \
+    | grep -q "failed\|error" && { stamp "tests failed: stop"; exit 1; }
+  for fused in 0 1; do
+    stamp "T=1 Qwen cells, SELECTOR_QUANT_FUSED_COMBINE=$fused"
+    SELECTOR_QUANT_FUSED_COMBINE=$fused timeout 60 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b \
+      --tokens 1 --formats fp8-f32,fp8-ue8m0 --bf16-backends triton_fused --no-check --out "$OUT/ab$fused" 2>&1 \
+      | tail -6 >>"$LOG"
+    cp "$OUT/ab$fused/quant_gpu.json" "$OUT/quant_t1_fused$fused.json" 2>/dev/null; rm -rf "$OUT/ab$fused"
+  done
+  stamp "fp8 tune: T=1, Qwen first"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  timeout 145 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 130 --out $table \
+    --shapes qwen1.5-moe-a2.7b,qwen3-30b-a3b,deepseek-v3,mixtral-8x7b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
+  cp $table "$OUT/"
+  stamp "quant grid"
+  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac
 stamp done

@@ -151,7 +151,7 @@ def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypat
 
     calls = []
     real = ops.quantize_rows
-    monkeypatch.setattr(ops, "quantize_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(ops, "quantize_rows", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     module = Q.quantize_experts(make_experts(5, 200, 64, device=DEV, seed=26), *fmt)
     idx, w = random_routing(3, 5, 2, device=DEV, skew=True)
     x = torch.randn(3, 200, device=DEV)
@@ -192,8 +192,11 @@ def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
 @pytest.mark.parametrize("layout", [Layout(), Layout(bias=True, expert_parallel=True)], ids=str)
 def test_split_k_down_matches_one_share(layout, monkeypatch):
     """SPLIT_K on the down projection (decode, long K): shares of K summed by the combine in fp32, the bias
-    counted once, sentinel pairs skipped; I = 96 over 32-wide groups leaves an uneven last share."""
+    counted once, sentinel pairs skipped; I = 96 over 32-wide groups leaves an uneven last share. The combine
+    launch here (the down kernel's own combine: test_down_kernel_combines_the_slots_itself)."""
     from plugins.quant_kernels import ops
+
+    monkeypatch.setattr(ops, "FUSED_COMBINE", False)
 
     module = Q.quantize_experts(make_experts(4, 64, 96, layout, device=DEV, seed=29), "fp8_block", "float32", (32, 32))
     idx, w = random_routing(3, 4, 2, device=DEV, sentinel=layout.expert_parallel)
@@ -362,3 +365,65 @@ def test_split_k_gate_up_finished_by_its_last_share(route, layout, fmt, monkeypa
         split = _check(module, x, idx, w, {**base, "gate_up": {"BLOCK_N": bn, "SPLIT_K": shares}})
         assert [(g[1], f) for g, f in launched if f is not None][0] == (shares, True)  # gate_up: shares, finished
         assert relative_error(split, whole.cpu().double()) < 1e-5
+
+
+@pytest.mark.parametrize("layout", [Layout(bias=True), Layout(interleaved=True, expert_parallel=True)], ids=str)
+def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
+    """One block per pair (ROUTE "pairs", one token by default): the down kernel adds each token's k slots
+    (COMBINE), with no combine launch; x's quantisation zeroes the output and the counters in its own launch. Same
+    result as the combine launch up to the order of fp32 sums, for one and several K shares (the bias once),
+    sentinel slots skipped and a token whose every slot is a sentinel left at zero. Sorted blocks keep the combine
+    launch. The interpreter runs programs in order, so the last arrival is always the last program here; the GPU
+    runs them in any order (the CUDA run of this test)."""
+    from plugins.quant_kernels import ops
+    from plugins.triton_fused import kernels as fused_kernels
+
+    launched = []
+
+    def spy(real):
+        return lambda fn, grid, args, consts, *a: launched.append((fn.__name__, consts)) or real(fn, grid, args, consts, *a)
+
+    monkeypatch.setattr(ops, "launch", spy(ops.launch))
+    monkeypatch.setattr(fused_kernels, "launch", spy(fused_kernels.launch))
+    module = Q.quantize_experts(make_experts(4, 64, 96, layout, device=DEV, seed=41), "fp8_block", "ue8m0", (32, 32))
+    idx, w = random_routing(4, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
+    if layout.expert_parallel:
+        idx[1] = 4  # token 1: every slot a sentinel (its experts live on another rank)
+    x = torch.randn(4, 64, device=DEV)
+    for shares in (1, 2, 3):  # I = 96: 3 K steps of 32
+        cfg = {"BLOCK_M": 16, "ROUTE": "pairs", "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32, "SPLIT_K": shares}}
+        launched.clear()
+        fused = _check(module, x, idx, w, cfg)
+        names = [n for n, _ in launched]
+        assert "_combine_kernel" not in names and names.count("_quant_rows_kernel") == 1
+        zeroing = next(c for n, c in launched if n == "_quant_rows_kernel")
+        assert zeroing["ZERO"] and zeroing["COUNTS"]
+        assert [c["SPLIT_K"] for n, c in launched if n == "_grouped_kernel" and c["COMBINE"]] == [shares]
+        if layout.expert_parallel:
+            assert torch.equal(fused[1], torch.zeros_like(fused[1]))
+        monkeypatch.setattr(ops, "FUSED_COMBINE", False)
+        launched.clear()
+        separate = _check(module, x, idx, w, cfg)
+        assert "_combine_kernel" in [n for n, _ in launched]
+        monkeypatch.setattr(ops, "FUSED_COMBINE", True)
+        assert relative_error(fused, separate.cpu().double()) < 1e-5
+        launched.clear()
+        assert relative_error(_check(module, x, idx, w, {**cfg, "ROUTE": "sorted"}), fused.cpu().double()) < 1e-5
+        assert "_combine_kernel" in [n for n, _ in launched]
+
+
+def test_quantize_rows_zeroes_what_the_later_kernels_need():
+    """The prologue launch clears a tensor shaped like x and an int32 counter buffer that held stale values."""
+    from plugins.quant_kernels import ops
+
+    x = torch.randn(5, 96, device=DEV)
+    zero = torch.full((5, 96), 7.0, device=DEV)
+    counts = torch.full((1500,), 3, dtype=torch.int32, device=DEV)  # more than one 1024-wide store
+    q, s = ops.quantize_rows(x, 32, zero=zero, counts=counts)
+    assert not zero.any() and not counts.any()
+    q2, s2 = ops.quantize_rows(x, 32)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    with pytest.raises(ValueError, match="shaped like x"):
+        ops.quantize_rows(x, 32, zero=torch.empty(5, 95, device=DEV))
+    with pytest.raises(ValueError, match="int32"):
+        ops.quantize_rows(x, 32, counts=torch.empty(4, device=DEV))

@@ -259,17 +259,45 @@ def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
 
 
 @triton.jit
+def _combine_pair(res, pair, offs_m, offs_n, n_ok, pid_n, num_pid_n, part_ptr, count_ptr, ids_ptr, out_ptr,
+                  num_pairs, num_experts, N, top_k, stride_om, stride_on, BLOCK_N: tl.constexpr,
+                  SPLIT_K: tl.constexpr, K_PAD: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """The grouped kernel's COMBINE epilogue for a pair block: row 0 of res [BLOCK_M, BLOCK_N] is pair `pair`'s
+    result. One scalar atomic per program: a tensor atomic's returned values reach only the threads that issued
+    it on Tritons before 3.5 (triton-lang/triton#7402), so sorted blocks, with many tokens per block, keep the
+    combine launch."""
+    share = tl.program_id(1).to(tl.int64) * num_pairs * N
+    rows = pair.to(tl.int64) + offs_m * 0
+    tl.store(part_ptr + share + rows[:, None] * N + offs_n[None, :], res, mask=(offs_m == 0)[:, None] & n_ok[None, :])
+    token = pair // top_k
+    j = tl.arange(0, K_PAD)
+    e = tl.load(ids_ptr + token * top_k + j, mask=j < top_k, other=-1)
+    ok = (j < top_k) & (e >= 0) & (e < num_experts)
+    # every warp's stores first, then acq_rel: this row is visible before it counts, and the last to count sees all
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + token * num_pid_n + pid_n, 1) == tl.sum(ok.to(tl.int32), axis=0) * SPLIT_K - 1:
+        slots = (token * top_k + j).to(tl.int64)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for sh in tl.static_range(SPLIT_K):  # share order, the slots in one fixed-shape sum: the same bits whoever is last
+            ptrs = part_ptr + sh * num_pairs * N + slots[:, None] * N + offs_n[None, :]
+            v = tl.load(ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(v, axis=0)
+        o_ptrs = out_ptr + token.to(tl.int64) * stride_om + offs_n * stride_on
+        tl.store(o_ptrs, _round_for_store(acc, out_ptr.dtype.element_ty, EXACT), mask=n_ok)
+
+
+@triton.jit
 def _grouped_kernel(
     a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, a_s_ptr, out_s_ptr,
-    part_ptr, count_ptr, num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows, bn,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    part_ptr, count_ptr, ids_ptr, num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows,
+    bn, top_k, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_om, stride_on, stride_asm, stride_osm, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, FINISH: tl.constexpr,
-    PART_W: tl.constexpr,
+    PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -289,6 +317,11 @@ def _grouped_kernel(
     share in share order (the same bits whichever arrives last) and runs the epilogue alone.
     ONE_SCALE_ROW (fp8): every weight tile lies within one scale row (the tile width divides the block's), so
     each K step loads one weight scale, not one per column.
+    COMBINE (PAIR_BLOCKS, linear epilogue): the combine happens here, not in a launch of its own. Each pair
+    writes its fp32 result (one per K share) to part_ptr [SPLIT_K, num_valid, N] and counts itself in
+    count_ptr[token, N tile] (zeroed by ``_quant_rows_kernel``); the last of the token's valid slots x shares to
+    arrive adds them (share order, then one sum over the slots) and writes out[token]. ids_ptr: the pairs' expert
+    ids (top_k per token); a token with no valid slot keeps the zeros written up front.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -382,11 +415,11 @@ def _grouped_kernel(
         tl.debug_barrier()
         if tl.atomic_add(count_ptr + tile, 1) != SPLIT_K - 1:
             return
-        acc = tl.load(part + cols_a)
-        acc_u = tl.load(part + cols_u)
+        acc = tl.load(part + cols_a, cache_modifier=".cg")  # other SMs wrote them: read past this SM's L1
+        acc_u = tl.load(part + cols_u, cache_modifier=".cg")
         for sh in tl.static_range(1, SPLIT_K):
-            acc += tl.load(part + sh * share + cols_a)
-            acc_u += tl.load(part + sh * share + cols_u)
+            acc += tl.load(part + sh * share + cols_a, cache_modifier=".cg")
+            acc_u += tl.load(part + sh * share + cols_u, cache_modifier=".cg")
 
     bias_base = bias_ptr + expert * stride_be
     if GATED and INTERLEAVED:
@@ -408,6 +441,10 @@ def _grouped_kernel(
         res = _activation(acc, ACT)
     if MUL_W:
         res = res * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if COMBINE:
+        _combine_pair(res, pid_m, offs_m, offs_n, n_ok, pid_n, num_pid_n, part_ptr, count_ptr, ids_ptr, out_ptr,
+                      num_valid, num_experts, N, top_k, stride_om, stride_on, BLOCK_N, SPLIT_K, K_PAD, EXACT)  # fmt: skip
+        return
     o_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_os
     o_ptrs = o_ptrs + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     o_mask = row_ok[:, None] & n_ok[None, :]
@@ -426,9 +463,12 @@ def _grouped_kernel(
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, num_rows, K, stride_xm, stride_qm, stride_sm,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic)."""
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, num_rows, K, num_counts, stride_xm, stride_qm,
+                       stride_sm, stride_zm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
+                       ZERO: tl.constexpr, COUNTS: tl.constexpr):  # fmt: skip
+    """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic).
+    Also clears what the layer's later kernels count or add into, saving them launches of their own: ZERO, a
+    tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr (program (0, 0))."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_ok = offs_r < num_rows
@@ -438,6 +478,14 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, num_rows, K, stride_xm, stride_qm, s
     q, s = _quant_rows(x, 1.0, BLOCK_R, False, EXACT)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + tl.program_id(1), s, mask=r_ok)
+    if ZERO:
+        z_ptrs = zero_ptr + rows[:, None] * stride_zm + offs_k[None, :]
+        tl.store(z_ptrs, tl.zeros([BLOCK_R, BLOCK_K], tl.float32).to(zero_ptr.dtype.element_ty), mask=mask)
+    if COUNTS:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            for c0 in range(0, num_counts, 1024):
+                offs_c = c0 + tl.arange(0, 1024)
+                tl.store(count_ptr + offs_c, tl.zeros([1024], tl.int32), mask=offs_c < num_counts)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,10 @@ EAGER_BYPASS_OP = os.environ.get("SELECTOR_QUANT_VIA_OP", "0") in ("", "0")
 MAX_IMPRECISE_ACC = int(os.environ.get("SELECTOR_FP8_MAX_IMPRECISE_ACC", "0") or 0)
 # SELECTOR_QUANT_ONE_SCALE_ROW=0: gather one weight scale per column even where a tile lies in one scale row (A/B)
 ONE_SCALE_ROW = os.environ.get("SELECTOR_QUANT_ONE_SCALE_ROW", "1") != "0"
+# With one block per pair (ROUTE "pairs": one token by default) the down GEMM adds the k slots itself (COMBINE:
+# no combine launch; its counters and the output's zeros come with x's quantisation).
+# SELECTOR_QUANT_FUSED_COMBINE=0: the combine launch always (A/B).
+FUSED_COMBINE = os.environ.get("SELECTOR_QUANT_FUSED_COMBINE", "1") != "0"
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -136,21 +140,31 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
               torch.float8_e4m3fn: tl.float8e4nv}  # fmt: skip
 
 
-def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None,
-                  num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_warps: int = 4,
+                  zero: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)]).
-    `block_r`, `num_warps`: rows per program and its warps (benchmarks sweep them; None: the default below)."""
+    `block_r`, `num_warps`: rows per program and its warps (benchmarks sweep them; None: the default below).
+    The same launch fills `zero` (shaped like x, its last dim contiguous) and `counts` (int32) with zeros."""
     x = x if x.stride(1) == 1 else x.contiguous()  # the kernel walks columns with stride 1
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    if zero is not None and (zero.shape != x.shape or zero.stride(1) != 1):
+        raise ValueError(f"quantize_rows: zero must be shaped like x {list(x.shape)} with contiguous rows")
+    if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
+        raise ValueError("quantize_rows: counts must be contiguous int32")
     if rows:
         block_r = block_r or (16 if rows <= 4096 else 64)
         launch(
             K._quant_rows_kernel, (triton.cdiv(rows, block_r), s.shape[1]),
-            (x, q, s, rows, k, x.stride(0), q.stride(0), s.stride(0)),
-            dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=K.INTERPRET), num_warps,
+            (x, q, s, zero if zero is not None else q, counts if counts is not None else s, rows, k,
+             counts.numel() if counts is not None else 0, x.stride(0), q.stride(0), s.stride(0),
+             zero.stride(0) if zero is not None else 0),
+            dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=K.INTERPRET, ZERO=zero is not None,
+                 COUNTS=counts is not None and counts.numel() > 0), num_warps,
         )  # fmt: skip
+    elif counts is not None:
+        counts.zero_()
     return q, s
 
 
@@ -188,7 +202,11 @@ def _launch(
     out_scale: torch.Tensor | None = None,
     inter_dtype: torch.dtype | None = None,
     finish_split: int = 1,
+    combine: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    counts: torch.Tensor | None = None,
 ) -> None:
+    """`combine` (grouped, linear epilogue): (out [T, N], ids [T * k], k); `out` here is then the kernel's
+    [shares, pairs, N] fp32 scratch. `counts`: zeroed int32 counters for FINISH / COMBINE (else torch.zeros)."""
     static = act_scale is not None
     has_bias = bias is not None
     s = s.view(torch.uint8) if ue8m0 and s.dtype != torch.uint8 else s
@@ -196,9 +214,10 @@ def _launch(
         FP4=fp4, UE8M0=ue8m0, STATIC=static, GATED=gated, INTERLEAVED=interleaved and gated, ACT=act,
         HAS_BIAS=has_bias, MUL_W=topk_w is not None, EXACT=K.INTERPRET,
     )  # fmt: skip
+    final = combine[0] if combine is not None else out  # what the kernel stores its results to
     strides = (
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), *_scale_strides(s),
-        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, out.stride(-2), out.stride(-1),
+        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, final.stride(-2), final.stride(-1),
     )  # fmt: skip
     wide = gated
     if mode == "grouped":
@@ -212,25 +231,38 @@ def _launch(
         tile_c = 2 * bn if gated and interleaved else bn
         one_row = ONE_SCALE_ROW and not fp4 and block_n_w % tile_c == 0
         tiles = num_blocks_m * triton.cdiv(n_out, bn)
-        part = count = s  # unused unless the kernel finishes a split K itself (FINISH)
+        part = count = s  # unused unless the kernel finishes a split K (FINISH) or adds the slots (COMBINE)
+        ids, top_k = (combine[1], combine[2]) if combine is not None else (s, 1)
         if finish_split > 1:
             split = finish_split
             part = torch.empty(split * tiles * bm * (tile_c + bn), dtype=torch.float32, device=a.device)
-            count = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+        if combine is not None:
+            part = out
+            tiles_needed = final.shape[0] * triton.cdiv(n_out, bn)
+        else:
+            tiles_needed = tiles if finish_split > 1 else 0
+        if tiles_needed:
+            if counts is None:
+                counts = torch.zeros(tiles_needed, dtype=torch.int32, device=a.device)
+            elif counts.numel() < tiles_needed:
+                raise ValueError(f"quantised experts: {counts.numel()} counters for {tiles_needed} tiles")
+            count = counts
         grid = (tiles, split)
         a_s = a_scale if a_scale is not None else s
         o_s = out_scale if out_scale is not None else s
         launch(
             K._grouped_kernel, grid,
-            (a, w, s, act_scale if static else s, bias if has_bias else s, out,
+            (a, w, s, act_scale if static else s, bias if has_bias else s, final,
              block_expert if sorted_rows is None else sorted_rows, block_expert, topk_w if topk_w is not None else s,
-             a_s, o_s, part, count, out.shape[-2], num_experts, n_out, k_dim, a_div, num_blocks_m, up_offset, n_split, split_rows, block_n_w, *strides,
+             a_s, o_s, part, count, ids, out.shape[-2], num_experts, n_out, k_dim, a_div, num_blocks_m, up_offset,
+             n_split, split_rows, block_n_w, top_k, *strides,
              a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0,
-             out.stride(0) if out.dim() == 3 else 0),
+             out.stride(0) if out.dim() == 3 and combine is None else 0),
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **common,
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
-                 MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c),
+                 MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c,
+                 COMBINE=combine is not None, K_PAD=triton.next_power_of_2(top_k)),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
@@ -288,6 +320,8 @@ def projection(
     config: dict | None = None,
     a_scale: torch.Tensor | None = None,
     quant_out: bool = False,
+    combine: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One projection for every (token, slot) pair -> [num_pairs, N] (N = I when `gated`, else C); with K split
     (grouped, linear epilogue: config SPLIT_K or the decode heuristic) [shares, num_pairs, N] fp32 partial sums.
@@ -296,15 +330,23 @@ def projection(
     Sentinel pairs' rows are left unwritten (the combine skips them). `a_scale`: `a` is e4m3 from
     ``quantize_rows``. `quant_out` (grouped mode, BLOCK_N a multiple of block_k): returns (e4m3 out, scales),
     the result rounded to `out_dtype` and quantised per row and block_k channels.
+    `combine` (pair blocks, linear epilogue with the routing weight): (out [T, N], ids [T * k], k): the kernel adds
+    each token's k slots into out itself (``kernels._combine_rows``; out must hold zeros where a token has no
+    valid slot) and out is returned. `counts`: int32 zeros for the kernel's counters (FINISH / COMBINE; None:
+    allocated and zeroed here, one more launch).
     """
     c = w.shape[1]
     k_dim = w.shape[2] * (2 if fp4 else 1)
     n_out = c // 2 if gated else c
     inter_dtype = out_dtype or (a.dtype if a_scale is None else torch.bfloat16)
     linear = not (gated or quant_out) and activation == "none"  # partial sums only add up through a linear epilogue
+    if combine is not None and not (mode == "grouped" and routing[0] is None and linear and topk_w is not None):
+        raise ValueError("quantised experts: only pair blocks with a linear, weighted epilogue combine in the kernel")
     split = split_k(mode, config, routing, n_out, k_dim, block_k, a.device) if linear else 1
     finish = 1 if linear else finish_split(mode, config, k_dim, block_k)
-    if split > 1:  # K shared out: fp32 partial sums, added by the combine (combine_slots)
+    if combine is not None:  # fp32 rows per share, added by the kernel's last arrivals
+        out = torch.empty((split, num_pairs, n_out), dtype=torch.float32, device=a.device)
+    elif split > 1:  # K shared out: fp32 partial sums, added by the combine (combine_slots)
         out = torch.empty((split, num_pairs, n_out), dtype=torch.float32, device=a.device)
     else:
         out = torch.empty((num_pairs, n_out), dtype=torch.float8_e4m3fn if quant_out else inter_dtype, device=a.device)
@@ -312,7 +354,7 @@ def projection(
     if quant_out:
         out_scale = torch.empty((num_pairs, triton.cdiv(n_out, block_k)), dtype=torch.float32, device=a.device)
     if num_pairs == 0 or n_out == 0:
-        return (out, out_scale) if quant_out else out
+        return combine[0] if combine is not None else (out, out_scale) if quant_out else out
     if split_inter is not None and not fp4:
         n_split, split_rows = split_inter, triton.cdiv(split_inter, block_n)
     else:
@@ -322,8 +364,11 @@ def projection(
         num_experts=num_experts, n_out=n_out, k_dim=k_dim, a_div=a_div, up_offset=c // 2 if gated else 0,
         n_split=n_split, split_rows=split_rows, block_n_w=block_n, block_k=block_k, gated=gated,
         interleaved=interleaved, act=K.ACT_CODE[activation], fp4=fp4, ue8m0=ue8m0, config=config,
-        a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype, finish_split=finish,
+        a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype, finish_split=finish, combine=combine,
+        counts=counts,
     )  # fmt: skip
+    if combine is not None:
+        return combine[0]
     return (out, out_scale) if quant_out else out
 
 
@@ -376,19 +421,36 @@ def quant_experts_impl(
         return combine_slots(y, ids, out, top_k, num_experts)
     # grouped, dynamic: x quantised once up front, or (config QUANT_X "loop") inside gate_up's K loop; the gate_up
     # epilogue quantises the intermediate when its tile covers whole groups, else a second quantize_rows does
-    if (cfg.get("QUANT_X") or "once") == "once":
-        xq, xs = quantize_rows(x, block_k)
+    bn1, up_tiles = _tiles(routing, inter_dim, x.device, cfg["gate_up"], gated)
+    up_cfg = {**cfg["gate_up"], "BLOCK_N": bn1}
+    up_counts = up_tiles if finish_split(mode, up_cfg, h, block_k) > 1 else 0
+    once = (cfg.get("QUANT_X") or "once") == "once"
+    fused = FUSED_COMBINE and once and routing[0] is None  # pair blocks; x's quantisation zeroes out and counters
+    down_counts = t * triton.cdiv(h, _tiles(routing, h, x.device, cfg["down"], False)[0]) if fused else 0
+    n_counts = up_counts + down_counts if once else 0  # else the projections zero their own
+    counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
+    if once:
+        xq, xs = quantize_rows(x, block_k, zero=out if fused else None, counts=counts)
     else:
         xq, xs = x, None
-    bn1 = _gemm_config(mode, routing[1].numel() * routing[2], inter_dim, x.device, {**cfg["gate_up"], "BLOCK_M": routing[2]},
-                       gated)["BLOCK_N"]  # fmt: skip
     quant_out = bn1 % block_k == 0
-    inter = projection(mode, xq, w1, s1, routing, n_pairs, a_div=top_k, bias=b1, config={**cfg["gate_up"], "BLOCK_N": bn1},
-                       a_scale=xs, quant_out=quant_out, out_dtype=x.dtype, **up_args, **common)  # fmt: skip
+    inter = projection(mode, xq, w1, s1, routing, n_pairs, a_div=top_k, bias=b1, config=up_cfg, a_scale=xs,
+                       quant_out=quant_out, out_dtype=x.dtype, counts=counts[:up_counts] if n_counts else None,
+                       **up_args, **common)  # fmt: skip
     iq, isc = inter if quant_out else quantize_rows(inter, block_k)
-    y = projection(mode, iq, w2, s2, routing, n_pairs, a_div=1, bias=b2, topk_w=wts, config=cfg["down"],
-                   a_scale=isc, out_dtype=x.dtype, **common)  # fmt: skip
+    down = dict(a_div=1, bias=b2, topk_w=wts, config=cfg["down"], a_scale=isc, out_dtype=x.dtype, **common)
+    if fused:
+        return projection(mode, iq, w2, s2, routing, n_pairs, combine=(out, ids, top_k), counts=counts[up_counts:],
+                          **down)  # fmt: skip
+    y = projection(mode, iq, w2, s2, routing, n_pairs, **down)
     return combine_slots(y, ids, out, top_k, num_experts)
+
+
+def _tiles(routing: tuple, n_out: int, device: torch.device, config: dict, wide: bool) -> tuple[int, int]:
+    """A grouped projection's (BLOCK_N, number of (block, N tile) programs per K share), as _launch will pick."""
+    blocks, bm = routing[1].numel(), routing[2]
+    bn = _gemm_config("grouped", blocks * bm, n_out, device, {**config, "BLOCK_M": bm}, wide)["BLOCK_N"]
+    return bn, blocks * triton.cdiv(n_out, bn)
 
 
 def resolve_config(config: dict | None, device: torch.device, fp4: bool, num_experts: int, hidden: int, inter: int,

@@ -3,9 +3,11 @@
     python -m plugins.quant_kernels.tune --out plugins/quant_kernels/configs/NVIDIA_H200.json --budget-s 150
 
 Per (format, shape, token count) and candidate layout (pairs sorted into BLOCK_M blocks, or one block per pair
-for a few pairs): times align, each gate_up tile with x quantised up front (plus that launch) or, for a few
-pairs, inside its K loop (plus a second quantisation of the intermediate when the tile does not cover whole
-groups) and each down tile with the combine, and keeps the layout whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
+for a few pairs): times align, each gate_up tile with x quantised up front (that launch timed with it: it also
+zeroes a split gate_up's counters) or, for a few pairs, inside its K loop (plus a second quantisation of the
+intermediate when the tile does not cover whole groups) and each down tile with the combine (its own launch, or
+with pair blocks the down kernel's COMBINE, timed with a memset of its counters that the layer does not pay), and
+keeps the layout whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
 top-k routing. Token counts <= 64 are timed as CUDA-graph replays (as decode runs), larger ones back to back.
 fp8 configs serve both scale formats (a scale load differs, not the tile). Stops at --budget-s and writes what
 it has.
@@ -39,9 +41,10 @@ GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (
            32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
            64: ((64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
            128: ((64, 8, 3), (64, 8, 4), (32, 4, 4))}  # fmt: skip
-# down: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); K split in shares only where the K loop is long (>= 32 steps)
+# down: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); K split in shares only where the K loop is long (>= 32 steps),
+# or with pair blocks (no combine launch to pay for it) where each share keeps >= 3 steps
 DOWN = {"small": ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 3),
-                  (32, 4, 4, 4), (64, 4, 4, 2), (64, 4, 4, 4), (64, 4, 4, 8), (128, 4, 4, 4)),
+                  (32, 4, 4, 4), (64, 4, 4, 2), (64, 4, 4, 4), (64, 4, 4, 8), (128, 4, 4, 2), (128, 4, 4, 4)),
         "large": ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))}  # fmt: skip
 SPLIT_MIN_STEPS = 32
 
@@ -86,8 +89,9 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     out = torch.empty(tokens, h, device=dev, dtype=torch.bfloat16)
     pairs, graph = ids.numel(), tokens <= 64
     common = dict(num_experts=e, fp4=fp4, ue8m0=fp4, block_n=1 if fp4 else 128, block_k=128)
-    xq, xs = ops.quantize_rows(x, 128)
     t_qx = _time(lambda: ops.quantize_rows(x, 128), graph)
+    # counters of a split gate_up's tiles or of the down's (token, N tile): more than any candidate needs
+    counts = torch.zeros((pairs + e + tokens) * triton.cdiv(max(h, inter), 16), dtype=torch.int32, device=dev)
     ih = torch.randn(pairs, inter, device=dev, dtype=torch.bfloat16)
     iq, isc = ops.quantize_rows(ih, 128)
     t_qi = _time(lambda: ops.quantize_rows(ih, 128), graph)
@@ -110,7 +114,9 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
             for (bn, warps, stages, *split), qx in itertools.product(options, quant_x if part == "gate_up" else ("once",)):
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "GROUP_M": 1 if bm <= 32 else 8}
                 if part == "down":
-                    if split and triton.cdiv(inter, 128) < SPLIT_MIN_STEPS:
+                    # pair blocks combine in the kernel, so a split costs no launch: shares of >= 3 steps there
+                    min_steps = 3 * split[0] if split and route == "pairs" else SPLIT_MIN_STEPS
+                    if split and triton.cdiv(inter, 128) < min_steps:
                         continue
                     cfg["SPLIT_K"] = split[0] if split else 1
                 elif split:
@@ -119,11 +125,21 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     cfg["SPLIT_K"] = split[0]
                 if part == "gate_up":
                     qo = bn % 128 == 0
-                    a, a_s = (xq, xs) if qx == "once" else (x, None)
-                    fn = lambda: ops.projection("grouped", a, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=a_s,
-                                                quant_out=qo, out_dtype=torch.bfloat16, gated=True, activation="silu",
-                                                split_inter=None if fp4 else inter, **common)  # fmt: skip
-                    extra = (0.0 if qo else t_qi) + (t_qx if qx == "once" else 0.0)
+                    up = lambda a, a_s, c: ops.projection(
+                        "grouped", a, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=a_s, quant_out=qo,
+                        out_dtype=torch.bfloat16, gated=True, activation="silu", split_inter=None if fp4 else inter,
+                        counts=c, **common)  # fmt: skip
+                    c = counts[: routing[1].numel() * triton.cdiv(inter, bn)] if split else None
+                    if qx == "once":  # with x's quantisation, which also zeroes a split gate_up's counters
+                        fn = lambda: up(*ops.quantize_rows(x, 128, counts=c), c)
+                    else:
+                        fn = lambda: up(x, None, None)
+                    extra = 0.0 if qo else t_qi
+                elif route == "pairs" and ops.FUSED_COMBINE:  # the kernel combines; its counters zeroed here
+                    fn = lambda: ops.projection("grouped", iq, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc,
+                                                topk_w=wts, out_dtype=torch.bfloat16, combine=(out, ids, top_k),
+                                                counts=counts[: tokens * triton.cdiv(h, bn)].zero_(), **common)  # fmt: skip
+                    extra = 0.0
                 else:
                     # with the combine: a split down hands it shares x pairs x H fp32 partial sums to add
                     fn = lambda: ops.combine_slots(
