@@ -12,7 +12,8 @@
 #   part11: CUDA tests of the weight-only decode path, fp8 decode retune, the whole quantised grid;
 #   part12: CUDA tests of gate_up split K (finished in the kernel), fp8 T=1 retune, the whole quantised grid;
 #   part13: the review fixes on CUDA, and the Qwen T=4096 cells again;
-#   part14: CUDA tests of the down kernel's own combine (pair blocks), T=1 A/B, fp8 T=1 retune, the whole grid.
+#   part14: CUDA tests of the down kernel's own combine (pair blocks), T=1 A/B, fp8 T=1 retune, the whole grid;
+#   part15: byte-wise graph input copies (tests, host A/B), DeepSeek/Mixtral T=1 retune, the grid, bench --formats.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -285,6 +286,46 @@ part14)
   stamp "quant grid"
   timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part15)
+  # session 5, second call (one GPU): graph input copies as bytes on CUDA (tests, and the host's time per copy
+  # against the mixed-dtype _foreach_copy_); fp8 T=1 retune of DeepSeek and Mixtral (the pair-block down no longer
+  # charged a memset); the whole quantised grid; selector bench with quantised formats beside dense
+  stamp "CUDA tests: graphs, bench"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_graphs_policy.py tests/test_triton_fused_graphs.py \
+    tests/test_bench.py 2>&1 | tail -3 | tee -a "$LOG" | grep -q "failed\|error" && { stamp "tests failed: stop"; exit 1; }
+  stamp "host time per input copy (T=1 and T=8, Qwen3 shapes)"
+  timeout 60 python3 - <<'PY' 2>&1 | tee -a "$LOG"
+import time, torch
+from selector import graphs
+for t in (1, 8):
+    vals = (torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16), torch.randint(0, 128, (t, 8), device="cuda"),
+            torch.rand(t, 8, device="cuda"))
+    bufs = tuple(v.clone() for v in vals)
+    for name, fn in (("mixed dtypes", lambda: torch._foreach_copy_(bufs, vals)), ("as bytes", lambda: graphs.copy_inputs(bufs, vals))):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        host = (time.perf_counter() - t0) / 2000
+        torch.cuda.synchronize()
+        print(f"T={t} {name}: {host * 1e6:.1f} us of host time per copy")
+PY
+  stamp "fp8 tune: T=1, DeepSeek and Mixtral"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  timeout 90 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 75 --out $table \
+    --shapes deepseek-v3,mixtral-8x7b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
+  cp $table "$OUT/"
+  stamp "quant grid"
+  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  stamp "selector bench: dense, fp8 and fp4 side by side"
+  timeout 150 python3 -m selector.cli bench --preset qwen3-30b-a3b --tokens 1,64,4096 \
+    --formats dense,fp8-f32,fp8-ue8m0,fp4 --out "$OUT/bench" 2>>"$OUT/bench_err.txt" | tail -30 >>"$LOG"
+  cp "$OUT/bench/bench.json" "$OUT/bench_formats.json" 2>/dev/null; cp "$OUT/bench/bench.md" "$OUT/bench_formats.md" 2>/dev/null
+  rm -rf "$OUT/bench"; tail -c 3000 "$OUT/bench_err.txt" > "$OUT/bench_err_tail.txt"; rm -f "$OUT/bench_err.txt"
   ;;
 esac
 stamp done

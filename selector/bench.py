@@ -1,9 +1,11 @@
 """`selector bench`: one experts layer per cell, every available backend and Transformers' own backends as
 peers, timed side by side in one run against the physical floor measured in the same run.
 
-For each cell (shape, token count, dtype, backend, mode): time, time / floor, TFLOP/s, GB/s, peak extra
-memory, error against a float64 reference on a sample of tokens, and the ratio to the best Transformers
-peer. Modes: `eager` (calls back to back, events around the whole run, as a decode loop runs), `graph`
+For each cell (shape, token count, dtype, weight format, backend, mode): time, time / floor, TFLOP/s, GB/s,
+peak extra memory, error against a float64 reference on a sample of tokens, and the ratio to the best
+Transformers peer. `--formats` adds quantised copies of each layer (fp8 block scales as float32 or UE8M0, fp4):
+their floor counts the bytes as stored (scales included), their reference is float64 from the dequantised
+weights with the activations quantised as the kernels do, and Transformers' peers run dense cells only. Modes: `eager` (calls back to back, events around the whole run, as a decode loop runs), `graph`
 (one call captured in a CUDA graph, replays back to back) and `compile` (torch.compile, then like eager).
 Output: a markdown table, JSON, and a PNG plot of time/floor against tokens.
 """
@@ -23,6 +25,12 @@ from typing import Any
 
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 16384)
 DEFAULT_PRESETS = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
+FORMATS = {  # --formats name: (weight format, scale format) for selector.quant.quantize_experts
+    "dense": None,
+    "fp8-f32": ("fp8_block", "float32"),
+    "fp8-ue8m0": ("fp8_block", "ue8m0"),
+    "fp4": ("fp4", "ue8m0"),
+}
 PEER_PREFIX = "hf:"  # Transformers' own backends are listed as hf:eager, hf:batched_mm, hf:grouped_mm
 
 
@@ -33,6 +41,7 @@ class Cell:
     dtype: str
     backend: str
     mode: str
+    format: str = "dense"  # a FORMATS name
     time_s: float | None = None
     floor_s: float | None = None
     tflops: float | None = None
@@ -133,8 +142,9 @@ def calls_for(estimate_s: float) -> int:
 # ---------------------------------------------------------------------------------------------- the layer
 
 
-def make_layer(torch: Any, problem: Any, dtype: Any, device: Any, seed: int) -> Any:
-    """A decorated experts module with random weights, scaled so activations stay O(1)."""
+def make_layer(torch: Any, problem: Any, dtype: Any, device: Any, seed: int, weights: tuple[Any, Any] | None = None) -> Any:
+    """A decorated experts module with random weights, scaled so activations stay O(1); `weights`: (gate_up,
+    down) tensors to hold instead (shared, not copied)."""
     import selector
 
     @selector.experts
@@ -144,15 +154,40 @@ def make_layer(torch: Any, problem: Any, dtype: Any, device: Any, seed: int) -> 
             e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
             gen = torch.Generator(device=device).manual_seed(seed)
             self.num_experts = e
-            self.gate_up_proj = torch.nn.Parameter(
-                torch.randn(e, 2 * i, h, device=device, dtype=dtype, generator=gen) * h**-0.5, requires_grad=False
-            )
-            self.down_proj = torch.nn.Parameter(
-                torch.randn(e, h, i, device=device, dtype=dtype, generator=gen) * i**-0.5, requires_grad=False
-            )
+            if weights is None:
+                up = torch.randn(e, 2 * i, h, device=device, dtype=dtype, generator=gen) * h**-0.5
+                down = torch.randn(e, h, i, device=device, dtype=dtype, generator=gen) * i**-0.5
+            else:
+                up, down = weights
+            self.gate_up_proj = torch.nn.Parameter(up, requires_grad=False)
+            self.down_proj = torch.nn.Parameter(down, requires_grad=False)
             self.act_fn = torch.nn.SiLU()
 
     return BenchExperts()
+
+
+def format_layer(torch: Any, dense: Any, problem: Any, fmt: str) -> Any:
+    """The layer of a FORMATS entry: `dense` itself, or a copy quantised from its weights (which stay as they are)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if FORMATS[fmt] is None:
+        return dense
+    from selector import quant
+
+    weights = (dense.gate_up_proj.data, dense.down_proj.data)
+    twin = make_layer(torch, problem, dense.gate_up_proj.dtype, dense.gate_up_proj.device, 0, weights=weights)
+    return quant.quantize_experts(twin, *FORMATS[fmt])
+
+
+def bytes_moved(layer: Any, problem: Any, experts_hit: int, tokens: int, elem: int) -> float:
+    """The floor's bytes: each expert hit read once as stored (scales included), activations in and out."""
+    from selector import quant
+
+    if quant.is_quantised(layer):
+        per_expert = quant.weight_bytes(layer) / problem.num_experts
+    else:
+        per_expert = 3 * problem.hidden_size * problem.intermediate_size * elem
+    return experts_hit * per_expert + 2 * tokens * problem.hidden_size * elem
 
 
 def random_routing(torch: Any, tokens: int, experts: int, k: int, device: Any, seed: int) -> tuple[Any, Any]:
@@ -191,9 +226,9 @@ def peer_functions() -> dict[str, Callable[..., Any]]:
 
 
 def temp_bytes_estimate(name: str, tokens: int, problem: Any, elem: int) -> int:
-    """Temporaries a backend needs; batched_mm copies one expert's weights per (token, slot)."""
+    """Temporaries a backend needs; dense batched_mm copies one expert's weights per (token, slot)."""
     pairs = tokens * problem.top_k
-    if name.endswith("batched_mm"):
+    if name.endswith("batched_mm") and problem.weight_format == "dense":
         return pairs * 3 * problem.hidden_size * problem.intermediate_size * elem
     return 4 * pairs * max(2 * problem.intermediate_size, problem.hidden_size) * elem
 
@@ -224,20 +259,21 @@ def _run_bench(
     memory_cap_gb: float = 40.0,
     with_peers: bool = True,
     progress: Callable[[str], None] | None = None,
+    formats: Sequence[str] = ("dense",),
 ) -> BenchResult:
     import torch
 
-    import selector
     from selector.environment import current_environment
-    from selector.model import AUTO, LAST_ATTR
     from selector.presets import preset
     from selector.registry import get_registry
 
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown format(s) {unknown}: expected some of {', '.join(FORMATS)}")
     if not torch.cuda.is_available():
         raise RuntimeError("selector bench needs a CUDA GPU (it times kernels against the GPU's floor)")
     device = torch.device("cuda")
     dtype = getattr(torch, dtype_name)
-    elem = torch.empty(0, dtype=dtype).element_size()
     env = current_environment()
     registry = get_registry()
     ceilings = measure_ceilings(torch, device)
@@ -251,87 +287,108 @@ def _run_bench(
     say = progress or (lambda _msg: None)
 
     for shape_name in presets:
-        problem = replace(preset(shape_name), dtype=dtype_name, device="cuda")
-        layer = make_layer(torch, problem, dtype, device, seed=0)
+        base = replace(preset(shape_name), dtype=dtype_name, device="cuda")
+        dense = make_layer(torch, base, dtype, device, seed=0)
+        layers = {fmt: format_layer(torch, dense, base, fmt) for fmt in formats}
         for t in tokens:
-            index, weights = random_routing(torch, t, problem.num_experts, problem.top_k, device, seed=t)
-            x = torch.randn(t, problem.hidden_size, device=device, dtype=dtype)
-            hits = int(index.unique().numel())
-            moved = hits * 3 * problem.hidden_size * problem.intermediate_size * elem + 2 * t * problem.hidden_size * elem
-            flops = 2.0 * t * problem.top_k * 3 * problem.hidden_size * problem.intermediate_size
-            floor = max(moved / ceilings["bandwidth_Bps"], flops / ceilings["bf16_flops"])
-            sample = min(t, 32)
-            ref = reference_rows(torch, layer, x, index, weights, sample)
-
-            # what "auto" picks for this cell, through the model API itself
-            selector.set_experts_implementation(layer, AUTO)
-            layer(x, index, weights)
-            auto_name = layer.__dict__.get(LAST_ATTR)
-
-            names = [n for n in (backends or registry.names)]
-            candidates: dict[str, Callable[..., Any] | None] = {}
-            for name in names:
-                verdict = selector.rank(problem.with_tokens(t), env, registry).excluded.get(name)
-                candidates[name] = None if verdict else registry.get(name).load()
-                if verdict:
-                    for mode in modes:
-                        result.cells.append(Cell(shape_name, t, dtype_name, name, mode, skipped=verdict.reason))
-            candidates.update(peers)
-            # "auto" as a user runs it: the module's own forward (dispatch, shape checks, the picked backend)
-            candidates[AUTO] = lambda module, hs, idx, w: module(hs, idx, w)
-
-            for name, fn in candidates.items():
-                if fn is None:
-                    continue
-                if temp_bytes_estimate(name, t, problem, elem) > memory_cap_gb * 2**30:
-                    for mode in modes:
-                        result.cells.append(Cell(shape_name, t, dtype_name, name, mode,
-                                                 skipped=f"needs more than {memory_cap_gb:g} GB of temporaries"))
-                    continue
-
-                def call(fn=fn) -> Any:
-                    return fn(layer, x, index, weights)
-
-                for mode in modes:
-                    cell = Cell(shape_name, t, dtype_name, name, mode, floor_s=floor, auto_pick=name == auto_name)
-                    if name == AUTO:
-                        cell.picked = auto_name
-                    say(f"{shape_name} T={t} {name} {mode}")
-                    try:
-                        if mode == "graph" and t > graph_max_tokens:
-                            cell.skipped = f"graph mode only up to T={graph_max_tokens}"
-                        elif mode == "graph" and name.endswith("eager"):
-                            cell.skipped = "reads expert ids on the host: cannot be captured"
-                        else:
-                            runner = call
-                            if mode == "compile":
-                                compiled = torch.compile(fn, dynamic=False)
-                                runner = lambda compiled=compiled: compiled(layer, x, index, weights)  # noqa: E731
-                            torch.cuda.synchronize()
-                            base = torch.cuda.memory_allocated()
-                            torch.cuda.reset_peak_memory_stats()
-                            out = runner()
-                            torch.cuda.synchronize()
-                            cell.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
-                            if sample:
-                                diff = (out[:sample].double() - ref).norm() / ref.norm().clamp_min(1e-30)
-                                cell.rel_error = float(diff)
-                            first = time.perf_counter()
-                            runner()
-                            torch.cuda.synchronize()
-                            n = calls_for(time.perf_counter() - first)
-                            timer = time_graph if mode == "graph" else time_back_to_back
-                            cell.time_s = timer(torch, runner, n)
-                            cell.tflops = flops / cell.time_s / 1e12
-                            cell.gbps = moved / cell.time_s / 1e9
-                    except Exception as exc:  # one failing cell must not lose the run
-                        cell.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-                    result.cells.append(cell)
-                    torch.cuda.empty_cache()
-        del layer
+            index, weights = random_routing(torch, t, base.num_experts, base.top_k, device, seed=t)
+            x = torch.randn(t, base.hidden_size, device=device, dtype=dtype)
+            for fmt, layer in layers.items():
+                wf, sf = FORMATS[fmt] or ("dense", None)
+                problem = replace(base.with_tokens(t), weight_format=wf, scale_format=sf)
+                _time_cells(torch, result, layer, problem, shape_name, fmt, x, index, weights, env, registry,
+                            backends, peers if fmt == "dense" else {}, modes, graph_max_tokens, memory_cap_gb, say)
+        del dense, layers
         torch.cuda.empty_cache()
     _fill_peer_ratios(result.cells)
     return result
+
+
+def _time_cells(torch: Any, result: BenchResult, layer: Any, problem: Any, shape_name: str, fmt: str, x: Any,
+                index: Any, weights: Any, env: Any, registry: Any, backends: Sequence[str] | None,
+                peers: dict[str, Callable[..., Any]], modes: Sequence[str], graph_max_tokens: int,
+                memory_cap_gb: float, say: Callable[[str], None]) -> None:  # fmt: skip
+    """Every backend's cells for one layer (one weight format) and one token count, appended to result.cells."""
+    import selector
+    from selector import quant
+    from selector.model import AUTO, LAST_ATTR
+
+    t, dtype_name = x.shape[0], problem.dtype
+    elem = x.element_size()
+    moved = bytes_moved(layer, problem, int(index.unique().numel()), t, elem)
+    flops = 2.0 * t * problem.top_k * 3 * problem.hidden_size * problem.intermediate_size
+    floor = max(moved / result.ceilings["bandwidth_Bps"], flops / result.ceilings["bf16_flops"])
+    sample = min(t, 32)
+    if quant.is_quantised(layer):  # float64 from the dequantised weights, activations quantised as the kernels do
+        ref = quant.reference_forward(layer, x[:sample], index[:sample], weights[:sample], device=x.device)
+    else:
+        ref = reference_rows(torch, layer, x, index, weights, sample)
+
+    def new_cell(name: str, mode: str, **kw: Any) -> Cell:
+        return Cell(shape_name, t, dtype_name, name, mode, format=fmt, **kw)
+
+    # what "auto" picks for this cell, through the model API itself
+    selector.set_experts_implementation(layer, AUTO)
+    layer(x, index, weights)
+    auto_name = layer.__dict__.get(LAST_ATTR)
+
+    candidates: dict[str, Callable[..., Any] | None] = {}
+    for name in backends or registry.names:
+        verdict = selector.rank(problem, env, registry).excluded.get(name)
+        candidates[name] = None if verdict else registry.get(name).load()
+        if verdict:
+            result.cells.extend(new_cell(name, mode, skipped=verdict.reason) for mode in modes)
+    candidates.update(peers)
+    # "auto" as a user runs it: the module's own forward (dispatch, shape checks, the picked backend)
+    candidates[AUTO] = lambda module, hs, idx, w: module(hs, idx, w)
+
+    for name, fn in candidates.items():
+        if fn is None:
+            continue
+        if temp_bytes_estimate(name, t, problem, elem) > memory_cap_gb * 2**30:
+            result.cells.extend(new_cell(name, mode, skipped=f"needs more than {memory_cap_gb:g} GB of temporaries")
+                                for mode in modes)  # fmt: skip
+            continue
+
+        def call(fn: Callable[..., Any] = fn) -> Any:
+            return fn(layer, x, index, weights)
+
+        for mode in modes:
+            cell = new_cell(name, mode, floor_s=floor, auto_pick=name == auto_name)
+            if name == AUTO:
+                cell.picked = auto_name
+            say(f"{shape_name} T={t} {fmt} {name} {mode}")
+            try:
+                if mode == "graph" and t > graph_max_tokens:
+                    cell.skipped = f"graph mode only up to T={graph_max_tokens}"
+                elif mode == "graph" and name.endswith("eager"):
+                    cell.skipped = "reads expert ids on the host: cannot be captured"
+                else:
+                    runner = call
+                    if mode == "compile":
+                        compiled = torch.compile(fn, dynamic=False)
+                        runner = lambda compiled=compiled: compiled(layer, x, index, weights)  # noqa: E731
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    out = runner()
+                    torch.cuda.synchronize()
+                    cell.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
+                    if sample:
+                        diff = (out[:sample].double() - ref).norm() / ref.norm().clamp_min(1e-30)
+                        cell.rel_error = float(diff)
+                    first = time.perf_counter()
+                    runner()
+                    torch.cuda.synchronize()
+                    n = calls_for(time.perf_counter() - first)
+                    timer = time_graph if mode == "graph" else time_back_to_back
+                    cell.time_s = timer(torch, runner, n)
+                    cell.tflops = flops / cell.time_s / 1e12
+                    cell.gbps = moved / cell.time_s / 1e9
+            except Exception as exc:  # one failing cell must not lose the run
+                cell.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            result.cells.append(cell)
+            torch.cuda.empty_cache()
 
 
 def _fill_peer_ratios(cells: list[Cell]) -> None:
@@ -356,20 +413,23 @@ def _fmt_time(s: float | None) -> str:
 
 
 def markdown_table(result: BenchResult) -> str:
-    """One row per (shape, T, mode); per backend: time (time/floor); then the best and auto's standing."""
+    """One row per (shape, T, mode, format); per backend: time (time/floor); then the best and auto's standing.
+    With quantised formats in the run, a second table sets each format's best beside the dense best."""
     backends = sorted({c.backend for c in result.cells}, key=lambda b: (b != "auto", b.startswith(PEER_PREFIX), b))
-    rows = sorted({(c.shape, c.tokens, c.mode) for c in result.cells}, key=lambda r: (r[0], r[2], r[1]))
-    by_key = {(c.shape, c.tokens, c.mode, c.backend): c for c in result.cells}
+    order = {f: i for i, f in enumerate(FORMATS)}
+    rows = sorted({(c.shape, c.tokens, c.mode, c.format) for c in result.cells},
+                  key=lambda r: (r[0], r[2], r[1], order.get(r[3], len(order))))  # fmt: skip
+    by_key = {(c.shape, c.tokens, c.mode, c.format, c.backend): c for c in result.cells}
     c = result.ceilings
     lines = [
         f"Device: {result.device}. Ceilings measured in this run: copy {c['bandwidth_Bps'] / 1e12:.2f} TB/s, "
         f"bf16 matmul {c['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: time (time / floor); `*` marks auto's pick, [name] what the auto row ran.",
         "",
-        "| shape | T | mode | " + " | ".join(backends) + " | best | auto vs best hf |",
-        "|---|---|---|" + "---|" * (len(backends) + 2),
+        "| shape | T | mode | format | " + " | ".join(backends) + " | best | auto vs best hf |",
+        "|---|---|---|---|" + "---|" * (len(backends) + 2),
     ]
-    for shape, t, mode in rows:
-        cells = [by_key.get((shape, t, mode, b)) for b in backends]
+    for shape, t, mode, fmt in rows:
+        cells = [by_key.get((shape, t, mode, fmt, b)) for b in backends]
         if not any(cell and cell.time_s for cell in cells):
             continue  # e.g. graph mode above --graph-max-tokens
         texts = []
@@ -384,7 +444,34 @@ def markdown_table(result: BenchResult) -> str:
         best = best.backend if best else "-"
         auto = next((x for x in timed if x.backend == "auto"), None)
         standing = f"{auto.vs_best_peer:.2f}x faster" if auto and auto.vs_best_peer else "-"
-        lines.append(f"| {shape} | {t} | {mode} | " + " | ".join(texts) + f" | {best} | {standing} |")
+        lines.append(f"| {shape} | {t} | {mode} | {fmt} | " + " | ".join(texts) + f" | {best} | {standing} |")
+    return "\n".join(lines) + "\n" + _formats_table(result.cells)
+
+
+def _formats_table(cells: Iterable[Cell]) -> str:
+    """Per (shape, T, mode): the fastest selector backend of each format, time (time / floor), and its time over
+    the dense best (the quantised formats' point: fewer bytes to read)."""
+    best: dict[tuple[str, int, str, str], Cell] = {}
+    for c in cells:
+        if c.time_s and c.backend != "auto" and not c.backend.startswith(PEER_PREFIX):
+            key = (c.shape, c.tokens, c.mode, c.format)
+            if key not in best or c.time_s < best[key].time_s:
+                best[key] = c
+    quantised = [f for f in FORMATS if f != "dense" and any(k[3] == f for k in best)]
+    if not quantised:
+        return ""
+    lines = ["", "Quantised against dense: the fastest selector backend per format, time (time / floor); "
+                 "x dense = its time over the dense best.", "",
+             "| shape | T | mode | dense | " + " | ".join(f"{f} | x dense" for f in quantised) + " |",
+             "|---|---|---|---|" + "---|---|" * len(quantised)]  # fmt: skip
+    for shape, t, mode in sorted({k[:3] for k in best}, key=lambda r: (r[0], r[2], r[1])):
+        dense = best.get((shape, t, mode, "dense"))
+        texts = [f"{_fmt_time(dense.time_s)} ({dense.ratio:.2f}x) {dense.backend}" if dense else "-"]
+        for f in quantised:
+            q = best.get((shape, t, mode, f))
+            texts.append(f"{_fmt_time(q.time_s)} ({q.ratio:.2f}x) {q.backend}" if q else "-")
+            texts.append(f"{q.time_s / dense.time_s:.2f}" if q and dense else "-")
+        lines.append(f"| {shape} | {t} | {mode} | " + " | ".join(texts) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -442,6 +529,14 @@ def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def _formats(text: str) -> list[str]:
+    names = _names(text)
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(FORMATS)}")
+    return names
+
+
 def _progress() -> Callable[[str], None]:
     try:
         from tqdm import tqdm
@@ -467,6 +562,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         memory_cap_gb=args.memory_cap_gb,
         with_peers=not args.no_peers,
         progress=_progress(),
+        formats=args.formats,
     )
     paths = write_outputs(result, Path(args.out))
     from selector.tuning import records_from_bench, user_tuning_path, write_records
@@ -495,6 +591,8 @@ def register(sub: Any) -> None:
     bench.add_argument("--graph-max-tokens", type=int, default=4096)
     bench.add_argument("--memory-cap-gb", type=float, default=40.0, help="skip cells needing more temporaries")
     bench.add_argument("--no-peers", action="store_true", help="leave out Transformers' backends")
+    bench.add_argument("--formats", type=_formats, default=["dense"],
+                       help=f"comma list of weight formats to time side by side: {', '.join(FORMATS)}")  # fmt: skip
     bench.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png, tuning.json")
     bench.add_argument("--save-tuning", action="store_true", help="let auto use these timings on this machine")
     bench.set_defaults(func=_cmd_bench)

@@ -41,6 +41,8 @@ def records_from_bench(bench: Mapping[str, Any]) -> list[dict[str, Any]]:
     for cell in bench["cells"]:
         if cell["mode"] not in MODES or not cell.get("time_s") or cell["backend"].startswith(("hf:", "auto")):
             continue
+        if cell.get("format", "dense") != "dense":  # measured_for serves dense layers only
+            continue
         p = PRESETS.get(cell["shape"])
         if p is None:
             continue

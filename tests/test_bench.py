@@ -96,3 +96,63 @@ def test_graph_mode_timings_apply_only_while_capturing(tmp_path: Path, monkeypat
         assert tuning.measured_for(replace(problem, cuda_graph=True), env) == {"grouped_mm": 1e-6}
     finally:
         tuning.reload()
+
+
+def _quant_cells() -> list[Cell]:
+    shape = "qwen3-30b-a3b"
+    return [
+        Cell(shape, 1, "bfloat16", "triton_fused", "graph", time_s=34e-6, floor_s=18e-6),
+        Cell(shape, 1, "bfloat16", "grouped_mm", "graph", time_s=100e-6, floor_s=18e-6),
+        Cell(shape, 1, "bfloat16", "triton_fused", "graph", format="fp8-f32", time_s=22e-6, floor_s=9e-6),
+        Cell(shape, 1, "bfloat16", "batched_mm", "graph", format="fp8-f32", time_s=45e-6, floor_s=9e-6),
+        Cell(shape, 1, "bfloat16", "auto", "graph", format="fp8-f32", time_s=1e-6, floor_s=9e-6),  # not a backend
+        Cell(shape, 1, "bfloat16", "eager", "graph", format="fp8-f32", skipped="cannot be captured"),
+    ]
+
+
+def test_quantised_cells_beside_dense_in_the_table() -> None:
+    table = markdown_table(BenchResult(device="NVIDIA H200", ceilings=CEILINGS, command="", cells=_quant_cells()))
+    rows = [line for line in table.splitlines() if line.startswith("| qwen3-30b-a3b | 1 | graph |")]
+    assert [r.split(" | ")[3] for r in rows[:2]] == ["dense", "fp8-f32"]  # one row per format, dense first
+    summary = rows[-1]  # the second table: best per format, and fp8 over dense
+    assert "34µs (1.89x) triton_fused" in summary and "22µs (2.44x) triton_fused" in summary
+    assert summary.rstrip().endswith("| 0.65 |")
+
+
+def test_quantised_cells_do_not_become_dense_tuning() -> None:
+    records = tuning.records_from_bench(BenchResult("NVIDIA H200", CEILINGS, "", _quant_cells()).to_dict())
+    assert {(r["backend"], r["time_s"]) for r in records} == {("triton_fused", 34e-6), ("grouped_mm", 100e-6)}
+
+
+def test_format_layers_and_their_floor_bytes() -> None:
+    torch = pytest.importorskip("torch")
+    from dataclasses import replace
+
+    from selector import quant
+    from selector.bench import FORMATS, bytes_moved, format_layer, make_layer
+
+    problem = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=256, intermediate_size=128)
+    dense = make_layer(torch, problem, torch.bfloat16, "cpu", seed=0)
+    before = dense.gate_up_proj.detach().clone()
+    assert format_layer(torch, dense, problem, "dense") is dense
+    dense_bytes = bytes_moved(dense, problem, experts_hit=3, tokens=2, elem=2)
+    assert dense_bytes == 3 * 3 * 256 * 128 * 2 + 2 * 2 * 256 * 2
+    activations = 2 * 2 * 256 * 2
+    for name, (wf, sf) in ((n, f) for n, f in FORMATS.items() if f):
+        layer = format_layer(torch, dense, problem, name)
+        assert quant.quant_format(layer).weight_format == wf and quant.quant_format(layer).scale_format == sf
+        per_weight = quant.bytes_per_weight(quant.quant_format(layer))
+        expected = 3 * 3 * 256 * 128 * per_weight + activations
+        assert bytes_moved(layer, problem, 3, 2, 2) == pytest.approx(expected, rel=1e-3)
+    assert torch.equal(dense.gate_up_proj, before) and not quant.is_quantised(dense)  # the dense layer untouched
+    with pytest.raises(ValueError, match="unknown format"):
+        format_layer(torch, dense, problem, "int4")
+
+
+def test_bench_rejects_an_unknown_format(capsys: pytest.CaptureFixture[str]) -> None:
+    from selector.cli import main
+
+    with pytest.raises(ValueError, match="unknown format"):
+        run_bench(["qwen3-30b-a3b"], [1], formats=["fp8"])
+    assert main(["bench", "--formats", "fp8"]) == 2  # a usage error, before anything runs
+    assert "expected some of dense, fp8-f32, fp8-ue8m0, fp4" in capsys.readouterr().err
