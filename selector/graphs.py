@@ -57,18 +57,8 @@ def graphs_of(module: torch.nn.Module, namespace: str) -> OrderedDict:
 
 
 def copy_inputs(buffers: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
-    """buffer.copy_(value) for each pair (any dtypes, any strides), in one call from Python. Pairs that are both
-    contiguous with one dtype go as bytes: one dtype over the whole list is what lets _foreach_copy_ copy them
-    all in one kernel (hidden states, ids and weights otherwise cost a copy launch each, on the host too)."""
-    same = [b.dtype == v.dtype and b.is_contiguous() and v.is_contiguous() for b, v in zip(buffers, values)]
-    if all(same):
-        torch._foreach_copy_([_bytes(b) for b in buffers], [_bytes(v) for v in values])
-    else:
-        torch._foreach_copy_(buffers, values)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+    """buffer.copy_(value) for each pair (any dtypes, any strides), in one call from Python."""
+    torch._foreach_copy_(buffers, values)
 
 
 class RecordedCall:

@@ -73,17 +73,3 @@ def test_input_copies_take_any_dtype_and_stride() -> None:
     values = (torch.randn(3, 4).t().to(torch.bfloat16), torch.arange(16).reshape(4, 4)[:, ::2], torch.rand(4, 2))
     graphs.copy_inputs(buffers, values)
     assert all(torch.equal(b, v) for b, v in zip(buffers, values))
-
-
-def test_contiguous_inputs_are_copied_as_bytes_in_one_call(monkeypatch) -> None:
-    """Contiguous pairs of one dtype each (the decode case) reach _foreach_copy_ as uint8 views of the same
-    memory, so one kernel copies them all; 0-d and empty tensors included. The values land bit for bit."""
-    calls = []
-    real = torch._foreach_copy_
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: calls.append([t.dtype for t in dst]) or real(dst, src))
-    buffers = (torch.zeros(2, 5, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.int64), torch.zeros(()),
-               torch.zeros(0, 4))  # fmt: skip
-    values = (torch.randn(2, 5).to(torch.bfloat16), torch.randint(-9, 9, (2, 3)), torch.tensor(-0.0), torch.zeros(0, 4))
-    graphs.copy_inputs(buffers, values)
-    assert calls == [[torch.uint8] * 4]
-    assert all(torch.equal(b, v) for b, v in zip(buffers, values)) and torch.signbit(buffers[2])
