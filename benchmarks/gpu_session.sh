@@ -13,7 +13,8 @@
 #   part12: CUDA tests of gate_up split K (finished in the kernel), fp8 T=1 retune, the whole quantised grid;
 #   part13: the review fixes on CUDA, and the Qwen T=4096 cells again;
 #   part14: CUDA tests of the down kernel's own combine (pair blocks), T=1 A/B, fp8 T=1 retune, the whole grid;
-#   part15: byte-wise graph input copies (tests, host A/B), DeepSeek/Mixtral T=1 retune, the grid, bench --formats.
+#   part15: byte-wise graph input copies (tests, host A/B), DeepSeek/Mixtral T=1 retune, the grid, bench --formats;
+#   part16: programmatic dependent launches (CUDA tests, A/B at T=1 and 8), Qwen T=1 retune, the grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -326,6 +327,29 @@ PY
     --formats dense,fp8-f32,fp8-ue8m0,fp4 --out "$OUT/bench" 2>>"$OUT/bench_err.txt" | tail -30 >>"$LOG"
   cp "$OUT/bench/bench.json" "$OUT/bench_formats.json" 2>/dev/null; cp "$OUT/bench/bench.md" "$OUT/bench_formats.md" 2>/dev/null
   rm -rf "$OUT/bench"; tail -c 3000 "$OUT/bench_err.txt" > "$OUT/bench_err_tail.txt"; rm -f "$OUT/bench_err.txt"
+  ;;
+part16)
+  # session 5, third call (one GPU): programmatic dependent launches for the quantised decode chain: CUDA tests,
+  # A/B at T=1 and 8 on the Qwen shapes (SELECTOR_QUANT_PDL=0/1), fp8 T=1 retune of the Qwen shapes with them,
+  # the whole quantised grid. Stops after the tests if any fails.
+  stamp "CUDA tests: quantised grouped path (PDL on sm_90)"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py 2>&1 | tail -3 | tee -a "$LOG" \
+    | grep -q "failed\|error" && { stamp "tests failed: stop"; exit 1; }
+  for pdl in 0 1; do
+    stamp "T=1,8 Qwen cells, SELECTOR_QUANT_PDL=$pdl"
+    SELECTOR_QUANT_PDL=$pdl timeout 70 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b \
+      --tokens 1,8 --formats fp8-f32,fp8-ue8m0 --bf16-backends triton_fused --no-check --out "$OUT/ab$pdl" 2>&1 \
+      | grep "T=[18] graph\|T=[18] eager" | tail -8 >>"$LOG"
+    cp "$OUT/ab$pdl/quant_gpu.json" "$OUT/quant_t1_t8_pdl$pdl.json" 2>/dev/null; rm -rf "$OUT/ab$pdl"
+  done
+  stamp "fp8 tune: T=1, Qwen shapes"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  timeout 75 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 60 --out $table \
+    --shapes qwen1.5-moe-a2.7b,qwen3-30b-a3b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
+  cp $table "$OUT/"
+  stamp "quant grid"
+  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac
 stamp done
