@@ -14,7 +14,9 @@
 #   part13: the review fixes on CUDA, and the Qwen T=4096 cells again;
 #   part14: CUDA tests of the down kernel's own combine (pair blocks), T=1 A/B, fp8 T=1 retune, the whole grid;
 #   part15: byte-wise graph input copies (tests, host A/B), DeepSeek/Mixtral T=1 retune, the grid, bench --formats;
-#   part16: programmatic dependent launches (CUDA tests, A/B at T=1 and 8), Qwen T=1 retune, the grid.
+#   part16: programmatic dependent launches (CUDA tests, A/B at T=1 and 8), Qwen T=1 retune, the grid (PDL was
+#           reverted after it, and that retune not kept);
+#   part17: the final quantised grid, and an eager decode call's host and kernel times.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -350,6 +352,17 @@ part16)
   stamp "quant grid"
   timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part17)
+  # session 5, last call (one GPU): the whole quantised grid with the final code (no PDL, which part16 measured
+  # slower: Mixtral T=8 256-263 -> 300 us), and where an eager T=1 call's time goes (host vs kernels)
+  stamp "quant grid"
+  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  stamp "profile: eager T=1 and 8, Qwen3, fp8 and bf16"
+  timeout 90 python3 benchmarks/quant_profile.py --shapes qwen3-30b-a3b --tokens 1,8 --formats fp8-f32,bf16 \
+    --out "$OUT/profile" 2>&1 | grep -v "^\s*$" | tail -30 | tee "$OUT/profile.txt" >>"$LOG"
+  cp "$OUT/profile/quant_profile.json" "$OUT/" 2>/dev/null; rm -rf "$OUT/profile"
   ;;
 esac
 stamp done

@@ -427,24 +427,3 @@ def test_quantize_rows_zeroes_what_the_later_kernels_need():
         ops.quantize_rows(x, 32, zero=torch.empty(5, 95, device=DEV))
     with pytest.raises(ValueError, match="int32"):
         ops.quantize_rows(x, 32, counts=torch.empty(4, device=DEV))
-
-
-def test_decode_chain_launches_as_programmatic_dependent_launches(monkeypatch):
-    """Where the GPU allows it (sm_90+), x's quantisation lets the next kernel start at once and both GEMMs launch
-    as programmatic dependent launches (each waits in the kernel before reading the previous one's output). The
-    interpreter has no grid dependency control, so the launches are recorded by a fake here, not run; the CUDA run
-    of this file runs them for real on the H200."""
-    from plugins.quant_kernels import ops
-
-    launched = []
-    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, warps, stages=3, pdl=False:
-                        launched.append((fn.__name__, consts.get("PDL"), pdl)))  # fmt: skip
-    monkeypatch.setattr(ops, "pdl_enabled", lambda device: True)
-    module = Q.quantize_experts(make_experts(4, 64, 96, device=DEV, seed=43), "fp8_block", "float32", (32, 32))
-    idx, w = random_routing(1, 4, 2, device=DEV)
-    _run(module, torch.randn(1, 64, device=DEV), idx, w, {"gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}})
-    assert launched == [("_quant_rows_kernel", True, False), ("_grouped_kernel", True, True), ("_grouped_kernel", True, True)]
-    monkeypatch.setattr(ops, "pdl_enabled", lambda device: False)
-    launched.clear()
-    _run(module, torch.randn(1, 64, device=DEV), idx, w, {"gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}})
-    assert [(p, f) for _, p, f in launched] == [(False, False)] * 3

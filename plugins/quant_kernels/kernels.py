@@ -25,11 +25,6 @@ scale. The row kernel dequantises FP4 exactly in fp32.
 Epilogues: optional bias, gating act(gate) * up (concatenated or interleaved channels) or a plain activation,
 multiplication by the routing weight; rows are written at their pair index (row t*k + j).
 
-Decode chains (x's quantisation, gate_up, down) launch the GEMMs as programmatic dependent launches where the
-GPU allows (PDL): each kernel lets the next one start at once (gdc_launch_dependents), and the next sets up its
-program, then waits for the previous one to finish (gdc_wait) before reading its output. A decode layer is a few
-short kernels whose launch and ramp-up otherwise sit between them.
-
 Under TRITON_INTERPRET=1 (CPU tests) Triton's interpreter narrows floats (fp32 -> e4m3, bf16, fp16) without
 carrying a mantissa round-up into the exponent (7.9 -> 4.0 in e4m3, 1.999 -> 1.0 in bf16) and without ties to
 even; the kernels then round onto the target grid in fp32 first (``EXACT``), which makes the cast exact and the
@@ -44,10 +39,6 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-try:  # grid dependency control for programmatic dependent launch (Triton >= 3.4, sm_90+)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton: launched plainly (ops.pdl_enabled is False)
-    gdc_launch_dependents = gdc_wait = None
 ACT_CODE = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 
 
@@ -306,7 +297,7 @@ def _grouped_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, FINISH: tl.constexpr,
-    PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
+    PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -331,12 +322,7 @@ def _grouped_kernel(
     count_ptr[token, N tile] (zeroed by ``_quant_rows_kernel``); the last of the token's valid slots x shares to
     arrive adds them (share order, then one sum over the slots) and writes out[token]. ids_ptr: the pairs' expert
     ids (top_k per token); a token with no valid slot keeps the zeros written up front.
-    PDL (launched as a programmatic dependent launch): the next kernel may start now; this one reads the previous
-    kernel's output (A, its scales, the counters and zeros of _quant_rows_kernel) only after gdc_wait. What it
-    reads before (expert ids, sorted rows, static scales) comes from kernels that ended before that one began.
     """
-    if PDL:
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -381,8 +367,6 @@ def _grouped_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
     a_s_base = a_s_ptr + a_rows * stride_asm
-    if PDL:
-        gdc_wait()
     if SPLIT_K > 1:
         k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = tl.program_id(1) * k_share
@@ -481,13 +465,10 @@ def _grouped_kernel(
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, num_rows, K, num_counts, stride_xm, stride_qm,
                        stride_sm, stride_zm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
-                       ZERO: tl.constexpr, COUNTS: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                       ZERO: tl.constexpr, COUNTS: tl.constexpr):  # fmt: skip
     """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic).
     Also clears what the layer's later kernels count or add into, saving them launches of their own: ZERO, a
-    tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr (program (0, 0)). PDL: a dependent
-    launch after this one (gate_up) may start at once; it waits for this kernel before reading its output."""
-    if PDL:
-        gdc_launch_dependents()
+    tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr (program (0, 0))."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_ok = offs_r < num_rows

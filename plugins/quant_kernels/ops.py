@@ -52,19 +52,6 @@ ONE_SCALE_ROW = os.environ.get("SELECTOR_QUANT_ONE_SCALE_ROW", "1") != "0"
 # no combine launch; its counters and the output's zeros come with x's quantisation).
 # SELECTOR_QUANT_FUSED_COMBINE=0: the combine launch always (A/B).
 FUSED_COMBINE = os.environ.get("SELECTOR_QUANT_FUSED_COMBINE", "1") != "0"
-# Programmatic dependent launches for the grouped GEMMs (kernels module docstring): sm_90+, a Triton with grid
-# dependency control, not the interpreter. SELECTOR_QUANT_PDL=0: plain launches (A/B).
-PDL = os.environ.get("SELECTOR_QUANT_PDL", "1") != "0" and K.gdc_wait is not None and not K.INTERPRET
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependent launches (Hopper and newer)."""
-    return PDL and device.type == "cuda" and _capability(device.index or 0) >= (9, 0)
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -174,7 +161,7 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
              counts.numel() if counts is not None else 0, x.stride(0), q.stride(0), s.stride(0),
              zero.stride(0) if zero is not None else 0),
             dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=K.INTERPRET, ZERO=zero is not None,
-                 COUNTS=counts is not None and counts.numel() > 0, PDL=pdl_enabled(x.device)), num_warps,
+                 COUNTS=counts is not None and counts.numel() > 0), num_warps,
         )  # fmt: skip
     elif counts is not None:
         counts.zero_()
@@ -261,7 +248,6 @@ def _launch(
                 raise ValueError(f"quantised experts: {counts.numel()} counters for {tiles_needed} tiles")
             count = counts
         grid = (tiles, split)
-        pdl = pdl_enabled(a.device)
         a_s = a_scale if a_scale is not None else s
         o_s = out_scale if out_scale is not None else s
         launch(
@@ -276,8 +262,8 @@ def _launch(
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
                  MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c,
-                 COMBINE=combine is not None, K_PAD=triton.next_power_of_2(top_k), PDL=pdl),
-            cfg["num_warps"], cfg["num_stages"], pdl,
+                 COMBINE=combine is not None, K_PAD=triton.next_power_of_2(top_k)),
+            cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
         (ids,) = routing

@@ -412,20 +412,17 @@ def _spec(a):
     return a
 
 
-def launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3, pdl: bool = False) -> None:
+def launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
     """fn[grid](*args, **consts): runtime arguments positional, every constexpr in `consts` (the quantised
-    kernels launch through here too). Repeated launches skip Triton's own argument dispatch (tens of us).
-    `pdl`: a programmatic dependent launch (sm_90+, Triton's launch_pdl): the kernel may start before the one
-    before it ends, so it must gdc_wait() before reading what that one writes."""
-    options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
+    kernels launch through here too). Repeated launches skip Triton's own argument dispatch (tens of us)."""
     if _INTERPRET or not _FAST_LAUNCH or torch.compiler.is_compiling():  # Dynamo cannot trace data_ptr()
-        fn[grid](*args, **consts, **options)
+        fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
         return
     dev = args[0].device
-    key = (fn, dev.index, num_warps, num_stages, pdl, *consts.values(), *map(_spec, args))
+    key = (fn, dev.index, num_warps, num_stages, *consts.values(), *map(_spec, args))
     kernel = _LAUNCH_CACHE.get(key)
     if kernel is None:
-        kernel = fn[grid](*args, **consts, **options)
+        kernel = fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
         if kernel is not None and hasattr(kernel, "__getitem__"):
             _LAUNCH_CACHE[key] = kernel
         return
