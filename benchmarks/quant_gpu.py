@@ -1,7 +1,9 @@
 """GPU check and timing of quantised experts (issue 5): FP8 (float32 and UE8M0 scales) and FP4 cells beside bf16.
 
 One run, on one GPU:
-1. ceilings: copy bandwidth (2 GiB device copy, bytes read + written) and a bf16 8192^3 matmul (perf.md);
+1. ceilings: copy bandwidth (2 GiB device copy, bytes read + written) and a bf16 8192^3 matmul (perf.md), and
+   an e4m3 one (torch._scaled_mm): quantised cells also report a floor with that rate for compute, since their
+   kernels multiply e4m3 tiles (the targets keep perf.md's floor);
 2. a correctness check of every quantised path (format x backend) on a small layer against the float64
    reference from the dequantised weights (`selector.quant.reference_forward`, activations quantised as the
    kernels do): bf16 compute, bound GPU_BOUND = 2.5e-2 (the interpreter meets 1e-2, tests/test_quant.py; on the
@@ -81,10 +83,15 @@ class Cell:
     rel_error: float | None = None  # vs the float64 reference (quantised cells, first 8 tokens)
     skipped: str | None = None
     config: dict | None = None  # --sweep: the best tile configuration found
+    floor_fp8_mma_s: float | None = None  # quantised cells: the floor with the e4m3 matmul rate for compute
 
     @property
     def ratio(self) -> float | None:
         return self.time_s / self.floor_s if self.time_s and self.floor_s else None
+
+    @property
+    def ratio_fp8_mma(self) -> float | None:
+        return self.time_s / self.floor_fp8_mma_s if self.time_s and self.floor_fp8_mma_s else None
 
 
 # ---------------------------------------------------------------------------------------------- measurement
@@ -95,7 +102,7 @@ from selector import bench as _bench  # noqa: E402
 
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:
-    return _bench.measure_ceilings(torch, device)
+    return _bench.measure_ceilings(torch, device, fp8=True)
 
 
 def time_back_to_back(fn, calls: int, repeats: int = 5) -> float:  # noqa: ANN001
@@ -163,13 +170,15 @@ def forward_of(name: str):  # noqa: ANN201
     return selector.get_registry().get(name).load()
 
 
-def floor_of(layer: torch.nn.Module, index: torch.Tensor, h: int, i: int, k: int, ceilings: dict) -> tuple[float, float, float]:
+def floor_of(layer: torch.nn.Module, index: torch.Tensor, h: int, i: int, k: int, ceilings: dict,
+             compute: str = "bf16_flops") -> tuple[float, float, float]:  # fmt: skip
+    """perf.md's floor (compute at the bf16 matmul rate), or with compute="fp8_flops" at the e4m3 one."""
     hit = int(torch.unique(index).numel())
     per_expert = Q.weight_bytes(layer) / layer.num_experts  # as stored, scales included
     tokens = index.shape[0]
     moved = hit * per_expert + 2 * tokens * h * 2
     flops = 2.0 * tokens * k * 3 * h * i
-    return max(moved / ceilings["bandwidth_Bps"], flops / ceilings["bf16_flops"]), moved, flops
+    return max(moved / ceilings["bandwidth_Bps"], flops / ceilings[compute]), moved, flops
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -233,12 +242,15 @@ def run_cells(name: str, built: dict, tokens: int, ceilings: dict, args, log, de
     for fmt_name, layer in built["layers"].items():
         backends = BF16_BACKENDS if fmt_name == "bf16" else QUANT_TIMED
         floor, moved, flops = floor_of(layer, index, h, i, k, ceilings)
+        # the kernels multiply e4m3 tiles (fp4 widened to e4m3): a floor at that rate, reported beside perf.md's
+        floor8 = floor_of(layer, index, h, i, k, ceilings, "fp8_flops")[0] if fmt_name != "bf16" and "fp8_flops" in ceilings else None
         ref = None
         for backend in backends:
             if fmt_name == "bf16" and backend not in args.bf16_backends:
                 continue
             for mode in modes:
-                cell = Cell(name, tokens, fmt_name, backend, mode, floor_s=floor, bytes=moved, flops=flops)
+                cell = Cell(name, tokens, fmt_name, backend, mode, floor_s=floor, bytes=moved, flops=flops,
+                            floor_fp8_mma_s=floor8)  # fmt: skip
                 cells.append(cell)
                 if deadline.left() <= 0:
                     cell.skipped = BUDGET
@@ -329,7 +341,8 @@ def summary(cells: list[Cell]) -> tuple[str, list[dict]]:
                    f"{cellstr(per['fp8-ue8m0'])} | {cellstr(per['fp4'])} | "
                    f"{'-' if speed is None else f'{speed:.2f}x'} | {target} |")  # fmt: skip
         rows.append({"shape": shape, "tokens": tokens, "mode": mode, "fp8_over_bf16": speed,
-                     "fp8_over_floor": fp8.ratio if fp8 else None, "target": target})  # fmt: skip
+                     "fp8_over_floor": fp8.ratio if fp8 else None, "target": target,
+                     "fp8_over_floor_at_fp8_mma_rate": fp8.ratio_fp8_mma if fp8 else None})  # fmt: skip
     return "\n".join(out), rows
 
 
@@ -369,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke run)"
     log(f"{name} torch {torch.__version__}")
-    ceilings = measure_ceilings(device) if device.type == "cuda" else {"bandwidth_Bps": 20e9, "bf16_flops": 0.5e12}
+    ceilings = measure_ceilings(device) if device.type == "cuda" else {"bandwidth_Bps": 20e9, "bf16_flops": 0.5e12, "fp8_flops": 1e12}
     log(f"ceilings: copy {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
     deadline = Deadline(args.budget_s)
     checks: list[dict] = []
@@ -414,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 if r["target"] != "-":
                     print(f"  {r['shape']} T={r['tokens']} {r['mode']}: {r['target']}"
-                          f" [fp8/bf16 {r['fp8_over_bf16'] or 0:.2f}x, fp8/floor {r['fp8_over_floor'] or 0:.2f}x]")  # fmt: skip
+                          f" [fp8/bf16 {r['fp8_over_bf16'] or 0:.2f}x, fp8/floor {r['fp8_over_floor'] or 0:.2f}x,"
+                          f" at the e4m3 matmul rate {r['fp8_over_floor_at_fp8_mma_rate'] or 0:.2f}x]")  # fmt: skip
             if args.out:
                 log(f"wrote {args.out / 'quant_gpu.json'} and quant_gpu.md")
 

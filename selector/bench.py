@@ -4,8 +4,9 @@ peers, timed side by side in one run against the physical floor measured in the 
 For each cell (shape, token count, dtype, weight format, backend, mode): time, time / floor, TFLOP/s, GB/s,
 peak extra memory, error against a float64 reference on a sample of tokens, and the ratio to the best
 Transformers peer. `--formats` adds quantised copies of each layer (fp8 block scales as float32 or UE8M0, fp4):
-their floor counts the bytes as stored (scales included), their reference is float64 from the dequantised
-weights with the activations quantised as the kernels do, and Transformers' peers run dense cells only. Modes: `eager` (calls back to back, events around the whole run, as a decode loop runs), `graph`
+their floor counts the bytes as stored (scales included) and, for compute, the e4m3 matmul rate measured in the
+same run (the kernels multiply e4m3 tiles); their reference is float64 from the dequantised weights with the
+activations quantised as the kernels do, and Transformers' peers run dense cells only. Modes: `eager` (calls back to back, events around the whole run, as a decode loop runs), `graph`
 (one call captured in a CUDA graph, replays back to back) and `compile` (torch.compile, then like eager).
 Output: a markdown table, JSON, and a PNG plot of time/floor against tokens.
 """
@@ -80,8 +81,9 @@ class BenchResult:
 # ---------------------------------------------------------------------------------------------- measurement
 
 
-def measure_ceilings(torch: Any, device: Any) -> dict[str, float]:
-    """Copy bandwidth (bytes read + written) over a 2 GiB device copy; bf16 8192^3 matmul rate."""
+def measure_ceilings(torch: Any, device: Any, fp8: bool = False) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) over a 2 GiB device copy; bf16 8192^3 matmul rate; with `fp8`, also
+    an e4m3 8192^3 scaled matmul's rate (torch._scaled_mm) where this GPU and torch have one."""
     from triton.testing import do_bench
 
     src = torch.empty(2**30, dtype=torch.bfloat16, device=device).normal_()
@@ -92,7 +94,16 @@ def measure_ceilings(torch: Any, device: Any) -> dict[str, float]:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     mm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return {"bandwidth_Bps": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops": 2 * n**3 / (mm_ms * 1e-3)}
+    ceilings = {"bandwidth_Bps": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops": 2 * n**3 / (mm_ms * 1e-3)}
+    if fp8:
+        try:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm: b column-major
+            one = torch.ones((), device=device)
+            mm8 = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+            ceilings["fp8_flops"] = 2 * n**3 / (do_bench(mm8, warmup=50, rep=300, return_mode="median") * 1e-3)
+        except (RuntimeError, AttributeError, TypeError):  # no fp8 matmul here: quantised floors use bf16's
+            pass
+    return ceilings
 
 
 def time_first_call(torch: Any, fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -177,6 +188,14 @@ def format_layer(torch: Any, dense: Any, problem: Any, fmt: str) -> Any:
     weights = (dense.gate_up_proj.data, dense.down_proj.data)
     twin = make_layer(torch, problem, dense.gate_up_proj.dtype, dense.gate_up_proj.device, 0, weights=weights)
     return quant.quantize_experts(twin, *FORMATS[fmt])
+
+
+def compute_ceiling(ceilings: dict[str, float], problem: Any) -> float:
+    """FLOP/s a cell's floor divides by: bf16's matmul rate, or for quantised weights (the kernels multiply e4m3
+    tiles, fp4 widened to e4m3) the e4m3 matmul rate where it was measured."""
+    if problem.weight_format != "dense" and "fp8_flops" in ceilings:
+        return ceilings["fp8_flops"]
+    return ceilings["bf16_flops"]
 
 
 def bytes_moved(layer: Any, problem: Any, experts_hit: int, tokens: int, elem: int) -> float:
@@ -264,6 +283,7 @@ def _run_bench(
     import torch
 
     from selector.environment import current_environment
+    from selector.model import AUTO
     from selector.presets import preset
     from selector.registry import get_registry
 
@@ -276,7 +296,7 @@ def _run_bench(
     dtype = getattr(torch, dtype_name)
     env = current_environment()
     registry = get_registry()
-    ceilings = measure_ceilings(torch, device)
+    ceilings = measure_ceilings(torch, device, fp8=any(FORMATS[f] for f in formats))
     result = BenchResult(
         device=torch.cuda.get_device_name(),
         ceilings=ceilings,
@@ -289,16 +309,31 @@ def _run_bench(
     for shape_name in presets:
         base = replace(preset(shape_name), dtype=dtype_name, device="cuda")
         dense = make_layer(torch, base, dtype, device, seed=0)
-        layers = {fmt: format_layer(torch, dense, base, fmt) for fmt in formats}
-        for t in tokens:
-            index, weights = random_routing(torch, t, base.num_experts, base.top_k, device, seed=t)
-            x = torch.randn(t, base.hidden_size, device=device, dtype=dtype)
-            for fmt, layer in layers.items():
-                wf, sf = FORMATS[fmt] or ("dense", None)
+        for fmt in formats:  # one quantised copy alive at a time
+            wf, sf = FORMATS[fmt] or ("dense", None)
+            try:
+                layer = format_layer(torch, dense, base, fmt)
+            except Exception as exc:  # e.g. out of memory: the other formats still run
+                reason = f"failed to quantise: {type(exc).__name__}: {str(exc)[:160]}"
+                result.cells.extend(Cell(shape_name, t, dtype_name, AUTO, mode, format=fmt, skipped=reason)
+                                    for t in tokens for mode in modes)  # fmt: skip
+                continue
+            for t in tokens:  # the same routing and hidden states for every format
+                index, weights = random_routing(torch, t, base.num_experts, base.top_k, device, seed=t)
+                gen = torch.Generator(device=device).manual_seed(1000 + t)
+                x = torch.randn(t, base.hidden_size, device=device, dtype=dtype, generator=gen)
                 problem = replace(base.with_tokens(t), weight_format=wf, scale_format=sf)
-                _time_cells(torch, result, layer, problem, shape_name, fmt, x, index, weights, env, registry,
-                            backends, peers if fmt == "dense" else {}, modes, graph_max_tokens, memory_cap_gb, say)
-        del dense, layers
+                try:
+                    _time_cells(torch, result, layer, problem, shape_name, fmt, x, index, weights, env, registry,
+                                backends, peers if fmt == "dense" else {}, modes, graph_max_tokens, memory_cap_gb,
+                                say)  # fmt: skip
+                except Exception as exc:  # the reference or auto's own call failed: record it, go on
+                    reason = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                    result.cells.extend(Cell(shape_name, t, dtype_name, AUTO, mode, format=fmt, skipped=reason)
+                                        for mode in modes)  # fmt: skip
+            del layer
+            torch.cuda.empty_cache()
+        del dense
         torch.cuda.empty_cache()
     _fill_peer_ratios(result.cells)
     return result
@@ -317,7 +352,7 @@ def _time_cells(torch: Any, result: BenchResult, layer: Any, problem: Any, shape
     elem = x.element_size()
     moved = bytes_moved(layer, problem, int(index.unique().numel()), t, elem)
     flops = 2.0 * t * problem.top_k * 3 * problem.hidden_size * problem.intermediate_size
-    floor = max(moved / result.ceilings["bandwidth_Bps"], flops / result.ceilings["bf16_flops"])
+    floor = max(moved / result.ceilings["bandwidth_Bps"], flops / compute_ceiling(result.ceilings, problem))
     sample = min(t, 32)
     if quant.is_quantised(layer):  # float64 from the dequantised weights, activations quantised as the kernels do
         ref = quant.reference_forward(layer, x[:sample], index[:sample], weights[:sample], device=x.device)
@@ -392,13 +427,14 @@ def _time_cells(torch: Any, result: BenchResult, layer: Any, problem: Any, shape
 
 
 def _fill_peer_ratios(cells: list[Cell]) -> None:
-    best: dict[tuple[str, int, str, str], float] = {}
+    """vs_best_peer against Transformers' best of the same cell and weight format (peers run dense cells only)."""
+    best: dict[tuple[str, int, str, str, str], float] = {}
     for c in cells:
         if c.backend.startswith(PEER_PREFIX) and c.time_s:
-            key = (c.shape, c.tokens, c.dtype, c.mode)
+            key = (c.shape, c.tokens, c.dtype, c.mode, c.format)
             best[key] = min(best.get(key, math.inf), c.time_s)
     for c in cells:
-        peer = best.get((c.shape, c.tokens, c.dtype, c.mode))
+        peer = best.get((c.shape, c.tokens, c.dtype, c.mode, c.format))
         if peer and c.time_s:
             c.vs_best_peer = peer / c.time_s
 
@@ -486,16 +522,17 @@ def plot(result: BenchResult, path: Path) -> bool:
         return False
     shapes = sorted({c.shape for c in result.cells})
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
-    backends = sorted({c.backend for c in result.cells if c.ratio})
-    colours = {b: plt.get_cmap("tab20")(i % 20) for i, b in enumerate(backends)}  # one colour per backend
+    series = sorted({(c.backend, c.format) for c in result.cells if c.ratio})
+    colours = {s: plt.get_cmap("tab20")(i % 20) for i, s in enumerate(series)}  # one colour per backend and format
     for ax, shape in zip(axes[0], shapes):
-        for backend in backends:
+        for backend, fmt in series:
             for mode, style in (("eager", "-"), ("graph", "--"), ("compile", ":")):
-                pts = sorted((c.tokens, c.ratio) for c in result.cells
-                             if c.shape == shape and c.backend == backend and c.mode == mode and c.ratio)
+                pts = sorted((c.tokens, c.ratio) for c in result.cells if c.shape == shape and c.backend == backend
+                             and c.format == fmt and c.mode == mode and c.ratio)  # fmt: skip
                 if pts:
                     marker = "x" if backend.startswith(PEER_PREFIX) else "o"
-                    ax.plot(*zip(*pts), style, marker=marker, color=colours[backend], label=f"{backend} ({mode})")
+                    name = backend if fmt == "dense" else f"{backend} {fmt}"
+                    ax.plot(*zip(*pts), style, marker=marker, color=colours[backend, fmt], label=f"{name} ({mode})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.axhline(1.0, color="black", linewidth=0.8)

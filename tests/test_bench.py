@@ -156,3 +156,19 @@ def test_bench_rejects_an_unknown_format(capsys: pytest.CaptureFixture[str]) -> 
         run_bench(["qwen3-30b-a3b"], [1], formats=["fp8"])
     assert main(["bench", "--formats", "fp8"]) == 2  # a usage error, before anything runs
     assert "expected some of dense, fp8-f32, fp8-ue8m0, fp4" in capsys.readouterr().err
+
+
+def test_quantised_floors_use_the_fp8_matmul_rate_and_peers_compare_like_with_like() -> None:
+    from dataclasses import replace
+
+    from selector.bench import compute_ceiling
+
+    dense = preset("qwen3-30b-a3b")
+    fp8 = replace(dense, weight_format="fp8_block", scale_format="ue8m0")
+    with_fp8 = {**CEILINGS, "fp8_flops": 1500e12}
+    assert compute_ceiling(with_fp8, dense) == 782e12 and compute_ceiling(with_fp8, fp8) == 1500e12
+    assert compute_ceiling(CEILINGS, fp8) == 782e12  # not measured (no fp8 matmul there): bf16's
+    cells = _quant_cells() + [Cell("qwen3-30b-a3b", 1, "bfloat16", "hf:batched_mm", "graph", time_s=80e-6)]
+    _fill_peer_ratios(cells)
+    assert cells[0].vs_best_peer == pytest.approx(80 / 34)  # dense against the dense peer
+    assert cells[2].vs_best_peer is None  # fp8: Transformers' backends ran no fp8 cell

@@ -622,6 +622,10 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     assert {("bf16", "grouped_mm"), ("fp8-f32", "triton_fused"), ("fp8-ue8m0", "batched_mm"), ("fp4", "triton_fused")} <= timed
     assert all(c["rel_error"] < 1e-2 for c in data["cells"] if c["rel_error"] is not None)
     assert "| tiny | 1 | eager |" in (tmp_path / "quant_gpu.md").read_text()
+    # quantised cells also carry a floor at the e4m3 matmul rate (never above perf.md's, which uses bf16's)
+    quantised = [c for c in data["cells"] if c["format"] != "bf16" and c["floor_s"]]
+    assert quantised and all(0 < c["floor_fp8_mma_s"] <= c["floor_s"] for c in quantised)
+    assert all(c["floor_fp8_mma_s"] is None for c in data["cells"] if c["format"] == "bf16")
 
 
 def test_interpreter_is_on_without_gpu():

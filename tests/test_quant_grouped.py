@@ -385,6 +385,9 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
 
     monkeypatch.setattr(ops, "launch", spy(ops.launch))
     monkeypatch.setattr(fused_kernels, "launch", spy(fused_kernels.launch))
+    given_counts = []  # the counters each grouped launch was handed (None: it would zero its own, a memset)
+    real_launch = ops._launch
+    monkeypatch.setattr(ops, "_launch", lambda *a, **kw: given_counts.append(kw.get("counts")) or real_launch(*a, **kw))
     module = Q.quantize_experts(make_experts(4, 64, 96, layout, device=DEV, seed=41), "fp8_block", "ue8m0", (32, 32))
     idx, w = random_routing(4, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
     if layout.expert_parallel:
@@ -393,7 +396,9 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
     for shares in (1, 2, 3):  # I = 96: 3 K steps of 32
         cfg = {"BLOCK_M": 16, "ROUTE": "pairs", "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32, "SPLIT_K": shares}}
         launched.clear()
+        given_counts.clear()
         fused = _check(module, x, idx, w, cfg)
+        assert given_counts[-1] is not None and given_counts[-1].numel() == 4 * 2  # down: (token, N tile) counters
         names = [n for n, _ in launched]
         assert "_combine_kernel" not in names and names.count("_quant_rows_kernel") == 1
         zeroing = next(c for n, c in launched if n == "_quant_rows_kernel")

@@ -468,7 +468,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, num_rows, K, nu
                        ZERO: tl.constexpr, COUNTS: tl.constexpr):  # fmt: skip
     """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic).
     Also clears what the layer's later kernels count or add into, saving them launches of their own: ZERO, a
-    tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr (program (0, 0))."""
+    tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_ok = offs_r < num_rows
@@ -481,11 +481,12 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, num_rows, K, nu
     if ZERO:
         z_ptrs = zero_ptr + rows[:, None] * stride_zm + offs_k[None, :]
         tl.store(z_ptrs, tl.zeros([BLOCK_R, BLOCK_K], tl.float32).to(zero_ptr.dtype.element_ty), mask=mask)
-    if COUNTS:
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            for c0 in range(0, num_counts, 1024):
-                offs_c = c0 + tl.arange(0, 1024)
-                tl.store(count_ptr + offs_c, tl.zeros([1024], tl.int32), mask=offs_c < num_counts)
+    if COUNTS:  # 1024-wide slices, dealt out over every program
+        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        step = tl.num_programs(0) * tl.num_programs(1) * 1024
+        for c0 in range(pid * 1024, num_counts, step):
+            offs_c = c0 + tl.arange(0, 1024)
+            tl.store(count_ptr + offs_c, tl.zeros([1024], tl.int32), mask=offs_c < num_counts)
 
 
 # --------------------------------------------------------------------------------------------------------------

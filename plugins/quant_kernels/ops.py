@@ -331,7 +331,7 @@ def projection(
     ``quantize_rows``. `quant_out` (grouped mode, BLOCK_N a multiple of block_k): returns (e4m3 out, scales),
     the result rounded to `out_dtype` and quantised per row and block_k channels.
     `combine` (pair blocks, linear epilogue with the routing weight): (out [T, N], ids [T * k], k): the kernel adds
-    each token's k slots into out itself (``kernels._combine_rows``; out must hold zeros where a token has no
+    each token's k slots into out itself (``kernels._combine_pair``; out must hold zeros where a token has no
     valid slot) and out is returned. `counts`: int32 zeros for the kernel's counters (FINISH / COMBINE; None:
     allocated and zeroed here, one more launch).
     """
@@ -425,14 +425,18 @@ def quant_experts_impl(
     up_cfg = {**cfg["gate_up"], "BLOCK_N": bn1}
     up_counts = up_tiles if finish_split(mode, up_cfg, h, block_k) > 1 else 0
     once = (cfg.get("QUANT_X") or "once") == "once"
-    fused = FUSED_COMBINE and once and routing[0] is None  # pair blocks; x's quantisation zeroes out and counters
+    fused = FUSED_COMBINE and routing[0] is None  # pair blocks combine in the down kernel
     down_counts = t * triton.cdiv(h, _tiles(routing, h, x.device, cfg["down"], False)[0]) if fused else 0
-    n_counts = up_counts + down_counts if once else 0  # else the projections zero their own
+    n_counts = up_counts + down_counts
     counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
-    if once:
+    if once:  # x's quantisation also zeroes the counters and out: no launch of their own
         xq, xs = quantize_rows(x, block_k, zero=out if fused else None, counts=counts)
-    else:
+    else:  # QUANT_X "loop": no quantize_rows launch to ride on
         xq, xs = x, None
+        if counts is not None:
+            counts.zero_()
+        if fused:
+            out.zero_()
     quant_out = bn1 % block_k == 0
     inter = projection(mode, xq, w1, s1, routing, n_pairs, a_div=top_k, bias=b1, config=up_cfg, a_scale=xs,
                        quant_out=quant_out, out_dtype=x.dtype, counts=counts[:up_counts] if n_counts else None,

@@ -74,6 +74,12 @@ def _weights(e: int, n: int, k: int, fp4: bool, dev: torch.device) -> tuple[torc
     return w, s
 
 
+def _zero(*tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None:
+            t.zero_()
+
+
 def _time(fn, graph: bool) -> float:
     if graph:
         return float(triton.testing.do_bench_cudagraph(fn, rep=15, return_mode="median")) * 1e-3
@@ -131,11 +137,17 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                         "grouped", a, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=a_s, quant_out=qo,
                         out_dtype=torch.bfloat16, gated=True, activation="silu", split_inter=None if fp4 else inter,
                         counts=c, **common)  # fmt: skip
-                    c = counts[: routing[1].numel() * triton.cdiv(inter, bn)] if split else None
-                    if qx == "once":  # with x's quantisation, which also zeroes a split gate_up's counters
-                        fn = lambda: up(*ops.quantize_rows(x, 128, counts=c), c)
+                    # as the layer does: x's quantisation also zeroes a split gate_up's counters and, with pair
+                    # blocks, the down's counters and the output (with QUANT_X "loop", memsets do)
+                    fused = route == "pairs" and ops.FUSED_COMBINE
+                    n_counts = (routing[1].numel() * triton.cdiv(inter, bn) if split else 0) + (
+                        tokens * triton.cdiv(h, 16) if fused else 0)  # fmt: skip
+                    c = counts[:n_counts] if n_counts else None
+                    zero = out if fused else None
+                    if qx == "once":
+                        fn = lambda: up(*ops.quantize_rows(x, 128, zero=zero, counts=c), c)
                     else:
-                        fn = lambda: up(x, None, None)
+                        fn = lambda: (_zero(c, zero), up(x, None, c))
                     extra = 0.0 if qo else t_qi
                 elif route == "pairs" and ops.FUSED_COMBINE:  # the kernel combines; its counters zeroed here
                     c = counts[: tokens * triton.cdiv(h, bn)]
