@@ -306,6 +306,11 @@ def _run_bench(
     peers = peer_functions() if with_peers else {}
     say = progress or (lambda _msg: None)
 
+    def failed(shape: str, fmt: str, token_counts: Sequence[int], what: str, exc: Exception) -> None:
+        reason = f"{what}: {type(exc).__name__}: {str(exc)[:160]}"
+        result.cells.extend(Cell(shape, t, dtype_name, AUTO, mode, format=fmt, skipped=reason)
+                            for t in token_counts for mode in modes)  # fmt: skip
+
     for shape_name in presets:
         base = replace(preset(shape_name), dtype=dtype_name, device="cuda")
         dense = make_layer(torch, base, dtype, device, seed=0)
@@ -314,9 +319,7 @@ def _run_bench(
             try:
                 layer = format_layer(torch, dense, base, fmt)
             except Exception as exc:  # e.g. out of memory: the other formats still run
-                reason = f"failed to quantise: {type(exc).__name__}: {str(exc)[:160]}"
-                result.cells.extend(Cell(shape_name, t, dtype_name, AUTO, mode, format=fmt, skipped=reason)
-                                    for t in tokens for mode in modes)  # fmt: skip
+                failed(shape_name, fmt, tokens, "failed to quantise", exc)
                 continue
             for t in tokens:  # the same routing and hidden states for every format
                 index, weights = random_routing(torch, t, base.num_experts, base.top_k, device, seed=t)
@@ -328,9 +331,7 @@ def _run_bench(
                                 backends, peers if fmt == "dense" else {}, modes, graph_max_tokens, memory_cap_gb,
                                 say)  # fmt: skip
                 except Exception as exc:  # the reference or auto's own call failed: record it, go on
-                    reason = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-                    result.cells.extend(Cell(shape_name, t, dtype_name, AUTO, mode, format=fmt, skipped=reason)
-                                        for mode in modes)  # fmt: skip
+                    failed(shape_name, fmt, [t], "failed", exc)
             del layer
             torch.cuda.empty_cache()
         del dense

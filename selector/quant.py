@@ -294,11 +294,10 @@ def is_quantised(module: torch.nn.Module) -> bool:
 
 def quant_format(module: torch.nn.Module) -> QuantFormat | None:
     """The module's QuantFormat, or None for dense experts."""
-    weight_format = getattr(module, "selector_weight_format", "dense")
-    if weight_format in (None, "dense"):
+    if not is_quantised(module):
         return None
     return QuantFormat(
-        weight_format,
+        module.selector_weight_format,
         getattr(module, "selector_scale_format", None) or "float32",
         tuple(getattr(module, "selector_block_size", None) or DEFAULT_FP8_BLOCK),  # type: ignore[arg-type]
         getattr(module, "selector_activation_quant", "dynamic") or "dynamic",

@@ -98,9 +98,7 @@ def split_k(mode: str, config: dict | None, routing: tuple, n_out: int, k_dim: i
     steps = triton.cdiv(k_dim, block_k)
     if target == 0 or steps < 32:
         return 1
-    bm = routing[2]
-    bn = _gemm_config(mode, routing[1].numel() * bm, n_out, device, {**(config or {}), "BLOCK_M": bm}, False)["BLOCK_N"]
-    programs = routing[1].numel() * triton.cdiv(n_out, bn)
+    programs = _tiles(routing, n_out, device, config or {}, False)[1]
     split = 1
     while programs * split < target and steps // (2 * split) >= 8 and split < 8:
         split *= 2
@@ -344,9 +342,7 @@ def projection(
         raise ValueError("quantised experts: only pair blocks with a linear, weighted epilogue combine in the kernel")
     split = split_k(mode, config, routing, n_out, k_dim, block_k, a.device) if linear else 1
     finish = 1 if linear else finish_split(mode, config, k_dim, block_k)
-    if combine is not None:  # fp32 rows per share, added by the kernel's last arrivals
-        out = torch.empty((split, num_pairs, n_out), dtype=torch.float32, device=a.device)
-    elif split > 1:  # K shared out: fp32 partial sums, added by the combine (combine_slots)
+    if combine is not None or split > 1:  # fp32 rows per K share, added by the kernel's last arrivals or combine_slots
         out = torch.empty((split, num_pairs, n_out), dtype=torch.float32, device=a.device)
     else:
         out = torch.empty((num_pairs, n_out), dtype=torch.float8_e4m3fn if quant_out else inter_dtype, device=a.device)

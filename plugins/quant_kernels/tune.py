@@ -7,8 +7,7 @@ for a few pairs): times align, each gate_up tile with x quantised up front (that
 zeroes a split gate_up's counters) or, for a few pairs, inside its K loop (plus a second quantisation of the
 intermediate when the tile does not cover whole groups) and each down tile with the combine (its own launch, or
 with pair blocks the down kernel's COMBINE, less the memset of its counters that the test needs and the layer
-does not pay), and
-keeps the layout whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
+does not pay), and keeps the layout whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
 top-k routing. Token counts <= 64 are timed as CUDA-graph replays (as decode runs), larger ones back to back.
 fp8 configs serve both scale formats (a scale load differs, not the tile). Stops at --budget-s and writes what
 it has.
