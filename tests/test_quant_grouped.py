@@ -432,3 +432,93 @@ def test_quantize_rows_zeroes_what_the_later_kernels_need():
         ops.quantize_rows(x, 32, zero=torch.empty(5, 95, device=DEV))
     with pytest.raises(ValueError, match="int32"):
         ops.quantize_rows(x, 32, counts=torch.empty(4, device=DEV))
+
+
+@pytest.mark.parametrize("gate_up_bn", [16, 32], ids=["inter-requantised", "inter-quantised-in-epilogue"])
+@pytest.mark.parametrize(
+    "layout", [Layout(), Layout(interleaved=True, bias=True), Layout(gated=False), Layout(expert_parallel=True)],
+    ids=str,
+)
+def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatch):
+    """Sorted blocks of 64 rows (large T): x quantised straight into block order, both projections read their
+    activations and weights through TMA descriptors, the intermediate stays in block order (requantised in block
+    order when the gate_up tile is narrower than a group). Same numbers as the pointer loads, and the reference's.
+    I = 80 over 32-wide groups leaves a partial last group; skewed routing leaves padding slots and unused blocks."""
+    from plugins.quant_kernels import ops
+
+    launched = []
+    real = ops.launch
+    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a, **kw: launched.append((fn.__name__, consts))
+                        or real(fn, grid, args, consts, *a, **kw))  # fmt: skip
+    for fmt in (("fp8_block", "float32", (32, 32)), ("fp8_block", "ue8m0", (32, 32))):
+        module = Q.quantize_experts(make_experts(4, 64, 80, layout, device=DEV, seed=41), *fmt)
+        idx, w = random_routing(37, 4, 2, device=DEV, sentinel=layout.expert_parallel, skew=True)
+        x = torch.randn(37, 64, device=DEV)
+        cfg = {"BLOCK_M": 64, "gate_up": {"BLOCK_N": gate_up_bn}, "down": {"BLOCK_N": 32}}
+        launched.clear()
+        tma = _check(module, x, idx, w, cfg)
+        grouped = [c for n, c in launched if n == "_grouped_kernel"]
+        quants = [c for n, c in launched if n == "_quant_rows_kernel"]
+        assert [c["TMA"] for c in grouped] == [True, True] and [c["SORTED_OUT"] for c in grouped] == [True, False]
+        assert quants[0]["GATHER"] and quants[0]["SLOTS"]
+        assert len(quants) == (2 if gate_up_bn < 32 else 1) and all(c["SLOTS"] for c in quants)
+        monkeypatch.setattr(ops, "TMA", False)
+        launched.clear()
+        pointers = _check(module, x, idx, w, cfg)
+        assert not any(c["TMA"] for n, c in launched if n == "_grouped_kernel")
+        monkeypatch.setattr(ops, "TMA", True)
+        assert relative_error(tma, pointers.cpu().double()) < 1e-6
+
+
+def test_quantize_rows_into_block_order():
+    """slots + a_div: slot r holds x[sorted[r] // a_div] quantised, padding slots zeros (scale 1); the same rows
+    as quantising x and gathering. Without a_div, x already in block order is quantised row for row."""
+    from plugins.quant_kernels import ops
+
+    ids = torch.tensor([2, 0, 2, 2, 1, 2], device=DEV)  # 3 tokens x 2 slots; expert 3 unused
+    routing = ops.route("grouped", ids, 4, {"BLOCK_M": 16, "ROUTE": "sorted"})
+    sorted_rows, block_expert, bm = routing
+    x = torch.randn(3, 96, device=DEV)
+    q, s = ops.quantize_rows(x, 32, slots=routing, a_div=2)
+    assert q.shape == (sorted_rows.numel(), 96) and s.shape == (sorted_rows.numel(), 3)
+    q_tok, s_tok = ops.quantize_rows(x, 32)
+    used = (block_expert.repeat_interleave(bm) >= 0).cpu()
+    src = sorted_rows.cpu().long()
+    real = used & (src < 6)
+    pad = used & (src >= 6)
+    assert torch.equal(q[real.to(q.device)].view(torch.uint8), q_tok[(src[real] // 2).to(q.device)].view(torch.uint8))
+    assert torch.equal(s[real.to(q.device)], s_tok[(src[real] // 2).to(q.device)])
+    assert pad.any() and not q[pad.to(q.device)].float().any() and bool((s[pad.to(q.device)] == 1).all())
+    q2, s2 = ops.quantize_rows(x[src.clamp(0, 5).to(x.device) // 2], 32, slots=routing)  # already in block order
+    assert torch.equal(q2[real.to(q.device)].view(torch.uint8), q[real.to(q.device)].view(torch.uint8))
+    with pytest.raises(ValueError, match="block order must have"):
+        ops.quantize_rows(x, 32, slots=routing)
+    with pytest.raises(ValueError, match="cannot zero"):
+        ops.quantize_rows(x, 32, slots=routing, a_div=2, zero=torch.empty_like(x))
+
+
+def test_tma_only_where_it_can_run(monkeypatch):
+    """use_tma: sorted blocks of >= 64 rows, fp8 weights, contiguous with 16-byte rows; off by switch. A projection
+    asked for block order without such a layout raises instead of reading the wrong rows."""
+    from plugins.quant_kernels import ops
+
+    ids = torch.randint(0, 4, (40,), device=DEV)
+    w = torch.zeros(4, 64, 96, dtype=torch.float8_e4m3fn, device=DEV)
+    big = ops.route("grouped", ids, 4, {"BLOCK_M": 64, "ROUTE": "sorted"})
+    small = ops.route("grouped", ids, 4, {"BLOCK_M": 16, "ROUTE": "sorted"})
+    pairs = ops.route("grouped", ids[:2], 4, {"ROUTE": "pairs"})
+    dev = torch.device(DEV)
+    assert ops.use_tma(big, False, dev, w)
+    assert not ops.use_tma(small, False, dev, w) and not ops.use_tma(pairs, False, dev, w)
+    assert not ops.use_tma(big, True, dev, w)  # fp4
+    assert not ops.use_tma(big, False, dev, w.transpose(1, 2))  # not contiguous
+    assert not ops.use_tma(big, False, dev, w[:, :, :88])  # 88-byte rows: not TMA-aligned (nor contiguous)
+    monkeypatch.setattr(ops, "TMA", False)
+    assert not ops.use_tma(big, False, dev, w)
+    s = torch.ones(4, 1, 1, device=DEV)
+    a = torch.zeros(40, 96, dtype=torch.float8_e4m3fn, device=DEV)
+    common = dict(num_experts=4, a_div=1, fp4=False, ue8m0=False, block_n=128, block_k=128)
+    with pytest.raises(ValueError, match="a_sorted needs"):
+        ops.projection("grouped", a, w, s, big, 40, a_scale=torch.ones(40, 1, device=DEV), a_sorted=True, **common)
+    with pytest.raises(ValueError, match="out_sorted needs"):
+        ops.projection("grouped", a, w, s, pairs, 2, out_sorted=True, **common)

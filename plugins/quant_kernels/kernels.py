@@ -189,10 +189,15 @@ def _fp8_col_scale(s_base, offs_c, c_ok, kb, n_split, split_rows, bn, stride_sn,
 def _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
                 stride_wn, stride_wk, stride_sn, stride_sk,
                 BK: tl.constexpr, BNC: tl.constexpr, FP4: tl.constexpr, UE8M0: tl.constexpr, EXACT: tl.constexpr,
-                ONE_ROW: tl.constexpr = False):  # fmt: skip
+                ONE_ROW: tl.constexpr = False, w_desc=None, desc_row=0, TMA: tl.constexpr = False):  # fmt: skip
     """The weight tile of channels offs_c [BNC] and inputs [k0, k0 + BK) as e4m3 [BK, BNC], and its column scale
-    ([BNC], or a scalar when ONE_ROW)."""
-    if FP4:
+    ([BNC], or a scalar when ONE_ROW). TMA (fp8): the tile comes through w_desc, the weights seen as [E * C, K],
+    from row desc_row (= the expert's first row + offs_c[0]); rows past the expert's are never stored."""
+    if TMA:
+        b = w_desc.load([desc_row, k0]).T
+        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0,
+                            ONE_ROW)  # fmt: skip
+    elif FP4:
         G: tl.constexpr = BK // 32
         offs_b = k0 // 2 + tl.arange(0, BK // 2)
         p = tl.load(
@@ -289,7 +294,8 @@ def _combine_pair(res, pair, offs_m, offs_n, n_ok, pid_n, num_pid_n, part_ptr, c
 @triton.jit
 def _grouped_kernel(
     a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, a_s_ptr, out_s_ptr,
-    part_ptr, count_ptr, ids_ptr, num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows,
+    part_ptr, count_ptr, ids_ptr, a_desc, w_desc, w_rows,
+    num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows,
     bn, top_k, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_om, stride_on, stride_asm, stride_osm, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -297,7 +303,7 @@ def _grouped_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, FINISH: tl.constexpr,
-    PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr,
+    PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr, TMA: tl.constexpr, SORTED_OUT: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -322,6 +328,11 @@ def _grouped_kernel(
     count_ptr[token, N tile] (zeroed by ``_quant_rows_kernel``); the last of the token's valid slots x shares to
     arrive adds them (share order, then one sum over the slots) and writes out[token]. ids_ptr: the pairs' expert
     ids (top_k per token); a token with no valid slot keeps the zeros written up front.
+    TMA (sorted blocks, A_FP8, fp8 weights): A holds one row per block slot, in block order (``quantize_rows``
+    with ``gather``), and its tiles and the weights' come through TMA descriptors (a_desc [slots, K], w_desc
+    [E * w_rows, K]): no gather in the K loop, and the copy engine fills shared memory.
+    SORTED_OUT: rows are stored in block order (slot pid_m * BLOCK_M + m, padding slots included), the layout
+    the next TMA projection reads.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -345,7 +356,10 @@ def _grouped_kernel(
         first = tl.load(sorted_ptr + pid_m * BLOCK_M)
     row_ok = rows < num_valid
     # padding slots read the block's first row (always a real pair): finite values, never stored
-    a_rows = (tl.where(row_ok, rows, first) // a_div).to(tl.int64)
+    if TMA:  # A (and its scales) in block order
+        a_rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+    else:
+        a_rows = (tl.where(row_ok, rows, first) // a_div).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows[:, None] * stride_am
     w_base = w_ptr + expert * stride_we
@@ -374,8 +388,12 @@ def _grouped_kernel(
     else:  # the unsplit loop exactly as before split K existed
         k_lo = 0
         k_hi = K
+    w_row0 = (expert * w_rows).to(tl.int32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if A_FP8:
+        if TMA:
+            aq = a_desc.load([pid_m * BLOCK_M, k0])
+            sa = tl.load(a_s_base + k0 // BLOCK_K)
+        elif A_FP8:
             aq = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             sa = tl.load(a_s_base + k0 // BLOCK_K)
         elif PAIR_BLOCKS:  # every row of a pair block reads the pair's row: quantise it once, then broadcast
@@ -389,16 +407,19 @@ def _grouped_kernel(
             aq, sa = _quant_rows(a.to(tl.float32), static_s, BLOCK_M, STATIC, EXACT)
         if GATED and INTERLEAVED:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW)  # fmt: skip
+                                stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW,
+                                w_desc, w_row0 + pid_n * 2 * BLOCK_N, TMA)  # fmt: skip
             acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_SCALE_ROW)
         else:
             b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW)  # fmt: skip
+                                stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW,
+                                w_desc, w_row0 + pid_n * BLOCK_N, TMA)  # fmt: skip
             acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_SCALE_ROW)
             if GATED:
                 bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
                                       stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
-                                      EXACT, ONE_SCALE_ROW)  # fmt: skip
+                                      EXACT, ONE_SCALE_ROW, w_desc, w_row0 + up_offset + pid_n * BLOCK_N,
+                                      TMA)  # fmt: skip
                 acc_u += _scaled(_dot(aq, bu, MAX_IMPRECISE), sa, wsu, ONE_SCALE_ROW)
 
     if FINISH:
@@ -445,9 +466,15 @@ def _grouped_kernel(
         _combine_pair(res, pid_m, offs_m, offs_n, n_ok, pid_n, num_pid_n, part_ptr, count_ptr, ids_ptr, out_ptr,
                       num_valid, num_experts, N, top_k, stride_om, stride_on, BLOCK_N, SPLIT_K, K_PAD, EXACT)  # fmt: skip
         return
+    if SORTED_OUT:  # every slot of the block, padding too (finite: its A rows are zeros)
+        o_rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+        o_ok = offs_m >= 0
+    else:
+        o_rows = rows.to(tl.int64)
+        o_ok = row_ok
     o_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_os
-    o_ptrs = o_ptrs + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    o_mask = row_ok[:, None] & n_ok[None, :]
+    o_ptrs = o_ptrs + o_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    o_mask = o_ok[:, None] & n_ok[None, :]
     if QUANT_OUT:
         G: tl.constexpr = BLOCK_N // BLOCK_K
         r = tl.where(n_ok[None, :], _round_for_store(res, INTER_DTYPE, EXACT).to(tl.float32), 0.0)
@@ -456,25 +483,40 @@ def _grouped_kernel(
         q = tl.reshape(_to_e4m3(r3 * _recip(so, EXACT)[:, :, None], EXACT), (BLOCK_M, BLOCK_N))
         tl.store(o_ptrs, q, mask=o_mask)
         offs_g = pid_n * G + tl.arange(0, G)
-        s_ptrs = out_s_ptr + rows.to(tl.int64)[:, None] * stride_osm + offs_g[None, :]
-        tl.store(s_ptrs, so, mask=row_ok[:, None] & (offs_g * BLOCK_K < N)[None, :])
+        s_ptrs = out_s_ptr + o_rows[:, None] * stride_osm + offs_g[None, :]
+        tl.store(s_ptrs, so, mask=o_ok[:, None] & (offs_g * BLOCK_K < N)[None, :])
     else:
         tl.store(o_ptrs, _round_for_store(res, out_ptr.dtype.element_ty, EXACT), mask=o_mask)
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, num_rows, K, num_counts, stride_xm, stride_qm,
-                       stride_sm, stride_zm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
-                       ZERO: tl.constexpr, COUNTS: tl.constexpr):  # fmt: skip
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, block_expert_ptr, num_rows, K,
+                       num_counts, num_valid, a_div, stride_xm, stride_qm, stride_sm, stride_zm,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr, ZERO: tl.constexpr,
+                       COUNTS: tl.constexpr, SLOTS: tl.constexpr, GATHER: tl.constexpr,
+                       BLOCK_M: tl.constexpr):  # fmt: skip
     """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic).
+    SLOTS: row r is slot r of the align layout's blocks (BLOCK_M rows each); the slots of unused blocks (block
+    expert < 0, never read) are left unwritten. GATHER (with SLOTS): x holds pairs' rows, slot r quantises
+    x[sorted[r] // a_div], and a padding slot (sorted[r] >= num_valid) gets zeros.
     Also clears what the layer's later kernels count or add into, saving them launches of their own: ZERO, a
     tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_ok = offs_r < num_rows
-    mask = r_ok[:, None] & (offs_k < K)[None, :]
     rows = offs_r.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if SLOTS:
+        r_ok = r_ok & (tl.load(block_expert_ptr + offs_r // BLOCK_M, mask=r_ok, other=-1) >= 0)
+    if GATHER:
+        src = tl.load(sorted_ptr + offs_r, mask=r_ok, other=num_valid)
+        x_rows = (tl.where(src < num_valid, src, 0) // a_div).to(tl.int64)
+        x_ok = r_ok & (src < num_valid)
+    else:
+        x_rows = rows
+        x_ok = r_ok
+    mask = r_ok[:, None] & (offs_k < K)[None, :]
+    x_mask = x_ok[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
     q, s = _quant_rows(x, 1.0, BLOCK_R, False, EXACT)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + tl.program_id(1), s, mask=r_ok)

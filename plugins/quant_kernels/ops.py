@@ -22,6 +22,11 @@ from plugins.quant_kernels import configs as _configs
 from plugins.quant_kernels import kernels as K
 from plugins.triton_fused.kernels import align, combine, launch, max_blocks_for
 
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Tritons run without TMA
+    TensorDescriptor = None
+
 MODES = ("grouped", "batched")
 
 
@@ -52,6 +57,11 @@ ONE_SCALE_ROW = os.environ.get("SELECTOR_QUANT_ONE_SCALE_ROW", "1") != "0"
 # no combine launch; its counters and the output's zeros come with x's quantisation).
 # SELECTOR_QUANT_FUSED_COMBINE=0: the combine launch always (A/B).
 FUSED_COMBINE = os.environ.get("SELECTOR_QUANT_FUSED_COMBINE", "1") != "0"
+# Sorted blocks of >= TMA_MIN_BLOCK_M rows (large T) on sm_90+: x quantised straight into block order and both
+# projections reading activations and weights through TMA descriptors (use_tma). On the H200 that took the
+# T=4096 GEMMs from 420-500 to 550-650 TFLOP/s (benchmarks/quant_fp8_dev.py). SELECTOR_QUANT_TMA=0: off (A/B).
+TMA = os.environ.get("SELECTOR_QUANT_TMA", "1") != "0"
+TMA_MIN_BLOCK_M = 64
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -139,12 +149,26 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_warps: int = 4,
-                  zero: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  zero: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                  slots: tuple | None = None, a_div: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)]).
     `block_r`, `num_warps`: rows per program and its warps (benchmarks sweep them; None: the default below).
-    The same launch fills `zero` (shaped like x, its last dim contiguous) and `counts` (int32) with zeros."""
+    The same launch fills `zero` (shaped like x, its last dim contiguous) and `counts` (int32) with zeros.
+    `slots` (a sorted routing from ``route``): one row per block slot, in block order, for a TMA projection
+    (``projection(a_sorted=True)``); with `a_div` > 0 x holds token rows and slot r quantises x[sorted[r] // a_div]
+    (zeros for padding), else x is already in block order. Slots of unused blocks are left unwritten."""
     x = x if x.stride(1) == 1 else x.contiguous()  # the kernel walks columns with stride 1
     rows, k = x.shape
+    sorted_rows = block_expert = None
+    bm = num_valid = 0
+    if slots is not None:
+        sorted_rows, block_expert, bm = slots
+        if sorted_rows is None or zero is not None:
+            raise ValueError("quantize_rows: slots need a sorted routing, and cannot zero a tensor")
+        num_valid = rows * a_div if a_div else 0
+        if not a_div and rows != sorted_rows.numel():
+            raise ValueError(f"quantize_rows: x in block order must have {sorted_rows.numel()} rows, got {rows}")
+        rows = sorted_rows.numel()
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
     if zero is not None and (zero.shape != x.shape or zero.stride(1) != 1):
@@ -155,11 +179,13 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
         block_r = block_r or (16 if rows <= 4096 else 64)
         launch(
             K._quant_rows_kernel, (triton.cdiv(rows, block_r), s.shape[1]),
-            (x, q, s, zero if zero is not None else q, counts if counts is not None else s, rows, k,
-             counts.numel() if counts is not None else 0, x.stride(0), q.stride(0), s.stride(0),
-             zero.stride(0) if zero is not None else 0),
+            (x, q, s, zero if zero is not None else q, counts if counts is not None else s,
+             sorted_rows if sorted_rows is not None else s, block_expert if block_expert is not None else s, rows, k,
+             counts.numel() if counts is not None else 0, num_valid, max(1, a_div), x.stride(0), q.stride(0),
+             s.stride(0), zero.stride(0) if zero is not None else 0),
             dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=K.INTERPRET, ZERO=zero is not None,
-                 COUNTS=counts is not None and counts.numel() > 0), num_warps,
+                 COUNTS=counts is not None and counts.numel() > 0, SLOTS=slots is not None,
+                 GATHER=slots is not None and a_div > 0, BLOCK_M=max(1, bm)), num_warps,
         )  # fmt: skip
     elif counts is not None:
         counts.zero_()
@@ -202,9 +228,13 @@ def _launch(
     finish_split: int = 1,
     combine: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     counts: torch.Tensor | None = None,
+    a_sorted: bool = False,
+    out_sorted: bool = False,
+    num_pairs: int | None = None,
 ) -> None:
     """`combine` (grouped, linear epilogue): (out [T, N], ids [T * k], k); `out` here is then the kernel's
-    [shares, pairs, N] fp32 scratch. `counts`: zeroed int32 counters for FINISH / COMBINE (else torch.zeros)."""
+    [shares, pairs, N] fp32 scratch. `counts`: zeroed int32 counters for FINISH / COMBINE (else torch.zeros).
+    `a_sorted`: a in block order, a and w through TMA descriptors; `out_sorted`: rows stored in block order."""
     static = act_scale is not None
     has_bias = bias is not None
     s = s.view(torch.uint8) if ue8m0 and s.dtype != torch.uint8 else s
@@ -248,11 +278,17 @@ def _launch(
         grid = (tiles, split)
         a_s = a_scale if a_scale is not None else s
         o_s = out_scale if out_scale is not None else s
+        a_desc = w_desc = s  # unused unless a_sorted
+        if a_sorted:
+            a_desc = TensorDescriptor.from_tensor(a, [bm, block_k])
+            w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tile_c, block_k])
+        num_valid_pairs = num_pairs if num_pairs is not None else out.shape[-2]
         launch(
             K._grouped_kernel, grid,
             (a, w, s, act_scale if static else s, bias if has_bias else s, final,
              block_expert if sorted_rows is None else sorted_rows, block_expert, topk_w if topk_w is not None else s,
-             a_s, o_s, part, count, ids, out.shape[-2], num_experts, n_out, k_dim, a_div, num_blocks_m, up_offset,
+             a_s, o_s, part, count, ids, a_desc, w_desc, w.shape[1], num_valid_pairs, num_experts, n_out, k_dim,
+             a_div, num_blocks_m, up_offset,
              n_split, split_rows, block_n_w, top_k, *strides,
              a_s.stride(0) if a_scale is not None else 0, o_s.stride(0) if out_scale is not None else 0,
              out.stride(0) if out.dim() == 3 and combine is None else 0),
@@ -260,8 +296,9 @@ def _launch(
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
                  MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c,
-                 COMBINE=combine is not None, K_PAD=triton.next_power_of_2(top_k)),
-            cfg["num_warps"], cfg["num_stages"],
+                 COMBINE=combine is not None, K_PAD=triton.next_power_of_2(top_k), TMA=a_sorted,
+                 SORTED_OUT=out_sorted),
+            cfg["num_warps"], cfg["num_stages"], not a_sorted,  # TMA descriptors: Triton's own dispatch
         )  # fmt: skip
     else:
         (ids,) = routing
@@ -320,6 +357,8 @@ def projection(
     quant_out: bool = False,
     combine: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     counts: torch.Tensor | None = None,
+    a_sorted: bool = False,
+    out_sorted: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One projection for every (token, slot) pair -> [num_pairs, N] (N = I when `gated`, else C); with K split
     (grouped, linear epilogue: config SPLIT_K or the decode heuristic) [shares, num_pairs, N] fp32 partial sums.
@@ -332,6 +371,10 @@ def projection(
     each token's k slots into out itself (``kernels._combine_pair``; out must hold zeros where a token has no
     valid slot) and out is returned. `counts`: int32 zeros for the kernel's counters (FINISH / COMBINE; None:
     allocated and zeroed here, one more launch).
+    `a_sorted` (sorted routing, fp8 weights, `a_scale` given; see ``use_tma``): `a` holds one row per block slot
+    in block order (``quantize_rows(slots=...)``) and the kernel reads it and the weights through TMA descriptors.
+    `out_sorted` (sorted routing, no K split): the result has one row per block slot, in block order, the layout
+    a following ``a_sorted`` projection reads (padding slots hold finite values, unused blocks' rows nothing).
     """
     c = w.shape[1]
     k_dim = w.shape[2] * (2 if fp4 else 1)
@@ -340,15 +383,21 @@ def projection(
     linear = not (gated or quant_out) and activation == "none"  # partial sums only add up through a linear epilogue
     if combine is not None and not (mode == "grouped" and routing[0] is None and linear and topk_w is not None):
         raise ValueError("quantised experts: only pair blocks with a linear, weighted epilogue combine in the kernel")
+    sorted_route = mode == "grouped" and routing[0] is not None
+    if a_sorted and not (sorted_route and a_scale is not None and not fp4 and a.shape[0] == routing[0].numel()):
+        raise ValueError("quantised experts: a_sorted needs sorted blocks, fp8 weights and e4m3 a in block order")
     split = split_k(mode, config, routing, n_out, k_dim, block_k, a.device) if linear else 1
     finish = 1 if linear else finish_split(mode, config, k_dim, block_k)
+    if out_sorted and not (sorted_route and combine is None and split == 1):
+        raise ValueError("quantised experts: out_sorted needs sorted blocks and no K split")
+    rows_out = routing[0].numel() if out_sorted else num_pairs
     if combine is not None or split > 1:  # fp32 rows per K share, added by the kernel's last arrivals or combine_slots
         out = torch.empty((split, num_pairs, n_out), dtype=torch.float32, device=a.device)
     else:
-        out = torch.empty((num_pairs, n_out), dtype=torch.float8_e4m3fn if quant_out else inter_dtype, device=a.device)
+        out = torch.empty((rows_out, n_out), dtype=torch.float8_e4m3fn if quant_out else inter_dtype, device=a.device)
     out_scale = None
     if quant_out:
-        out_scale = torch.empty((num_pairs, triton.cdiv(n_out, block_k)), dtype=torch.float32, device=a.device)
+        out_scale = torch.empty((rows_out, triton.cdiv(n_out, block_k)), dtype=torch.float32, device=a.device)
     if num_pairs == 0 or n_out == 0:
         return combine[0] if combine is not None else (out, out_scale) if quant_out else out
     if split_inter is not None and not fp4:
@@ -361,7 +410,7 @@ def projection(
         n_split=n_split, split_rows=split_rows, block_n_w=block_n, block_k=block_k, gated=gated,
         interleaved=interleaved, act=K.ACT_CODE[activation], fp4=fp4, ue8m0=ue8m0, config=config,
         a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype, finish_split=finish, combine=combine,
-        counts=counts,
+        counts=counts, a_sorted=a_sorted, out_sorted=out_sorted, num_pairs=num_pairs,
     )  # fmt: skip
     if combine is not None:
         return combine[0]
@@ -425,7 +474,10 @@ def quant_experts_impl(
     down_counts = t * triton.cdiv(h, _tiles(routing, h, x.device, cfg["down"], False)[0]) if fused else 0
     n_counts = up_counts + down_counts
     counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
-    if once:  # x's quantisation also zeroes the counters and out: no launch of their own
+    tma = once and use_tma(routing, fp4, x.device, w1, w2)
+    if tma:  # x quantised into block order; both projections read it (and their weights) through TMA
+        xq, xs = quantize_rows(x, block_k, counts=counts, slots=routing, a_div=top_k)
+    elif once:  # x's quantisation also zeroes the counters and out: no launch of their own
         xq, xs = quantize_rows(x, block_k, zero=out if fused else None, counts=counts)
     else:  # QUANT_X "loop": no quantize_rows launch to ride on
         xq, xs = x, None
@@ -436,14 +488,29 @@ def quant_experts_impl(
     quant_out = bn1 % block_k == 0
     inter = projection(mode, xq, w1, s1, routing, n_pairs, a_div=top_k, bias=b1, config=up_cfg, a_scale=xs,
                        quant_out=quant_out, out_dtype=x.dtype, counts=counts[:up_counts] if n_counts else None,
-                       **up_args, **common)  # fmt: skip
-    iq, isc = inter if quant_out else quantize_rows(inter, block_k)
-    down = dict(a_div=1, bias=b2, topk_w=wts, config=cfg["down"], a_scale=isc, out_dtype=x.dtype, **common)
+                       a_sorted=tma, out_sorted=tma, **up_args, **common)  # fmt: skip
+    iq, isc = inter if quant_out else quantize_rows(inter, block_k, slots=routing if tma else None)
+    down = dict(a_div=1, bias=b2, topk_w=wts, config=cfg["down"], a_scale=isc, out_dtype=x.dtype, a_sorted=tma,
+                **common)  # fmt: skip
     if fused:
         return projection(mode, iq, w2, s2, routing, n_pairs, combine=(out, ids, top_k), counts=counts[up_counts:],
                           **down)  # fmt: skip
     y = projection(mode, iq, w2, s2, routing, n_pairs, **down)
     return combine_slots(y, ids, out, top_k, num_experts)
+
+
+def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Tensor) -> bool:
+    """Whether a layer runs its projections through TMA descriptors (``projection(a_sorted=True)``): sorted blocks
+    of >= TMA_MIN_BLOCK_M rows, fp8 weights stored contiguously with rows of a multiple of 16 bytes (TMA's
+    alignment), on sm_90+ (or the interpreter, for the tests), with a Triton that has host descriptors."""
+    if not TMA or TensorDescriptor is None or fp4 or routing[0] is None or routing[2] < TMA_MIN_BLOCK_M:
+        return False
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            return False
+    elif not K.INTERPRET:
+        return False
+    return all(w.is_contiguous() and w.shape[2] % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
 
 
 def _tiles(routing: tuple, n_out: int, device: torch.device, config: dict, wide: bool) -> tuple[int, int]:
@@ -542,4 +609,5 @@ def quant_experts(
     )  # fmt: skip
 
 
-__all__ = ["MODES", "grouped_block_m", "max_blocks_for", "projection", "quant_experts", "quant_experts_impl", "route"]
+__all__ = ["MODES", "grouped_block_m", "max_blocks_for", "projection", "quant_experts", "quant_experts_impl", "route",
+           "use_tma"]

@@ -7,7 +7,9 @@ for a few pairs): times align, each gate_up tile with x quantised up front (that
 zeroes a split gate_up's counters) or, for a few pairs, inside its K loop (plus a second quantisation of the
 intermediate when the tile does not cover whole groups) and each down tile with the combine (its own launch, or
 with pair blocks the down kernel's COMBINE, less the memset of its counters that the test needs and the layer
-does not pay), and keeps the layout whose sum is smallest. Random e4m3 / e2m1 weights and scales (never zeros), uniform
+does not pay), and keeps the layout whose sum is smallest. Where the layer would run its projections through TMA
+(``ops.use_tma``: sorted blocks of >= 64 rows) the candidates are timed that way: x quantised into block order,
+the intermediate in block order. Random e4m3 / e2m1 weights and scales (never zeros), uniform
 top-k routing. Token counts <= 64 are timed as CUDA-graph replays (as decode runs), larger ones back to back.
 fp8 configs serve both scale formats (a scale load differs, not the tile). Stops at --budget-s and writes what
 it has.
@@ -39,7 +41,7 @@ TRY_QUANT_X_LOOP = False
 GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6), (16, 2, 4), (32, 2, 4),
                 (32, 4, 6), (32, 4, 4, 2), (64, 4, 4, 2), (64, 4, 6, 2), (128, 4, 4, 2), (64, 4, 4, 4)),
            32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
-           64: ((64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
+           64: ((64, 4, 4), (64, 4, 3), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
            128: ((64, 8, 3), (64, 8, 4), (32, 4, 4))}  # fmt: skip
 # down: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); K split in shares only where the K loop is long (>= 32 steps),
 # or with pair blocks (no combine launch to pay for it) where each share keeps >= 3 steps
@@ -116,6 +118,12 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         # pair blocks launch nothing to route (host only: an empty graph cannot be timed)
         t_align = 0.0 if route == "pairs" else _time(lambda: ops.route("grouped", ids, e, rcfg), graph)
         size = "small" if bm <= 32 else "large"
+        tma = ops.use_tma(routing, fp4, dev, w1, w2)
+        if tma:  # the down GEMM reads the intermediate in block order
+            iq_in, isc_in = ops.quantize_rows(torch.randn(routing[0].numel(), inter, device=dev,
+                                                          dtype=torch.bfloat16), 128, slots=routing)  # fmt: skip
+        else:
+            iq_in, isc_in = iq, isc
         parts = {}
         for part, options in (("gate_up", GATE_UP[bm]), ("down", DOWN[size])):
             for (bn, warps, stages, *split), qx in itertools.product(options, quant_x if part == "gate_up" else ("once",)):
@@ -135,7 +143,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     up = lambda a, a_s, c: ops.projection(
                         "grouped", a, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=a_s, quant_out=qo,
                         out_dtype=torch.bfloat16, gated=True, activation="silu", split_inter=None if fp4 else inter,
-                        counts=c, **common)  # fmt: skip
+                        counts=c, a_sorted=tma, out_sorted=tma, **common)  # fmt: skip
                     # as the layer does: x's quantisation also zeroes a split gate_up's counters and, with pair
                     # blocks, the down's counters and the output (with QUANT_X "loop", memsets do)
                     fused = route == "pairs" and ops.FUSED_COMBINE
@@ -143,7 +151,9 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                         tokens * triton.cdiv(h, 16) if fused else 0)  # fmt: skip
                     c = counts[:n_counts] if n_counts else None
                     zero = out if fused else None
-                    if qx == "once":
+                    if tma:
+                        fn = lambda: up(*ops.quantize_rows(x, 128, counts=c, slots=routing, a_div=top_k), c)
+                    elif qx == "once":
                         fn = lambda: up(*ops.quantize_rows(x, 128, zero=zero, counts=c), c)
                     else:
                         fn = lambda: (_zero(c, zero), up(x, None, c))
@@ -157,8 +167,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                 else:
                     # with the combine: a split down hands it shares x pairs x H fp32 partial sums to add
                     fn = lambda: ops.combine_slots(
-                        ops.projection("grouped", iq, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc,
-                                       topk_w=wts, out_dtype=torch.bfloat16, **common),
+                        ops.projection("grouped", iq_in, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc_in,
+                                       topk_w=wts, out_dtype=torch.bfloat16, a_sorted=tma, **common),
                         ids, out, top_k, e)  # fmt: skip
                     extra = 0.0
                 try:
@@ -174,7 +184,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         up_cfg = dict(up_cfg)
         qx = up_cfg.pop("QUANT_X")
         total = t_align + up_t + parts["down"][0]
-        log(f"  T={tokens} {route} BM={bm}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, x quantised {qx} "
+        name = f"{route} BM={bm}{' TMA' if tma else ''}"
+        log(f"  T={tokens} {name}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, x quantised {qx} "
             f"[{t_qx * 1e6:.1f} us up front], gate_up {up_t * 1e6:.1f} {up_cfg}, down {parts['down'][0] * 1e6:.1f} "
             f"{parts['down'][1]})")  # fmt: skip
         if best is None or total < best["time_s"]:

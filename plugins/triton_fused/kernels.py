@@ -412,10 +412,11 @@ def _spec(a):
     return a
 
 
-def launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
+def launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3, fast: bool = True) -> None:
     """fn[grid](*args, **consts): runtime arguments positional, every constexpr in `consts` (the quantised
-    kernels launch through here too). Repeated launches skip Triton's own argument dispatch (tens of us)."""
-    if _INTERPRET or not _FAST_LAUNCH or torch.compiler.is_compiling():  # Dynamo cannot trace data_ptr()
+    kernels launch through here too). Repeated launches skip Triton's own argument dispatch (tens of us);
+    fast=False always takes Triton's (arguments this cache cannot key, such as TMA descriptors)."""
+    if _INTERPRET or not (_FAST_LAUNCH and fast) or torch.compiler.is_compiling():  # Dynamo cannot trace data_ptr()
         fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
         return
     dev = args[0].device
