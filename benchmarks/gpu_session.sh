@@ -21,6 +21,8 @@
 #           (quant_fp8_dev.py: e4m3 rates, TMA / lagged scaling / warp specialisation), the grid with the e4m3 floor.
 #   part19: the TMA path (x quantised into block order, TMA loads) for large T: CUDA tests, layer A/B at T=512 and
 #           4096 (SELECTOR_QUANT_TMA=0/1), fp8 retune at T=4096 and 512, the grid; why test_quant.py failed in part18.
+#   part20: TMA launches through the fast launch path; CUDA tests (TMA, part19's test_quant.py fixes), fp8 retune
+#           at T=512 and 4096, TMA A/B after it, the grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -396,6 +398,27 @@ part19)
   timeout 130 python3 -m plugins.quant_kernels.tune --tokens 4096,512 --formats fp8 --budget-s 115 --out $table \
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
+  stamp "quant grid"
+  timeout 150 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 130 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part20)
+  stamp "CUDA tests: TMA path, part19's fixes (tracebacks in tests.txt)"
+  timeout 90 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
+    tests/test_quant.py -k "tma or block_order or static_activation or round_trip or dequantize_true or \
+    quantization_config_sources or load_variants or ranking_excludes or post_norm or straddling" \
+    >"$OUT/tests.txt" 2>&1; tail -12 "$OUT/tests.txt" | tee -a "$LOG"
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "fp8 tune: T=512 then 4096, every shape"
+  timeout 140 python3 -m plugins.quant_kernels.tune --tokens 512,4096 --formats fp8 --budget-s 125 --out $table \
+    2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
+  cp $table "$OUT/"
+  for tma in 0 1; do
+    stamp "T=512,4096 fp8 cells, SELECTOR_QUANT_TMA=$tma"
+    SELECTOR_QUANT_TMA=$tma timeout 60 python3 benchmarks/quant_gpu.py --tokens 512,4096 --formats fp8-f32 \
+      --bf16-backends triton_fused --no-check --out "$OUT/ab$tma" 2>&1 | grep "T=" | tail -8 >>"$LOG"
+    cp "$OUT/ab$tma/quant_gpu.json" "$OUT/quant_tma$tma.json" 2>/dev/null; rm -rf "$OUT/ab$tma"
+  done
   stamp "quant grid"
   timeout 150 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 130 2>&1 | tail -45 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"

@@ -66,16 +66,19 @@ def read_quantization_config(config: Any) -> dict[str, Any]:
         config = json.loads(path.read_text()) if path.exists() else {}
     if isinstance(config, Mapping) and "quantization_config" in config:
         config = config["quantization_config"]
+    expert_dtype = None
     if isinstance(config, Mapping):
         method = str(config.get("quant_method", "fp8")).lower()
         if method != "fp8":
             raise ValueError(f"quantization_config.quant_method is {method!r}: only fine-grained 'fp8' checkpoints load here")
+        plain = _PlainConfig(config)  # DeepSeek-V4's expert_dtype, which Transformers' config may not keep
+        expert_dtype = plain.expert_dtype
         cls = _transformers_config_class()
         if cls is not None:
             config = cls(**{k: v for k, v in config.items() if k != "quant_method"})  # validates, like from_pretrained
         else:
-            config = _PlainConfig(config)
-    expert_dtype = getattr(config, "expert_dtype", "fp8") or "fp8"
+            config = plain
+    expert_dtype = expert_dtype or getattr(config, "expert_dtype", "fp8") or "fp8"
     scale_fmt = getattr(config, "scale_fmt", None)
     block = getattr(config, "weight_block_size", None)
     return {

@@ -373,8 +373,9 @@ def set_quantized(
             "static activation quantisation needs per-expert activation scales: pass activation_scales= "
             "(see calibrate_activation_scales) or use activation_quant='dynamic'"
         )
-    _set(module, "gate_up_proj_activation_scale", activation_scales[0].float() if static else None)
-    _set(module, "down_proj_activation_scale", activation_scales[1].float() if static else None)
+    # on the weights' device: calibration may have run elsewhere, and the kernels read them beside the weights
+    _set(module, "gate_up_proj_activation_scale", activation_scales[0].float().to(up_q.device) if static else None)
+    _set(module, "down_proj_activation_scale", activation_scales[1].float().to(up_q.device) if static else None)
     module.is_transposed = False
     module.selector_weight_format = fmt.weight_format
     module.selector_scale_format = fmt.scale_format
@@ -595,8 +596,8 @@ def calibrate_activation_scales(
     up_b = layers.up_bias(module)
     x = hidden_states.detach().float().to(up.device)
     num_experts = up.shape[0]
-    s1 = torch.zeros(num_experts)
-    s2 = torch.zeros(num_experts)
+    s1 = torch.zeros(num_experts, device=up.device)
+    s2 = torch.zeros(num_experts, device=up.device)
     for e in range(num_experts):
         tok = torch.nonzero((top_k_index == e).any(dim=1), as_tuple=True)[0].to(up.device)
         if tok.numel() == 0:

@@ -22,10 +22,7 @@ from plugins.quant_kernels import configs as _configs
 from plugins.quant_kernels import kernels as K
 from plugins.triton_fused.kernels import align, combine, launch, max_blocks_for
 
-try:  # host-side TMA descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Tritons run without TMA
-    TensorDescriptor = None
+from plugins.triton_fused.kernels import _TensorDescriptor as TensorDescriptor  # None: a Triton without TMA
 
 MODES = ("grouped", "batched")
 
@@ -255,9 +252,11 @@ def _launch(
         bn = cfg["BLOCK_N"]
         split = out.shape[0] if out.dim() == 3 else 1  # split K: [shares, pairs, N] fp32 partial sums
         # a tile of stored channels (2 x BLOCK_N interleaved) starts at a multiple of its width: when that width
-        # divides the scale block's, the tile lies in one scale row (a gate tile never reaches the up half)
+        # divides the scale block's, the tile lies in one scale row, unless it straddles the up half's start
+        # (scale blocks restart there): a gated tile never does; a plain one over [gate | up] can
         tile_c = 2 * bn if gated and interleaved else bn
-        one_row = ONE_SCALE_ROW and not fp4 and block_n_w % tile_c == 0
+        straddles = not gated and n_split < w.shape[1] and n_split % tile_c != 0
+        one_row = ONE_SCALE_ROW and not fp4 and block_n_w % tile_c == 0 and not straddles
         tiles = num_blocks_m * triton.cdiv(n_out, bn)
         part = count = s  # unused unless the kernel finishes a split K (FINISH) or adds the slots (COMBINE)
         ids, top_k = (combine[1], combine[2]) if combine is not None else (s, 1)
@@ -298,7 +297,7 @@ def _launch(
                  MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c,
                  COMBINE=combine is not None, K_PAD=triton.next_power_of_2(top_k), TMA=a_sorted,
                  SORTED_OUT=out_sorted),
-            cfg["num_warps"], cfg["num_stages"], not a_sorted,  # TMA descriptors: Triton's own dispatch
+            cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
         (ids,) = routing

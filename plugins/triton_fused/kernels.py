@@ -34,6 +34,11 @@ import triton.language as tl
 
 from . import configs as _configs
 
+try:  # host-side TMA descriptors (Triton >= 3.4), keyed by the fast launch path
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover
+    _TensorDescriptor = None
+
 __all__ = [
     "SUPPORTED_ACTIVATIONS",
     "SUPPORTED_DTYPES",
@@ -407,16 +412,18 @@ _LAUNCH_CACHE: dict = {}
 def _spec(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() & 15 == 0
+    if _TensorDescriptor is not None and isinstance(a, _TensorDescriptor):  # what Triton specialises a TMA one on
+        return "desc", a.base.dtype, tuple(a.block_shape), a.padding
     if isinstance(a, int) and not isinstance(a, bool):
         return a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31)
     return a
 
 
-def launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3, fast: bool = True) -> None:
+def launch(fn, grid, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
     """fn[grid](*args, **consts): runtime arguments positional, every constexpr in `consts` (the quantised
-    kernels launch through here too). Repeated launches skip Triton's own argument dispatch (tens of us);
-    fast=False always takes Triton's (arguments this cache cannot key, such as TMA descriptors)."""
-    if _INTERPRET or not (_FAST_LAUNCH and fast) or torch.compiler.is_compiling():  # Dynamo cannot trace data_ptr()
+    kernels launch through here too). Repeated launches skip Triton's own argument dispatch (tens of us; TMA
+    descriptors too: the compiled kernel's launcher encodes them)."""
+    if _INTERPRET or not _FAST_LAUNCH or torch.compiler.is_compiling():  # Dynamo cannot trace data_ptr()
         fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
         return
     dev = args[0].device
