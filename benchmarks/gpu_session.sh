@@ -23,6 +23,8 @@
 #           4096 (SELECTOR_QUANT_TMA=0/1), fp8 retune at T=4096 and 512, the grid; why test_quant.py failed in part18.
 #   part20: TMA launches through the fast launch path; CUDA tests (TMA, part19's test_quant.py fixes), fp8 retune
 #           at T=512 and 4096, TMA A/B after it, the grid.
+#   part21: the shipped table (T=4096 from part20's tune; T=512 from it where part20's layer A/B beat the old
+#           entry: DeepSeek, Mixtral, Qwen1.5): TMA A/B at T=512 and 4096, then the whole grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -421,6 +423,17 @@ part20)
   done
   stamp "quant grid"
   timeout 150 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 130 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part21)
+  for tma in 0 1; do
+    stamp "T=512,4096 fp8 cells, SELECTOR_QUANT_TMA=$tma"
+    SELECTOR_QUANT_TMA=$tma timeout 60 python3 benchmarks/quant_gpu.py --tokens 512,4096 --formats fp8-f32 \
+      --bf16-backends triton_fused --no-check --out "$OUT/ab$tma" 2>&1 | grep "T=" | tail -8 >>"$LOG"
+    cp "$OUT/ab$tma/quant_gpu.json" "$OUT/quant_tma$tma.json" 2>/dev/null; rm -rf "$OUT/ab$tma"
+  done
+  stamp "quant grid"
+  timeout 215 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 195 2>&1 | tail -45 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac
