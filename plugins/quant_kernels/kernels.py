@@ -8,7 +8,8 @@ dot(a_q, w_q) * a_scale[row] * w_scale[col]  to an fp32 accumulator, so the fp8 
 spans more than one tile (as DeepGEMM promotes every 128 channels).
 
 - ``_grouped_kernel``: a grouped GEMM over expert blocks of BLOCK_M rows, as built by the fused backend's
-  ``align`` (pair indices sorted by expert, padded per expert). Tensor-core fp8 ``tl.dot``.
+  ``align`` (pair indices sorted by expert, padded per expert). Tensor-core fp8 ``tl.dot``. At large T (``TMA``)
+  the activations are stored in that block order and both operands come through TMA descriptors.
 - ``_rows_kernel``: one (token, slot) pair per program, no sorting: a GEMV over the pair's expert (sums
   on CUDA cores). For decode, where a handful of pairs each hit a different expert.
 
