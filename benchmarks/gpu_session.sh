@@ -54,6 +54,16 @@ compile_options_on_gpu1() {
   cp "$OUT/hf2/hf_generate.json" "$OUT/hf_generate_defer_stop.json" 2>/dev/null; rm -rf "$OUT/hf2"
 }
 
+# the layer A/B of the TMA path (session 6): fp8 cells at T=512 and 4096, SELECTOR_QUANT_TMA=0 then 1
+tma_ab() {
+  for tma in 0 1; do
+    stamp "T=512,4096 fp8 cells, SELECTOR_QUANT_TMA=$tma"
+    SELECTOR_QUANT_TMA=$tma timeout 60 python3 benchmarks/quant_gpu.py --tokens 512,4096 --formats fp8-f32 \
+      --bf16-backends triton_fused --no-check --out "$OUT/ab$tma" 2>&1 | grep "T=" | tail -8 >>"$LOG"
+    cp "$OUT/ab$tma/quant_gpu.json" "$OUT/quant_tma$tma.json" 2>/dev/null; rm -rf "$OUT/ab$tma"
+  done
+}
+
 # CUDA tests $1 within $2 s; fp8 retune of every shape at $3 tokens within $4 s; the whole quantised grid within $5 s
 tests_tune_grid() {
   local table=plugins/quant_kernels/configs/NVIDIA_H200.json
@@ -391,12 +401,7 @@ part19)
     >"$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" | tee -a "$LOG"
   stamp "CUDA tests: quantised grouped path (TMA included)"
   timeout 130 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py 2>&1 | tail -4 | tee -a "$LOG"
-  for tma in 0 1; do
-    stamp "T=512,4096 fp8 cells, SELECTOR_QUANT_TMA=$tma"
-    SELECTOR_QUANT_TMA=$tma timeout 60 python3 benchmarks/quant_gpu.py --tokens 512,4096 --formats fp8-f32 \
-      --bf16-backends triton_fused --no-check --out "$OUT/ab$tma" 2>&1 | grep "T=" | tail -8 >>"$LOG"
-    cp "$OUT/ab$tma/quant_gpu.json" "$OUT/quant_tma$tma.json" 2>/dev/null; rm -rf "$OUT/ab$tma"
-  done
+  tma_ab
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: T=4096 then 512, every shape"
   timeout 130 python3 -m plugins.quant_kernels.tune --tokens 4096,512 --formats fp8 --budget-s 115 --out $table \
@@ -417,23 +422,13 @@ part20)
   timeout 140 python3 -m plugins.quant_kernels.tune --tokens 512,4096 --formats fp8 --budget-s 125 --out $table \
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
-  for tma in 0 1; do
-    stamp "T=512,4096 fp8 cells, SELECTOR_QUANT_TMA=$tma"
-    SELECTOR_QUANT_TMA=$tma timeout 60 python3 benchmarks/quant_gpu.py --tokens 512,4096 --formats fp8-f32 \
-      --bf16-backends triton_fused --no-check --out "$OUT/ab$tma" 2>&1 | grep "T=" | tail -8 >>"$LOG"
-    cp "$OUT/ab$tma/quant_gpu.json" "$OUT/quant_tma$tma.json" 2>/dev/null; rm -rf "$OUT/ab$tma"
-  done
+  tma_ab
   stamp "quant grid"
   timeout 150 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 130 2>&1 | tail -45 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 part21)
-  for tma in 0 1; do
-    stamp "T=512,4096 fp8 cells, SELECTOR_QUANT_TMA=$tma"
-    SELECTOR_QUANT_TMA=$tma timeout 60 python3 benchmarks/quant_gpu.py --tokens 512,4096 --formats fp8-f32 \
-      --bf16-backends triton_fused --no-check --out "$OUT/ab$tma" 2>&1 | grep "T=" | tail -8 >>"$LOG"
-    cp "$OUT/ab$tma/quant_gpu.json" "$OUT/quant_tma$tma.json" 2>/dev/null; rm -rf "$OUT/ab$tma"
-  done
+  tma_ab
   stamp "quant grid"
   timeout 215 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 195 2>&1 | tail -45 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
