@@ -513,6 +513,7 @@ def test_tma_only_where_it_can_run(monkeypatch):
     assert not ops.use_tma(big, True, dev, w)  # fp4
     assert not ops.use_tma(big, False, dev, w.transpose(1, 2))  # not contiguous
     assert not ops.use_tma(big, False, dev, w[:, :, :88])  # 88-byte rows: not TMA-aligned (nor contiguous)
+    assert ops.use_tma(big, False, dev, w, tile_rows=256) and not ops.use_tma(big, False, dev, w, tile_rows=512)
     monkeypatch.setattr(ops, "TMA", False)
     assert not ops.use_tma(big, False, dev, w)
     s = torch.ones(4, 1, 1, device=DEV)

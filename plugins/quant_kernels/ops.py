@@ -20,9 +20,8 @@ import triton.language as tl
 
 from plugins.quant_kernels import configs as _configs
 from plugins.quant_kernels import kernels as K
-from plugins.triton_fused.kernels import align, combine, launch, max_blocks_for
-
 from plugins.triton_fused.kernels import _TensorDescriptor as TensorDescriptor  # None: a Triton without TMA
+from plugins.triton_fused.kernels import align, combine, launch, max_blocks_for
 
 MODES = ("grouped", "batched")
 
@@ -59,6 +58,7 @@ FUSED_COMBINE = os.environ.get("SELECTOR_QUANT_FUSED_COMBINE", "1") != "0"
 # T=4096 GEMMs from 420-500 to 550-650 TFLOP/s (benchmarks/quant_fp8_dev.py). SELECTOR_QUANT_TMA=0: off (A/B).
 TMA = os.environ.get("SELECTOR_QUANT_TMA", "1") != "0"
 TMA_MIN_BLOCK_M = 64
+TMA_MAX_BOX = 256  # rows of one TMA copy (the hardware's limit per box dimension)
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -473,7 +473,8 @@ def quant_experts_impl(
     down_counts = t * triton.cdiv(h, _tiles(routing, h, x.device, cfg["down"], False)[0]) if fused else 0
     n_counts = up_counts + down_counts
     counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
-    tma = once and use_tma(routing, fp4, x.device, w1, w2)
+    tile_rows = max(2 * bn1 if interleaved else bn1, _tiles(routing, h, x.device, cfg["down"], False)[0])
+    tma = once and use_tma(routing, fp4, x.device, w1, w2, tile_rows=tile_rows)
     if tma:  # x quantised into block order; both projections read it (and their weights) through TMA
         xq, xs = quantize_rows(x, block_k, counts=counts, slots=routing, a_div=top_k)
     elif once:  # x's quantisation also zeroes the counters and out: no launch of their own
@@ -498,11 +499,14 @@ def quant_experts_impl(
     return combine_slots(y, ids, out, top_k, num_experts)
 
 
-def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Tensor) -> bool:
+def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Tensor, tile_rows: int = 0) -> bool:
     """Whether a layer runs its projections through TMA descriptors (``projection(a_sorted=True)``): sorted blocks
-    of >= TMA_MIN_BLOCK_M rows, fp8 weights stored contiguously with rows of a multiple of 16 bytes (TMA's
-    alignment), on sm_90+ (or the interpreter, for the tests), with a Triton that has host descriptors."""
-    if not TMA or TensorDescriptor is None or fp4 or routing[0] is None or routing[2] < TMA_MIN_BLOCK_M:
+    of TMA_MIN_BLOCK_M to TMA_MAX_BOX rows, weight tiles of at most TMA_MAX_BOX rows (`tile_rows`), fp8 weights
+    stored contiguously with rows of a multiple of 16 bytes (TMA's alignment), on sm_90+ (or the interpreter, for
+    the tests), with a Triton that has host descriptors."""
+    if not TMA or TensorDescriptor is None or fp4 or routing[0] is None:
+        return False
+    if not TMA_MIN_BLOCK_M <= routing[2] <= TMA_MAX_BOX or tile_rows > TMA_MAX_BOX:
         return False
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device) < (9, 0):

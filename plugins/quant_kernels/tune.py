@@ -118,7 +118,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         # pair blocks launch nothing to route (host only: an empty graph cannot be timed)
         t_align = 0.0 if route == "pairs" else _time(lambda: ops.route("grouped", ids, e, rcfg), graph)
         size = "small" if bm <= 32 else "large"
-        tma = ops.use_tma(routing, fp4, dev, w1, w2)
+        tma = ops.use_tma(routing, fp4, dev, w1, w2)  # every candidate tile is within TMA's 256 rows
         if tma:  # the down GEMM reads the intermediate in block order
             iq_in, isc_in = ops.quantize_rows(torch.randn(routing[0].numel(), inter, device=dev,
                                                           dtype=torch.bfloat16), 128, slots=routing)  # fmt: skip
