@@ -94,11 +94,11 @@ class _PlainConfig:
     """The same checks FineGrainedFP8Config.post_init makes, for when Transformers is not installed."""
 
     def __init__(self, d: Mapping[str, Any]) -> None:
-        self.activation_scheme = str(d.get("activation_scheme", "dynamic")).lower()
+        self.activation_scheme = str(d.get("activation_scheme") or "dynamic").lower()  # null: the default
         self.weight_block_size = d.get("weight_block_size", (128, 128))
         self.dequantize = bool(d.get("dequantize", False))
-        self.scale_fmt = d.get("scale_fmt", "float")
-        self.expert_dtype = d.get("expert_dtype", "fp8")
+        self.scale_fmt = d.get("scale_fmt") or "float"
+        self.expert_dtype = d.get("expert_dtype") or "fp8"
         if self.activation_scheme not in ("dynamic", "static"):
             raise ValueError(f"Activation scheme {self.activation_scheme} not supported")
         if self.weight_block_size is not None and (len(self.weight_block_size) != 2 or min(self.weight_block_size) <= 0):

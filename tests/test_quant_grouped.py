@@ -434,6 +434,40 @@ def test_quantize_rows_zeroes_what_the_later_kernels_need():
         ops.quantize_rows(x, 32, counts=torch.empty(4, device=DEV))
 
 
+def _tma_on(monkeypatch) -> None:
+    """The TMA path's tests need it available (sm_90+ or the interpreter, a Triton with host descriptors) and
+    switched on whatever SELECTOR_QUANT_TMA says."""
+    from plugins.quant_kernels import ops
+
+    if ops.TensorDescriptor is None or (CUDA and torch.cuda.get_device_capability() < (9, 0)):
+        pytest.skip("TMA needs sm_90+ and a Triton with host tensor descriptors")
+    monkeypatch.setattr(ops, "TMA", True)
+
+
+def test_tma_path_with_k_split_in_shares(monkeypatch):
+    """Split K on both TMA projections: gate_up's shares finished by the last to arrive (FINISH) and stored in
+    block order, down's shares added by the combine; H = I = 96 over 32-wide groups: 3 K steps in 2 or 3 shares."""
+    from plugins.quant_kernels import ops
+
+    _tma_on(monkeypatch)
+    launched = []
+    real = ops.launch
+    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: launched.append((grid, consts))
+                        or real(fn, grid, args, consts, *a))  # fmt: skip
+    module = Q.quantize_experts(make_experts(4, 96, 96, Layout(bias=True), device=DEV, seed=43), "fp8_block",
+                                "float32", (32, 32))  # fmt: skip
+    idx, w = random_routing(33, 4, 2, device=DEV, skew=True)
+    x = torch.randn(33, 96, device=DEV)
+    whole = _check(module, x, idx, w, {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}})
+    for shares in (2, 3):
+        split = {"BLOCK_N": 32, "SPLIT_K": shares}
+        launched.clear()
+        out = _check(module, x, idx, w, {"BLOCK_M": 64, "gate_up": split, "down": split})
+        grouped = [(g[1], c["FINISH"], c["SORTED_OUT"]) for g, c in launched if c.get("TMA")]
+        assert grouped == [(shares, True, True), (shares, False, False)]  # gate_up finished in-kernel; down: combine
+        assert relative_error(out, whole.cpu().double()) < 1e-5
+
+
 @pytest.mark.parametrize("gate_up_bn", [16, 32], ids=["inter-requantised", "inter-quantised-in-epilogue"])
 @pytest.mark.parametrize(
     "layout", [Layout(), Layout(interleaved=True, bias=True), Layout(gated=False), Layout(expert_parallel=True)],
@@ -446,6 +480,7 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
     I = 80 over 32-wide groups leaves a partial last group; skewed routing leaves padding slots and unused blocks."""
     from plugins.quant_kernels import ops
 
+    _tma_on(monkeypatch)
     launched = []
     real = ops.launch
     monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a, **kw: launched.append((fn.__name__, consts))
@@ -502,6 +537,7 @@ def test_tma_only_where_it_can_run(monkeypatch):
     asked for block order without such a layout raises instead of reading the wrong rows."""
     from plugins.quant_kernels import ops
 
+    _tma_on(monkeypatch)
     ids = torch.randint(0, 4, (40,), device=DEV)
     w = torch.zeros(4, 64, 96, dtype=torch.float8_e4m3fn, device=DEV)
     big = ops.route("grouped", ids, 4, {"BLOCK_M": 64, "ROUTE": "sorted"})
@@ -512,14 +548,21 @@ def test_tma_only_where_it_can_run(monkeypatch):
     assert not ops.use_tma(small, False, dev, w) and not ops.use_tma(pairs, False, dev, w)
     assert not ops.use_tma(big, True, dev, w)  # fp4
     assert not ops.use_tma(big, False, dev, w.transpose(1, 2))  # not contiguous
-    assert not ops.use_tma(big, False, dev, w[:, :, :88])  # 88-byte rows: not TMA-aligned (nor contiguous)
+    assert not ops.use_tma(big, False, dev, torch.zeros(4, 64, 88, dtype=torch.float8_e4m3fn, device=DEV))  # 88-byte rows
     assert ops.use_tma(big, False, dev, w, tile_rows=256) and not ops.use_tma(big, False, dev, w, tile_rows=512)
     monkeypatch.setattr(ops, "TMA", False)
     assert not ops.use_tma(big, False, dev, w)
     s = torch.ones(4, 1, 1, device=DEV)
     a = torch.zeros(40, 96, dtype=torch.float8_e4m3fn, device=DEV)
     common = dict(num_experts=4, a_div=1, fp4=False, ue8m0=False, block_n=128, block_k=128)
-    with pytest.raises(ValueError, match="a_sorted needs"):
+    with pytest.raises(ValueError, match="a_sorted needs"):  # a in pair order, not one row per block slot
         ops.projection("grouped", a, w, s, big, 40, a_scale=torch.ones(40, 1, device=DEV), a_sorted=True, **common)
+    slots = big[0].numel()
+    a_slots = torch.zeros(slots, 96, dtype=torch.float8_e4m3fn, device=DEV)
+    with pytest.raises(ValueError, match="a_sorted needs"):  # its scales in pair order
+        ops.projection("grouped", a_slots, w, s, big, 40, a_scale=torch.ones(40, 1, device=DEV), a_sorted=True,
+                       **common)  # fmt: skip
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.quantize_rows(torch.zeros(40, 96, device=DEV), 32, slots=big, a_div=slots)
     with pytest.raises(ValueError, match="out_sorted needs"):
         ops.projection("grouped", a, w, s, pairs, 2, out_sorted=True, **common)

@@ -162,7 +162,9 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
         sorted_rows, block_expert, bm = slots
         if sorted_rows is None or zero is not None:
             raise ValueError("quantize_rows: slots need a sorted routing, and cannot zero a tensor")
-        num_valid = rows * a_div if a_div else 0
+        num_valid = rows * a_div if a_div else 0  # x: tokens, each the row of a_div consecutive pairs
+        if num_valid > sorted_rows.numel():
+            raise ValueError(f"quantize_rows: {num_valid} pairs do not fit {sorted_rows.numel()} slots (a_div?)")
         if not a_div and rows != sorted_rows.numel():
             raise ValueError(f"quantize_rows: x in block order must have {sorted_rows.numel()} rows, got {rows}")
         rows = sorted_rows.numel()
@@ -279,6 +281,8 @@ def _launch(
         o_s = out_scale if out_scale is not None else s
         a_desc = w_desc = s  # unused unless a_sorted
         if a_sorted:
+            if tile_c > TMA_MAX_BOX:
+                raise ValueError(f"quantised experts: a TMA weight tile holds at most {TMA_MAX_BOX} rows, not {tile_c}")
             a_desc = TensorDescriptor.from_tensor(a, [bm, block_k])
             w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tile_c, block_k])
         num_valid_pairs = num_pairs if num_pairs is not None else out.shape[-2]
@@ -383,8 +387,10 @@ def projection(
     if combine is not None and not (mode == "grouped" and routing[0] is None and linear and topk_w is not None):
         raise ValueError("quantised experts: only pair blocks with a linear, weighted epilogue combine in the kernel")
     sorted_route = mode == "grouped" and routing[0] is not None
-    if a_sorted and not (sorted_route and a_scale is not None and not fp4 and a.shape[0] == routing[0].numel()):
-        raise ValueError("quantised experts: a_sorted needs sorted blocks, fp8 weights and e4m3 a in block order")
+    if a_sorted and not (sorted_route and a_scale is not None and a.shape[0] == a_scale.shape[0] == routing[0].numel()
+                         and use_tma(routing, fp4, a.device, w, tile_rows=block_k)):  # fmt: skip
+        raise ValueError("quantised experts: a_sorted needs e4m3 a and its scales in block order and weights TMA can "
+                         "read (use_tma)")  # fmt: skip
     split = split_k(mode, config, routing, n_out, k_dim, block_k, a.device) if linear else 1
     finish = 1 if linear else finish_split(mode, config, k_dim, block_k)
     if out_sorted and not (sorted_route and combine is None and split == 1):
@@ -473,7 +479,7 @@ def quant_experts_impl(
     down_counts = t * triton.cdiv(h, _tiles(routing, h, x.device, cfg["down"], False)[0]) if fused else 0
     n_counts = up_counts + down_counts
     counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
-    tile_rows = max(2 * bn1 if interleaved else bn1, _tiles(routing, h, x.device, cfg["down"], False)[0])
+    tile_rows = max(2 * bn1 if interleaved else bn1, _tiles(routing, h, x.device, cfg["down"], False)[0], block_k)
     tma = once and use_tma(routing, fp4, x.device, w1, w2, tile_rows=tile_rows)
     if tma:  # x quantised into block order; both projections read it (and their weights) through TMA
         xq, xs = quantize_rows(x, block_k, counts=counts, slots=routing, a_div=top_k)
@@ -501,9 +507,10 @@ def quant_experts_impl(
 
 def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Tensor, tile_rows: int = 0) -> bool:
     """Whether a layer runs its projections through TMA descriptors (``projection(a_sorted=True)``): sorted blocks
-    of TMA_MIN_BLOCK_M to TMA_MAX_BOX rows, weight tiles of at most TMA_MAX_BOX rows (`tile_rows`), fp8 weights
-    stored contiguously with rows of a multiple of 16 bytes (TMA's alignment), on sm_90+ (or the interpreter, for
-    the tests), with a Triton that has host descriptors."""
+    of TMA_MIN_BLOCK_M to TMA_MAX_BOX rows, weight tiles and K tiles of at most TMA_MAX_BOX (`tile_rows`: the
+    largest), fp8 weights stored contiguously with rows of a multiple of 16 bytes (TMA's alignment) and fewer than
+    2^31 rows in all (int32 coordinates), on sm_90+ (or the interpreter, for the tests), with a Triton that has
+    host descriptors."""
     if not TMA or TensorDescriptor is None or fp4 or routing[0] is None:
         return False
     if not TMA_MIN_BLOCK_M <= routing[2] <= TMA_MAX_BOX or tile_rows > TMA_MAX_BOX:
@@ -513,7 +520,8 @@ def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Ten
             return False
     elif not K.INTERPRET:
         return False
-    return all(w.is_contiguous() and w.shape[2] % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
+    return all(w.is_contiguous() and w.shape[2] % 16 == 0 and w.data_ptr() % 16 == 0 and w.shape[0] * w.shape[1] < 2**31
+               for w in weights)  # fmt: skip
 
 
 def _tiles(routing: tuple, n_out: int, device: torch.device, config: dict, wide: bool) -> tuple[int, int]:

@@ -151,6 +151,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                         tokens * triton.cdiv(h, 16) if fused else 0)  # fmt: skip
                     c = counts[:n_counts] if n_counts else None
                     zero = out if fused else None
+                    if tma and qx != "once":  # x quantised in the K loop never runs with TMA
+                        continue
                     if tma:
                         fn = lambda: up(*ops.quantize_rows(x, 128, counts=c, slots=routing, a_div=top_k), c)
                     elif qx == "once":
