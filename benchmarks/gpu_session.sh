@@ -54,6 +54,13 @@ compile_options_on_gpu1() {
   cp "$OUT/hf2/hf_generate.json" "$OUT/hf_generate_defer_stop.json" 2>/dev/null; rm -rf "$OUT/hf2"
 }
 
+# the whole quantised grid: $1 s of timeout, $2 s of budget
+quant_grid() {
+  stamp "quant grid"
+  timeout "$1" python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s "$2" 2>&1 | tail -45 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+}
+
 # the layer A/B of the TMA path (session 6): fp8 cells at T=512 and 4096, SELECTOR_QUANT_TMA=0 then 1
 tma_ab() {
   for tma in 0 1; do
@@ -73,9 +80,7 @@ tests_tune_grid() {
   timeout $(($4 + 15)) python3 -m plugins.quant_kernels.tune --tokens "$3" --formats fp8 --budget-s "$4" --out $table \
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
   cp $table "$OUT/"
-  stamp "quant grid"
-  timeout $(($5 + 20)) python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s "$5" 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid $(($5 + 20)) "$5"
 }
 
 case "${1:-part1}" in
@@ -306,9 +311,7 @@ part14)
   timeout 145 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 130 --out $table \
     --shapes qwen1.5-moe-a2.7b,qwen3-30b-a3b,deepseek-v3,mixtral-8x7b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
-  stamp "quant grid"
-  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid 180 160
   ;;
 part15)
   # session 5, second call (one GPU): graph input copies as bytes on CUDA (tests, and the host's time per copy
@@ -341,9 +344,7 @@ PY
   timeout 90 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 75 --out $table \
     --shapes deepseek-v3,mixtral-8x7b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
-  stamp "quant grid"
-  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid 180 160
   stamp "selector bench: dense, fp8 and fp4 side by side"
   timeout 150 python3 -m selector.cli bench --preset qwen3-30b-a3b --tokens 1,64,4096 \
     --formats dense,fp8-f32,fp8-ue8m0,fp4 --out "$OUT/bench" 2>>"$OUT/bench_err.txt" | tail -30 >>"$LOG"
@@ -369,16 +370,12 @@ part16)
   timeout 75 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 60 --out $table \
     --shapes qwen1.5-moe-a2.7b,qwen3-30b-a3b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
-  stamp "quant grid"
-  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid 180 160
   ;;
 part17)
   # session 5, last call (one GPU): the whole quantised grid with the final code (no PDL, which part16 measured
   # slower: Mixtral T=8 256-263 -> 300 us), and where an eager T=1 call's time goes (host vs kernels)
-  stamp "quant grid"
-  timeout 180 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 160 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid 180 160
   stamp "profile: eager T=1 and 8, Qwen3, fp8 and bf16"
   timeout 90 python3 benchmarks/quant_profile.py --shapes qwen3-30b-a3b --tokens 1,8 --formats fp8-f32,bf16 \
     --out "$OUT/profile" 2>&1 | grep -v "^\s*$" | tail -30 | tee "$OUT/profile.txt" >>"$LOG"
@@ -390,9 +387,7 @@ part18)
     tests/test_quant_tune.py 2>&1 | tail -3 | tee -a "$LOG"
   stamp "large-T fp8 experiments"
   timeout 200 python3 benchmarks/quant_fp8_dev.py --budget-s 175 2>&1 | tail -40 >>"$LOG"
-  stamp "quant grid"
-  timeout 175 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 150 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid 175 150
   ;;
 part19)
   stamp "CUDA tests: test_quant.py failures of part18 (tracebacks in tests.txt)"
@@ -407,9 +402,7 @@ part19)
   timeout 130 python3 -m plugins.quant_kernels.tune --tokens 4096,512 --formats fp8 --budget-s 115 --out $table \
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
-  stamp "quant grid"
-  timeout 150 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 130 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid 150 130
   ;;
 part20)
   stamp "CUDA tests: TMA path, part19's fixes (tracebacks in tests.txt)"
@@ -423,15 +416,11 @@ part20)
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
   tma_ab
-  stamp "quant grid"
-  timeout 150 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 130 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid 150 130
   ;;
 part21)
   tma_ab
-  stamp "quant grid"
-  timeout 215 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 195 2>&1 | tail -45 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  quant_grid 215 195
   ;;
 part22)
   stamp "selector bench: dense, fp8 and fp4 side by side"
