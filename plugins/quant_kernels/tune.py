@@ -10,7 +10,9 @@ with pair blocks the down kernel's COMBINE, less the memset of its counters that
 does not pay), and keeps the layout whose sum is smallest. Where the layer would run its projections through TMA
 (``ops.use_tma``: sorted blocks of >= 64 rows) the candidates are timed that way: x quantised into block order,
 the intermediate in block order. Random e4m3 / e2m1 weights and scales (never zeros), uniform
-top-k routing. Token counts <= 64 are timed as CUDA-graph replays (as decode runs), larger ones back to back.
+top-k routing. Cells of up to GRAPH_TIMING_MAX_TOKENS tokens are timed as CUDA-graph replays: the layer replays
+recorded graphs at decode and for repeated calls up to that size, and above it its GPU time dwarfs the host's;
+timed back to back instead, single launches measured the host at T=512 on the H200 (align alone 35-100 us).
 fp8 configs serve both scale formats (a scale load differs, not the tile). Stops at --budget-s and writes what
 it has.
 """
@@ -35,6 +37,7 @@ SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048,
 TOKENS = (1, 8, 64, 512, 4096)
 TRY_DECODE_LAYOUTS_MAX_PAIRS = 64  # pair blocks and x quantised in the K loop are tried up to here (T=8, k=8)
 TRY_QUANT_X_LOOP = False
+GRAPH_TIMING_MAX_TOKENS = 4096  # above: back to back (session 6; graph timing above 64 tokens not yet run on a GPU)
 # (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
 # (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
 # gate_up: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); a split gate_up is finished by its last share in the kernel
@@ -95,7 +98,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     ids = torch.rand(tokens, e, device=dev).topk(top_k, dim=1).indices.reshape(-1).contiguous()
     wts = torch.rand(ids.numel(), device=dev)
     out = torch.empty(tokens, h, device=dev, dtype=torch.bfloat16)
-    pairs, graph = ids.numel(), tokens <= 64
+    pairs, graph = ids.numel(), tokens <= GRAPH_TIMING_MAX_TOKENS
     common = dict(num_experts=e, fp4=fp4, ue8m0=fp4, block_n=1 if fp4 else 128, block_k=128)
     t_qx = _time(lambda: ops.quantize_rows(x, 128), graph)
     # counters of a split gate_up's tiles or of the down's (token, N tile): more than any candidate needs
