@@ -11,8 +11,8 @@ Sections (one call, a short table last, everything in $OUT/quant_fp8_dev.json):
    tiles against the dev kernel's variants.
 
 The dev kernel (``_dev_kernel``) is a grouped block-scaled GEMM over expert blocks whose activation rows are
-stored in block order (``GATHER`` False: what a quantisation that writes rows in sorted order would give) or
-gathered through the sorted pair index (as the shipped kernel does). Variants: weights (and contiguous
+stored in block order (``GATHER`` False: ``ops.quantize_rows(slots=...)``, as the shipped TMA path) or
+gathered through the sorted pair index (as the shipped pointer path does). Variants: weights (and contiguous
 activations) through TMA descriptors; LAG (each K tile's dot is scaled one step later, so the tensor cores can
 run the next tile's dot while the CUDA cores scale this one); Triton's warp specialisation of the K loop.
 Every variant is checked against a float64 reference before it is timed.
@@ -105,26 +105,6 @@ def _dev_kernel(a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, sorted_pt
     tl.store(o_ptrs, acc.to(tl.bfloat16))
 
 
-def block_layout(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted pair index padded per expert to bm rows with `pairs` as filler, block's expert)."""
-    pairs = ids.numel()
-    counts = torch.bincount(ids, minlength=num_experts)
-    padded = (counts + bm - 1) // bm * bm
-    order = torch.argsort(ids, stable=True)
-    starts = torch.cumsum(padded, 0) - padded
-    rank = torch.arange(pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[ids[order]]
-    sorted_rows = torch.full((int(padded.sum()),), pairs, dtype=torch.int32, device=ids.device)
-    sorted_rows[starts[ids[order]] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=ids.device), padded // bm).to(torch.int32)
-    return sorted_rows, block_expert
-
-
-def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    g = x.float().unflatten(1, (-1, 128))
-    s = (g.abs().amax(2) / 448).clamp_min(1e-12)
-    return (g / s[..., None]).to(torch.float8_e4m3fn).flatten(1), s
-
-
 def random_weights(e: int, n: int, k: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=dev)
     for j in range(e):
@@ -139,11 +119,12 @@ class Problem:
     def __init__(self, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bm: int) -> None:
         self.e, self.n, self.k = w.shape
         self.ids, self.w, self.ws, self.bm = ids, w, ws, bm
-        self.xq, self.xs = quantise_rows(x)
-        self.sorted_rows, self.block_expert = block_layout(ids, self.e, bm)
-        safe = self.sorted_rows.clamp_max(ids.numel() - 1).long()
-        self.aq = self.xq[safe].contiguous()  # rows in block order (filler rows repeat a real one)
-        self.as_ = self.xs[safe].contiguous()
+        from plugins.quant_kernels import ops
+
+        self.xq, self.xs = ops.quantize_rows(x, 128)  # pair order (the gathering variants)
+        routing = ops.route("grouped", ids, self.e, {"BLOCK_M": bm, "ROUTE": "sorted"})
+        self.sorted_rows, self.block_expert = routing[0], routing[1]
+        self.aq, self.as_ = ops.quantize_rows(x, 128, slots=routing, a_div=1)  # block order, as the shipped path
         self.out = torch.empty(self.aq.shape[0], self.n, dtype=torch.bfloat16, device=x.device)
 
     def flops(self) -> float:
@@ -185,7 +166,8 @@ class Problem:
     def check_dev(self, fn, samples: int = 24) -> float:
         """Max relative error (Frobenius, per row) of the dev output against float64 on sampled pairs."""
         out = fn()
-        pos = torch.nonzero(self.sorted_rows < self.ids.numel()).flatten()
+        used = self.block_expert.repeat_interleave(self.bm) >= 0  # unused blocks' slots hold anything
+        pos = torch.nonzero(used & (self.sorted_rows >= 0) & (self.sorted_rows < self.ids.numel())).flatten()
         pick = pos[torch.randperm(pos.numel(), device=pos.device)[:samples]]
         ref = self.reference(self.sorted_rows[pick].long())
         got = out[pick].double()

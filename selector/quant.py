@@ -596,8 +596,8 @@ def calibrate_activation_scales(
     up_b = layers.up_bias(module)
     x = hidden_states.detach().float().to(up.device)
     num_experts = up.shape[0]
-    s1 = torch.zeros(num_experts, device=up.device)
-    s2 = torch.zeros(num_experts, device=up.device)
+    s1 = torch.zeros(num_experts)  # filled from host floats; set_quantized puts them beside the weights
+    s2 = torch.zeros(num_experts)
     for e in range(num_experts):
         tok = torch.nonzero((top_k_index == e).any(dim=1), as_tuple=True)[0].to(up.device)
         if tok.numel() == 0:

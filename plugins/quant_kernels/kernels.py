@@ -194,11 +194,7 @@ def _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
     """The weight tile of channels offs_c [BNC] and inputs [k0, k0 + BK) as e4m3 [BK, BNC], and its column scale
     ([BNC], or a scalar when ONE_ROW). TMA (fp8): the tile comes through w_desc, the weights seen as [E * C, K],
     from row desc_row (= the expert's first row + offs_c[0]); rows past the expert's are never stored."""
-    if TMA:
-        b = w_desc.load([desc_row, k0]).T
-        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0,
-                            ONE_ROW)  # fmt: skip
-    elif FP4:
+    if FP4:
         G: tl.constexpr = BK // 32
         offs_b = k0 // 2 + tl.arange(0, BK // 2)
         p = tl.load(
@@ -218,11 +214,14 @@ def _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
         b = tl.trans(_to_e4m3(v, EXACT))
         ws = _pow2(emax) * 0.015625
     else:
-        offs_k = k0 + tl.arange(0, BK)
-        b = tl.load(
-            w_base + offs_k[:, None] * stride_wk + offs_c[None, :] * stride_wn,
-            mask=(offs_k[:, None] < K) & c_ok[None, :], other=0.0,
-        )  # fmt: skip
+        if TMA:
+            b = w_desc.load([desc_row, k0]).T
+        else:
+            offs_k = k0 + tl.arange(0, BK)
+            b = tl.load(
+                w_base + offs_k[:, None] * stride_wk + offs_c[None, :] * stride_wn,
+                mask=(offs_k[:, None] < K) & c_ok[None, :], other=0.0,
+            )  # fmt: skip
         ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0,
                             ONE_ROW)  # fmt: skip
     return b, ws
@@ -330,7 +329,7 @@ def _grouped_kernel(
     arrive adds them (share order, then one sum over the slots) and writes out[token]. ids_ptr: the pairs' expert
     ids (top_k per token); a token with no valid slot keeps the zeros written up front.
     TMA (sorted blocks, A_FP8, fp8 weights): A holds one row per block slot, in block order (``quantize_rows``
-    with ``gather``), and its tiles and the weights' come through TMA descriptors (a_desc [slots, K], w_desc
+    with ``slots``), and its tiles and the weights' come through TMA descriptors (a_desc [slots, K], w_desc
     [E * w_rows, K]): no gather in the K loop, and the copy engine fills shared memory.
     SORTED_OUT: rows are stored in block order (slot pid_m * BLOCK_M + m, padding slots included), the layout
     the next TMA projection reads.
