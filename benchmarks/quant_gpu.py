@@ -246,6 +246,8 @@ def run_cells(name: str, built: dict, tokens: int, ceilings: dict, args, log, de
         floor8 = floor_of(layer, index, h, i, k, ceilings, "fp8_flops")[0] if fmt_name != "bf16" and "fp8_flops" in ceilings else None
         ref = None
         for backend in backends:
+            if fmt_name != "bf16" and backend not in args.quant_backends:
+                continue
             if fmt_name == "bf16" and backend not in args.bf16_backends:
                 continue
             for mode in modes:
@@ -352,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,8,64,512,4096")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--bf16-backends", default=",".join(BF16_BACKENDS))
+    parser.add_argument("--quant-backends", default=",".join(QUANT_TIMED), help="quantised cells: which to time")
     parser.add_argument("--sweep", action="store_true",
                         help="also try tile configs for grouped quantised cells at T >= 512 (reports the best)")
     parser.add_argument("--no-check", action="store_true", help="skip the small-layer correctness check")
@@ -366,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     SAMPLE_S, REPEATS = args.sample_ms / 1e3, max(1, args.repeats)
     args.formats = [f for f in args.formats.split(",") if f]
     args.bf16_backends = [b for b in args.bf16_backends.split(",") if b]
+    args.quant_backends = [b for b in args.quant_backends.split(",") if b]
     tokens_list = [int(t) for t in args.tokens.split(",") if t]
     if args.cpu_smoke:  # exercise every code path on tiny layers (tests/test_quant.py runs this)
         SHAPES.clear()

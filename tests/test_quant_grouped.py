@@ -240,8 +240,13 @@ def test_tuned_table_lookup(tmp_path):
     assert configs.decode(configs.encode(cfg))["QUANT_X"] is None
     paired = {**cfg, "ROUTE": "pairs", "QUANT_X": "once"}
     assert configs.decode(configs.encode(paired)) == configs.normalize(paired)
+    combined = {**cfg, "COMBINE": "kernel"}
+    assert configs.decode(configs.encode(combined))["COMBINE"] == "kernel"
+    assert configs.decode(configs.encode(cfg))["COMBINE"] is None
     with pytest.raises(ValueError, match="QUANT_X"):
         configs.normalize({"QUANT_X": "twice"})
+    with pytest.raises(ValueError, match="COMBINE"):
+        configs.normalize({"COMBINE": "atomics"})
 
 
 def test_cached_plan_follows_replaced_weights():
@@ -372,8 +377,8 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
     """One block per pair (ROUTE "pairs", one token by default): the down kernel adds each token's k slots
     (COMBINE), with no combine launch; x's quantisation zeroes the output and the counters in its own launch. Same
     result as the combine launch up to the order of fp32 sums, for one and several K shares (the bias once),
-    sentinel slots skipped and a token whose every slot is a sentinel left at zero. Sorted blocks keep the combine
-    launch. The interpreter runs programs in order, so the last arrival is always the last program here; the GPU
+    sentinel slots skipped and a token whose every slot is a sentinel left at zero. Sorted blocks of a few rows
+    do the same (config "COMBINE"). The interpreter runs programs in order, so the last arrival is always the last program here; the GPU
     runs them in any order (the CUDA run of this test)."""
     from plugins.quant_kernels import ops
     from plugins.triton_fused import kernels as fused_kernels
@@ -412,9 +417,24 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
         assert "_combine_kernel" in [n for n, _ in launched]
         monkeypatch.setattr(ops, "FUSED_COMBINE", True)
         assert relative_error(fused, separate.cpu().double()) < 1e-5
-        launched.clear()
-        assert relative_error(_check(module, x, idx, w, {**cfg, "ROUTE": "sorted"}), fused.cpu().double()) < 1e-5
-        assert "_combine_kernel" in [n for n, _ in launched]
+        # sorted blocks: a combine launch, or the down kernel counting each block's rows (by default here: 8 pairs
+        # over 4 experts); skewed routing puts several real rows in a block
+        for combine, launches in (("launch", 1), ("kernel", 0), (None, 0)):
+            launched.clear()
+            sorted_cfg = {**cfg, "ROUTE": "sorted", "COMBINE": combine}
+            assert relative_error(_check(module, x, idx, w, sorted_cfg), fused.cpu().double()) < 1e-5
+            assert [n for n, _ in launched].count("_combine_kernel") == launches
+    # many real rows per block (13 tokens x 2 slots over 4 experts), forced in the kernel, against the launch
+    idx, w = random_routing(13, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
+    x = torch.randn(13, 64, device=DEV)
+    cfg = {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32, "SPLIT_K": 2}}
+    launched.clear()
+    in_kernel = _check(module, x, idx, w, {**cfg, "COMBINE": "kernel"})
+    assert "_combine_kernel" not in [n for n, _ in launched]
+    launched.clear()
+    separate = _check(module, x, idx, w, cfg)  # 26 pairs over 4 experts: the launch by default
+    assert "_combine_kernel" in [n for n, _ in launched]
+    assert relative_error(in_kernel, separate.cpu().double()) < 1e-5
 
 
 def test_quantize_rows_zeroes_what_the_later_kernels_need():

@@ -6,10 +6,13 @@ missing key is filled by the heuristics. ``"QUANT_X": "once" | "loop"`` says whe
 (dynamic scales): once up front by ``quantize_rows`` (one more launch; the default), or inside the gate_up K loop
 (every N tile redoes it; slower in every decode cell tuned on the H200, so only on request). ``"ROUTE": "sorted" |
 "pairs"``: pairs sorted by expert into BLOCK_M blocks (the align launch), or one 16-row block per pair (decode:
-no align; an expert hit twice is read twice). BLOCK_K is not a knob: it is the activation group (the K tile that
-one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
-triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..`` (fp4 likewise) and then by token count; the entry
-nearest to T in log scale is used. Written by ``python -m plugins.quant_kernels.tune``.
+no align; an expert hit twice is read twice). ``"COMBINE": "kernel" | "launch"``: the down kernel adds each
+token's k slots itself (``kernels._combine_rows``; the default for pair blocks, and for sorted blocks at up to
+``ops.COMBINE_IN_KERNEL_MAX_PER_EXPERT`` pairs per expert hit), or a combine launch does. BLOCK_K is not a knob:
+it is the activation group (the K tile that one activation scale covers). Tables ship as
+``configs/<GPU name, spaces as underscores>.json`` in triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..``
+(fp4 likewise) and then by token count; the entry nearest to T in log scale is used. Written by
+``python -m plugins.quant_kernels.tune``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_K")  # SPLI
 PARTS = ("gate_up", "down")
 QUANT_X = (None, "once", "loop")  # encoded as its index (0 = unset: the heuristic picks)
 ROUTE = (None, "sorted", "pairs")  # likewise
+COMBINE = (None, "launch", "kernel")  # likewise
 
 
 def shape_key(fp4: bool, num_experts: int, hidden: int, inter: int, top_k: int) -> str:
@@ -40,7 +44,7 @@ def normalize(config: dict | None) -> dict[str, Any]:
     for part in PARTS:
         sub = {**flat, **{k: int(v) for k, v in (config.get(part) or {}).items() if k in GEMM_KEYS and v}}
         out[part] = sub
-    for name, allowed in (("QUANT_X", QUANT_X), ("ROUTE", ROUTE)):
+    for name, allowed in (("QUANT_X", QUANT_X), ("ROUTE", ROUTE), ("COMBINE", COMBINE)):
         out[name] = config.get(name) or None
         if out[name] not in allowed:
             raise ValueError(f"quantised experts: config {name}={out[name]!r} must be one of {allowed[1:]}")
@@ -55,7 +59,8 @@ def encode(config: dict | None) -> list[int] | None:
     if not config:
         return None
     c = normalize(config)
-    return [c["BLOCK_M"] or 0] + [c[p].get(k, 0) for p in PARTS for k in GEMM_KEYS] + [QUANT_X.index(c["QUANT_X"]), ROUTE.index(c["ROUTE"])]
+    knobs = [QUANT_X.index(c["QUANT_X"]), ROUTE.index(c["ROUTE"]), COMBINE.index(c["COMBINE"])]
+    return [c["BLOCK_M"] or 0] + [c[p].get(k, 0) for p in PARTS for k in GEMM_KEYS] + knobs
 
 
 def decode(values: list[int] | None) -> dict | None:
@@ -63,10 +68,11 @@ def decode(values: list[int] | None) -> dict | None:
         return None
     n = len(GEMM_KEYS)
     parts = {p: {k: v for k, v in zip(GEMM_KEYS, values[1 + i * n : 1 + (i + 1) * n]) if v} for i, p in enumerate(PARTS)}
-    if len(values) != 1 + len(PARTS) * n + 2:
-        raise ValueError(f"quantised experts: an encoded config has {1 + len(PARTS) * n + 2} ints, got {len(values)}")
+    if len(values) != 1 + len(PARTS) * n + 3:
+        raise ValueError(f"quantised experts: an encoded config has {1 + len(PARTS) * n + 3} ints, got {len(values)}")
     extra = values[1 + len(PARTS) * n :]
-    return {"BLOCK_M": values[0] or None, **parts, "QUANT_X": QUANT_X[extra[0]], "ROUTE": ROUTE[extra[1]]}
+    knobs = {"QUANT_X": QUANT_X[extra[0]], "ROUTE": ROUTE[extra[1]], "COMBINE": COMBINE[extra[2]]}
+    return {"BLOCK_M": values[0] or None, **parts, **knobs}
 
 
 def table_file(device_name: str, directory: str | None = None) -> Path:

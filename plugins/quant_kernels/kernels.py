@@ -264,31 +264,39 @@ def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
 
 
 @triton.jit
-def _combine_pair(res, pair, offs_m, offs_n, n_ok, pid_n, num_pid_n, part_ptr, count_ptr, ids_ptr, out_ptr,
-                  num_pairs, num_experts, N, top_k, stride_om, stride_on, BLOCK_N: tl.constexpr,
-                  SPLIT_K: tl.constexpr, K_PAD: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """The grouped kernel's COMBINE epilogue for a pair block: row 0 of res [BLOCK_M, BLOCK_N] is pair `pair`'s
-    result. One scalar atomic per program: a tensor atomic's returned values reach only the threads that issued
-    it on Tritons before 3.5 (triton-lang/triton#7402), so sorted blocks, with many tokens per block, keep the
-    combine launch."""
+def _combine_rows(res, rows, row_ok, slot0, offs_n, n_ok, pid_n, num_pid_n, part_ptr, count_ptr, ids_ptr, sorted_ptr,
+                  out_ptr, num_pairs, num_experts, N, top_k, stride_om, stride_on, BLOCK_N: tl.constexpr,
+                  SPLIT_K: tl.constexpr, K_PAD: tl.constexpr, PAIR_BLOCKS: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """The grouped kernel's COMBINE epilogue: res [BLOCK_M, BLOCK_N] holds the block's results, row m for pair
+    rows[m] where row_ok (a pair block: row 0 only; a sorted block: its real rows come first, as align pads only the
+    end of an expert's last block, so they are slots slot0 .. slot0 + n_real - 1). The rows are stored (fp32, one
+    slice per K share), then counted one by one with a scalar atomic per (token, N tile): a tensor atomic's
+    returned values reach only the threads that issued it on Tritons before 3.5 (triton-lang/triton#7402), and at
+    decode a block holds one or two real rows. The last of a token's valid slots x shares to count adds them (share
+    order, then one fixed-shape sum over the slots: the same bits whoever arrives last) and writes out[token]."""
     share = tl.program_id(1).to(tl.int64) * num_pairs * N
-    rows = pair.to(tl.int64) + offs_m * 0
-    tl.store(part_ptr + share + rows[:, None] * N + offs_n[None, :], res, mask=(offs_m == 0)[:, None] & n_ok[None, :])
-    token = pair // top_k
-    j = tl.arange(0, K_PAD)
-    e = tl.load(ids_ptr + token * top_k + j, mask=j < top_k, other=-1)
-    ok = (j < top_k) & (e >= 0) & (e < num_experts)
-    # every warp's stores first, then acq_rel: this row is visible before it counts, and the last to count sees all
+    tl.store(part_ptr + share + rows.to(tl.int64)[:, None] * N + offs_n[None, :], res,
+             mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+    # every warp's stores first, then acq_rel: the rows are visible before they count, and the last to count sees all
     tl.debug_barrier()
-    if tl.atomic_add(count_ptr + token * num_pid_n + pid_n, 1) == tl.sum(ok.to(tl.int32), axis=0) * SPLIT_K - 1:
-        slots = (token * top_k + j).to(tl.int64)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for sh in tl.static_range(SPLIT_K):  # share order, the slots in one fixed-shape sum: the same bits whoever is last
-            ptrs = part_ptr + sh * num_pairs * N + slots[:, None] * N + offs_n[None, :]
-            v = tl.load(ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
-            acc += tl.sum(v, axis=0)
-        o_ptrs = out_ptr + token.to(tl.int64) * stride_om + offs_n * stride_on
-        tl.store(o_ptrs, _round_for_store(acc, out_ptr.dtype.element_ty, EXACT), mask=n_ok)
+    j = tl.arange(0, K_PAD)
+    for m in range(tl.sum(row_ok.to(tl.int32), axis=0)):
+        if PAIR_BLOCKS:
+            pair = slot0
+        else:
+            pair = tl.load(sorted_ptr + slot0 + m)
+        token = pair // top_k
+        e = tl.load(ids_ptr + token * top_k + j, mask=j < top_k, other=-1)
+        ok = (j < top_k) & (e >= 0) & (e < num_experts)
+        if tl.atomic_add(count_ptr + token * num_pid_n + pid_n, 1) == tl.sum(ok.to(tl.int32), axis=0) * SPLIT_K - 1:
+            slots = (token * top_k + j).to(tl.int64)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for sh in tl.static_range(SPLIT_K):  # share order, the slots in one fixed-shape sum: the same bits whoever is last
+                ptrs = part_ptr + sh * num_pairs * N + slots[:, None] * N + offs_n[None, :]
+                v = tl.load(ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+                acc += tl.sum(v, axis=0)
+            o_ptrs = out_ptr + token.to(tl.int64) * stride_om + offs_n * stride_on
+            tl.store(o_ptrs, _round_for_store(acc, out_ptr.dtype.element_ty, EXACT), mask=n_ok)
 
 
 @triton.jit
@@ -323,11 +331,12 @@ def _grouped_kernel(
     share in share order (the same bits whichever arrives last) and runs the epilogue alone.
     ONE_SCALE_ROW (fp8): every weight tile lies within one scale row (the tile width divides the block's), so
     each K step loads one weight scale, not one per column.
-    COMBINE (PAIR_BLOCKS, linear epilogue): the combine happens here, not in a launch of its own. Each pair
+    COMBINE (linear epilogue): the combine happens here, not in a launch of its own (``_combine_rows``). Each pair
     writes its fp32 result (one per K share) to part_ptr [SPLIT_K, num_valid, N] and counts itself in
     count_ptr[token, N tile] (zeroed by ``_quant_rows_kernel``); the last of the token's valid slots x shares to
     arrive adds them (share order, then one sum over the slots) and writes out[token]. ids_ptr: the pairs' expert
-    ids (top_k per token); a token with no valid slot keeps the zeros written up front.
+    ids (top_k per token); a token with no valid slot keeps the zeros written up front. Pair blocks, and sorted
+    blocks at decode (a row or two each: the rows are counted one at a time).
     TMA (sorted blocks, A_FP8, fp8 weights): A holds one row per block slot, in block order (``quantize_rows``
     with ``slots``), and its tiles and the weights' come through TMA descriptors (a_desc [slots, K], w_desc
     [E * w_rows, K]): no gather in the K loop, and the copy engine fills shared memory.
@@ -463,8 +472,9 @@ def _grouped_kernel(
     if MUL_W:
         res = res * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     if COMBINE:
-        _combine_pair(res, pid_m, offs_m, offs_n, n_ok, pid_n, num_pid_n, part_ptr, count_ptr, ids_ptr, out_ptr,
-                      num_valid, num_experts, N, top_k, stride_om, stride_on, BLOCK_N, SPLIT_K, K_PAD, EXACT)  # fmt: skip
+        _combine_rows(res, rows, row_ok, pid_m if PAIR_BLOCKS else pid_m * BLOCK_M, offs_n, n_ok, pid_n, num_pid_n,
+                      part_ptr, count_ptr, ids_ptr, sorted_ptr, out_ptr, num_valid, num_experts, N, top_k, stride_om,
+                      stride_on, BLOCK_N, SPLIT_K, K_PAD, PAIR_BLOCKS, EXACT)  # fmt: skip
         return
     if SORTED_OUT:  # every slot of the block, padding too (finite: its A rows are zeros)
         o_rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)

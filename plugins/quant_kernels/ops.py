@@ -49,10 +49,11 @@ EAGER_BYPASS_OP = os.environ.get("SELECTOR_QUANT_VIA_OP", "0") in ("", "0")
 MAX_IMPRECISE_ACC = int(os.environ.get("SELECTOR_FP8_MAX_IMPRECISE_ACC", "0") or 0)
 # SELECTOR_QUANT_ONE_SCALE_ROW=0: gather one weight scale per column even where a tile lies in one scale row (A/B)
 ONE_SCALE_ROW = os.environ.get("SELECTOR_QUANT_ONE_SCALE_ROW", "1") != "0"
-# With one block per pair (ROUTE "pairs": one token by default) the down GEMM adds the k slots itself (COMBINE:
-# no combine launch; its counters and the output's zeros come with x's quantisation).
-# SELECTOR_QUANT_FUSED_COMBINE=0: the combine launch always (A/B).
+# With one block per pair (ROUTE "pairs": one token by default), and with sorted blocks of a row or two (decode), the
+# down GEMM adds the k slots itself (COMBINE: no combine launch; its counters and the output's zeros come with x's
+# quantisation). A config's "COMBINE" decides where it says. SELECTOR_QUANT_FUSED_COMBINE=0: the launch always (A/B).
 FUSED_COMBINE = os.environ.get("SELECTOR_QUANT_FUSED_COMBINE", "1") != "0"
+COMBINE_IN_KERNEL_MAX_PER_EXPERT = 2  # sorted blocks: pairs per expert hit; the kernel counts its rows one by one
 # Sorted blocks of >= TMA_MIN_BLOCK_M rows (large T) on sm_90+: x quantised straight into block order and both
 # projections reading activations and weights through TMA descriptors (use_tma). On the H200 that took the
 # T=4096 GEMMs from 420-500 to 550-650 TFLOP/s (benchmarks/quant_fp8_dev.py). SELECTOR_QUANT_TMA=0: off (A/B).
@@ -370,8 +371,8 @@ def projection(
     Sentinel pairs' rows are left unwritten (the combine skips them). `a_scale`: `a` is e4m3 from
     ``quantize_rows``. `quant_out` (grouped mode, BLOCK_N a multiple of block_k): returns (e4m3 out, scales),
     the result rounded to `out_dtype` and quantised per row and block_k channels.
-    `combine` (pair blocks, linear epilogue with the routing weight): (out [T, N], ids [T * k], k): the kernel adds
-    each token's k slots into out itself (``kernels._combine_pair``; out must hold zeros where a token has no
+    `combine` (grouped, linear epilogue with the routing weight): (out [T, N], ids [T * k], k): the kernel adds
+    each token's k slots into out itself (``kernels._combine_rows``; out must hold zeros where a token has no
     valid slot) and out is returned. `counts`: int32 zeros for the kernel's counters (FINISH / COMBINE; None:
     allocated and zeroed here, one more launch).
     `a_sorted` (sorted routing, fp8 weights, `a_scale` given; see ``use_tma``): `a` holds one row per block slot
@@ -384,8 +385,9 @@ def projection(
     n_out = c // 2 if gated else c
     inter_dtype = out_dtype or (a.dtype if a_scale is None else torch.bfloat16)
     linear = not (gated or quant_out) and activation == "none"  # partial sums only add up through a linear epilogue
-    if combine is not None and not (mode == "grouped" and routing[0] is None and linear and topk_w is not None):
-        raise ValueError("quantised experts: only pair blocks with a linear, weighted epilogue combine in the kernel")
+    if combine is not None and not (mode == "grouped" and linear and topk_w is not None and not out_sorted):
+        raise ValueError("quantised experts: only a grouped projection with a linear, weighted epilogue and pair rows "
+                         "combines in the kernel")  # fmt: skip
     sorted_route = mode == "grouped" and routing[0] is not None
     if a_sorted and not (sorted_route and a_scale is not None and a.shape[0] == a_scale.shape[0] == routing[0].numel()
                          and use_tma(routing, fp4, a.device, w, tile_rows=block_k)):  # fmt: skip
@@ -475,12 +477,13 @@ def quant_experts_impl(
     up_cfg = {**cfg["gate_up"], "BLOCK_N": bn1}
     up_counts = up_tiles if finish_split(mode, up_cfg, h, block_k) > 1 else 0
     once = (cfg.get("QUANT_X") or "once") == "once"
-    fused = FUSED_COMBINE and routing[0] is None  # pair blocks combine in the down kernel
-    down_counts = t * triton.cdiv(h, _tiles(routing, h, x.device, cfg["down"], False)[0]) if fused else 0
+    bn2 = _tiles(routing, h, x.device, cfg["down"], False)[0]
+    tile_rows = max(2 * bn1 if interleaved else bn1, bn2, block_k)
+    tma = once and use_tma(routing, fp4, x.device, w1, w2, tile_rows=tile_rows)
+    fused = FUSED_COMBINE and combine_in_kernel(routing, cfg, n_pairs, num_experts) and not tma
+    down_counts = t * triton.cdiv(h, bn2) if fused else 0
     n_counts = up_counts + down_counts
     counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
-    tile_rows = max(2 * bn1 if interleaved else bn1, _tiles(routing, h, x.device, cfg["down"], False)[0], block_k)
-    tma = once and use_tma(routing, fp4, x.device, w1, w2, tile_rows=tile_rows)
     if tma:  # x quantised into block order; both projections read it (and their weights) through TMA
         xq, xs = quantize_rows(x, block_k, counts=counts, slots=routing, a_div=top_k)
     elif once:  # x's quantisation also zeroes the counters and out: no launch of their own
@@ -503,6 +506,16 @@ def quant_experts_impl(
                           **down)  # fmt: skip
     y = projection(mode, iq, w2, s2, routing, n_pairs, **down)
     return combine_slots(y, ids, out, top_k, num_experts)
+
+
+def combine_in_kernel(routing: tuple, config: dict | None, num_pairs: int, num_experts: int) -> bool:
+    """Whether the down kernel adds the slots (COMBINE) rather than a combine launch: the config's "COMBINE" where it
+    says, else pair blocks always and sorted blocks while few pairs share an expert (the kernel counts a block's
+    rows one atomic at a time)."""
+    asked = (config or {}).get("COMBINE")
+    if asked:
+        return asked == "kernel"
+    return routing[0] is None or num_pairs <= COMBINE_IN_KERNEL_MAX_PER_EXPERT * min(num_experts, num_pairs)
 
 
 def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Tensor, tile_rows: int = 0) -> bool:
@@ -620,5 +633,5 @@ def quant_experts(
     )  # fmt: skip
 
 
-__all__ = ["MODES", "grouped_block_m", "max_blocks_for", "projection", "quant_experts", "quant_experts_impl", "route",
+__all__ = ["MODES", "combine_in_kernel", "grouped_block_m", "max_blocks_for", "projection", "quant_experts", "quant_experts_impl", "route",
            "use_tma"]

@@ -6,8 +6,8 @@ Per (format, shape, token count) and candidate layout (pairs sorted into BLOCK_M
 for a few pairs): times align, each gate_up tile with x quantised up front (that launch timed with it: it also
 zeroes a split gate_up's counters) or, for a few pairs, inside its K loop (plus a second quantisation of the
 intermediate when the tile does not cover whole groups) and each down tile with the combine (its own launch, or
-with pair blocks the down kernel's COMBINE, less the memset of its counters that the test needs and the layer
-does not pay), and keeps the layout whose sum is smallest. Where the layer would run its projections through TMA
+the down kernel's COMBINE, less the memset of its counters that the test needs and the layer does not pay: pair
+blocks always, sorted blocks of a few pairs per expert both ways), and keeps the layout whose sum is smallest. Where the layer would run its projections through TMA
 (``ops.use_tma``: sorted blocks of >= 64 rows) the candidates are timed that way: x quantised into block order,
 the intermediate in block order. Random e4m3 / e2m1 weights and scales (never zeros), uniform
 top-k routing. Cells of up to GRAPH_TIMING_MAX_TOKENS tokens are timed as CUDA-graph replays: the layer replays
@@ -37,12 +37,14 @@ SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048,
 TOKENS = (1, 8, 64, 512, 4096)
 TRY_DECODE_LAYOUTS_MAX_PAIRS = 64  # pair blocks and x quantised in the K loop are tried up to here (T=8, k=8)
 TRY_QUANT_X_LOOP = False
+TRY_COMBINE_IN_KERNEL_PER_EXPERT = 4  # sorted blocks: the down kernel's own combine timed up to this many pairs per expert
 GRAPH_TIMING_MAX_TOKENS = 4096  # above: back to back (session 6; graph timing above 64 tokens not yet run on a GPU)
 # (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
 # (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
 # gate_up: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); a split gate_up is finished by its last share in the kernel
 GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6), (16, 2, 4), (32, 2, 4),
-                (32, 4, 6), (32, 4, 4, 2), (64, 4, 4, 2), (64, 4, 6, 2), (128, 4, 4, 2), (64, 4, 4, 4)),
+                (32, 4, 6), (32, 4, 4, 2), (64, 4, 4, 2), (64, 4, 6, 2), (128, 4, 4, 2), (64, 4, 4, 4),
+                (128, 4, 3, 4), (128, 4, 4, 4), (128, 8, 4, 2), (128, 8, 3, 4)),
            32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
            64: ((64, 4, 4), (64, 4, 3), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
            128: ((64, 8, 3), (64, 8, 4), (32, 4, 4))}  # fmt: skip
@@ -128,12 +130,21 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         else:
             iq_in, isc_in = iq, isc
         parts = {}
+        # where the down kernel may add the slots itself: both ways timed for sorted blocks of a few rows
+        if route == "pairs" or tma:
+            combines = ("kernel",) if route == "pairs" and ops.FUSED_COMBINE else ("launch",)
+        elif ops.FUSED_COMBINE and pairs <= TRY_COMBINE_IN_KERNEL_PER_EXPERT * min(e, pairs):
+            combines = ("kernel", "launch")
+        else:
+            combines = ("launch",)
         for part, options in (("gate_up", GATE_UP[bm]), ("down", DOWN[size])):
-            for (bn, warps, stages, *split), qx in itertools.product(options, quant_x if part == "gate_up" else ("once",)):
+            variants = quant_x if part == "gate_up" else combines
+            # qx: where x is quantised (gate_up), or where the slots are added (down)
+            for (bn, warps, stages, *split), qx in itertools.product(options, variants):
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "GROUP_M": 1 if bm <= 32 else 8}
                 if part == "down":
-                    # pair blocks combine in the kernel, so a split costs no launch: shares of >= 3 steps there
-                    min_steps = 3 * split[0] if split and route == "pairs" else SPLIT_MIN_STEPS
+                    # a kernel that combines needs no launch to add the shares: shares of >= 3 steps there
+                    min_steps = 3 * split[0] if split and qx == "kernel" else SPLIT_MIN_STEPS
                     if split and triton.cdiv(inter, 128) < min_steps:
                         continue
                     cfg["SPLIT_K"] = split[0] if split else 1
@@ -147,9 +158,9 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                         "grouped", a, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=a_s, quant_out=qo,
                         out_dtype=torch.bfloat16, gated=True, activation="silu", split_inter=None if fp4 else inter,
                         counts=c, a_sorted=tma, out_sorted=tma, **common)  # fmt: skip
-                    # as the layer does: x's quantisation also zeroes a split gate_up's counters and, with pair
-                    # blocks, the down's counters and the output (with QUANT_X "loop", memsets do)
-                    fused = route == "pairs" and ops.FUSED_COMBINE
+                    # as the layer does: x's quantisation also zeroes a split gate_up's counters and, where the down
+                    # kernel combines, its counters and the output (with QUANT_X "loop", memsets do)
+                    fused = "kernel" in combines
                     n_counts = (routing[1].numel() * triton.cdiv(inter, bn) if split else 0) + (
                         tokens * triton.cdiv(h, 16) if fused else 0)  # fmt: skip
                     c = counts[:n_counts] if n_counts else None
@@ -163,7 +174,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     else:
                         fn = lambda: (_zero(c, zero), up(x, None, c))
                     extra = 0.0 if qo else t_qi
-                elif route == "pairs" and ops.FUSED_COMBINE:  # the kernel combines; its counters zeroed here
+                elif qx == "kernel":  # the kernel combines; its counters zeroed here
                     c = counts[: tokens * triton.cdiv(h, bn)]
                     fn = lambda: ops.projection("grouped", iq, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc,
                                                 topk_w=wts, out_dtype=torch.bfloat16, combine=(out, ids, top_k),
@@ -182,19 +193,20 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     log(f"    skip {route} BM={bm} {part} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
                     continue
                 if part not in parts or t < parts[part][0]:
-                    parts[part] = (t, {**cfg, "QUANT_X": qx} if part == "gate_up" else cfg)
+                    parts[part] = (t, {**cfg, "QUANT_X" if part == "gate_up" else "COMBINE": qx})
         if len(parts) < 2:
             continue
         up_t, up_cfg = parts["gate_up"]
-        up_cfg = dict(up_cfg)
-        qx = up_cfg.pop("QUANT_X")
+        up_cfg, down_cfg = dict(up_cfg), dict(parts["down"][1])
+        qx, combine = up_cfg.pop("QUANT_X"), down_cfg.pop("COMBINE")
         total = t_align + up_t + parts["down"][0]
         name = f"{route} BM={bm}{' TMA' if tma else ''}"
         log(f"  T={tokens} {name}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, x quantised {qx} "
             f"[{t_qx * 1e6:.1f} us up front], gate_up {up_t * 1e6:.1f} {up_cfg}, down {parts['down'][0] * 1e6:.1f} "
-            f"{parts['down'][1]})")  # fmt: skip
+            f"{down_cfg}, combine {combine})")  # fmt: skip
         if best is None or total < best["time_s"]:
-            config = {"BLOCK_M": bm, "ROUTE": route, "QUANT_X": qx, "gate_up": up_cfg, "down": parts["down"][1]}
+            config = {"BLOCK_M": bm, "ROUTE": route, "QUANT_X": qx, "COMBINE": combine, "gate_up": up_cfg,
+                      "down": down_cfg}  # fmt: skip
             best = {"config": config, "time_s": total}
     return best
 
