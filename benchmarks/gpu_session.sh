@@ -27,6 +27,10 @@
 #           entry: DeepSeek, Mixtral, Qwen1.5): TMA A/B at T=512 and 4096, then the whole grid.
 #   part22: selector bench with dense, fp8 and fp4 side by side, Qwen3 (a first try with DeepSeek-V3 too ran out
 #           of time in its fp4 batched_mm cells).
+#   part23 (session 7): CUDA tests of the grouped path (sorted blocks' in-kernel combine), its A/B at T <= 64, fp8
+#           retune at T=1 and 8 (more split gate_up candidates), the quantised grid at T <= 64.
+#   part24: CUDA tests of test_quant.py, Transformers' own FP8 experts beside ours (needs the hub kernel's source in
+#           .carry/finegrained_fp8/: hf_fp8_gpu.py), the whole quantised grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -68,6 +72,18 @@ tma_ab() {
     SELECTOR_QUANT_TMA=$tma timeout 60 python3 benchmarks/quant_gpu.py --tokens 512,4096 --formats fp8-f32 \
       --bf16-backends triton_fused --no-check --out "$OUT/ab$tma" 2>&1 | grep "T=" | tail -8 >>"$LOG"
     cp "$OUT/ab$tma/quant_gpu.json" "$OUT/quant_tma$tma.json" 2>/dev/null; rm -rf "$OUT/ab$tma"
+  done
+}
+
+# the layer A/B of the down kernel's own combine (session 7: sorted blocks too): fp8 cells at T=$1, the launch
+# (SELECTOR_QUANT_FUSED_COMBINE=0) then the kernel
+combine_ab() {
+  for fused in 0 1; do
+    stamp "T=$1 fp8 cells, SELECTOR_QUANT_FUSED_COMBINE=$fused"
+    SELECTOR_QUANT_FUSED_COMBINE=$fused timeout 90 python3 benchmarks/quant_gpu.py --tokens "$1" --formats fp8-f32 \
+      --bf16-backends triton_fused --quant-backends triton_fused --no-check --out "$OUT/ab$fused" 2>&1 | grep "T=" \
+      | tail -12 >>"$LOG"
+    cp "$OUT/ab$fused/quant_gpu.json" "$OUT/quant_combine$fused.json" 2>/dev/null; rm -rf "$OUT/ab$fused"
   done
 }
 
@@ -428,6 +444,33 @@ part22)
     --formats dense,fp8-f32,fp8-ue8m0,fp4 --out "$OUT/bench" 2>>"$OUT/bench_err.txt" | tail -40 >>"$LOG"
   cp "$OUT/bench/bench.json" "$OUT/bench_formats.json" 2>/dev/null; cp "$OUT/bench/bench.md" "$OUT/bench_formats.md" 2>/dev/null
   rm -rf "$OUT/bench"; tail -c 3000 "$OUT/bench_err.txt" > "$OUT/bench_err_tail.txt"; rm -f "$OUT/bench_err.txt"
+  ;;
+part23)
+  stamp "CUDA tests: quantised grouped path (tracebacks in tests.txt)"
+  timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py >"$OUT/tests.txt" 2>&1
+  tail -6 "$OUT/tests.txt" | tee -a "$LOG"
+  combine_ab 1,8,64
+  table=plugins/quant_kernels/configs/NVIDIA_H200.json
+  stamp "fp8 tune: T=1 then 8, every shape"
+  timeout 130 python3 -m plugins.quant_kernels.tune --tokens 1,8 --formats fp8 --budget-s 115 --out $table \
+    2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
+  cp $table "$OUT/"
+  stamp "quant grid, T <= 64"
+  timeout 170 python3 benchmarks/quant_gpu.py --tokens 1,8,64 --out "$OUT/quant" --budget-s 150 2>&1 | tail -30 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant_decode.json" 2>/dev/null; cp "$OUT/quant/quant_gpu.md" "$OUT/quant_decode.md" 2>/dev/null
+  rm -rf "$OUT/quant"
+  ;;
+part24)
+  stamp "CUDA tests: test_quant.py (tracebacks in tests.txt)"
+  timeout 110 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant.py >"$OUT/tests.txt" 2>&1
+  tail -6 "$OUT/tests.txt" | tee -a "$LOG"
+  if [ -d .carry/finegrained_fp8 ]; then
+    stamp "Transformers' FP8 experts (the hub kernel's source, carried) beside selector's"
+    timeout 180 python3 benchmarks/hf_fp8_gpu.py --kernel-dir .carry/finegrained_fp8 --out "$OUT/hf" --budget-s 160 \
+      >"$OUT/hf_fp8_log.txt" 2>&1; tail -22 "$OUT/hf_fp8_log.txt" >>"$LOG"
+    cp "$OUT/hf/hf_fp8_gpu.json" "$OUT/hf/hf_fp8_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/hf"
+  fi
+  quant_grid 215 195
   ;;
 esac
 stamp done
