@@ -377,9 +377,9 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
     """One block per pair (ROUTE "pairs", one token by default): the down kernel adds each token's k slots
     (COMBINE), with no combine launch; x's quantisation zeroes the output and the counters in its own launch. Same
     result as the combine launch up to the order of fp32 sums, for one and several K shares (the bias once),
-    sentinel slots skipped and a token whose every slot is a sentinel left at zero. Sorted blocks of a few rows
-    do the same (config "COMBINE"). The interpreter runs programs in order, so the last arrival is always the last program here; the GPU
-    runs them in any order (the CUDA run of this test)."""
+    sentinel slots skipped and a token whose every slot is a sentinel left at zero. Sorted blocks do the same where
+    a config says "COMBINE": "kernel". The interpreter runs programs in order, so the last arrival is always the
+    last program here; the GPU runs them in any order (the CUDA run of this test)."""
     from plugins.quant_kernels import ops
     from plugins.triton_fused import kernels as fused_kernels
 
@@ -417,9 +417,9 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
         assert "_combine_kernel" in [n for n, _ in launched]
         monkeypatch.setattr(ops, "FUSED_COMBINE", True)
         assert relative_error(fused, separate.cpu().double()) < 1e-5
-        # sorted blocks: a combine launch, or the down kernel counting each block's rows (by default here: 8 pairs
-        # over 4 experts); skewed routing puts several real rows in a block
-        for combine, launches in (("launch", 1), ("kernel", 0), (None, 0)):
+        # sorted blocks: a combine launch (the default), or the down kernel counting each block's rows; skewed
+        # routing puts several real rows in a block
+        for combine, launches in (("launch", 1), ("kernel", 0), (None, 1)):
             launched.clear()
             sorted_cfg = {**cfg, "ROUTE": "sorted", "COMBINE": combine}
             assert relative_error(_check(module, x, idx, w, sorted_cfg), fused.cpu().double()) < 1e-5
@@ -432,7 +432,7 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
     in_kernel = _check(module, x, idx, w, {**cfg, "COMBINE": "kernel"})
     assert "_combine_kernel" not in [n for n, _ in launched]
     launched.clear()
-    separate = _check(module, x, idx, w, cfg)  # 26 pairs over 4 experts: the launch by default
+    separate = _check(module, x, idx, w, cfg)
     assert "_combine_kernel" in [n for n, _ in launched]
     assert relative_error(in_kernel, separate.cpu().double()) < 1e-5
 

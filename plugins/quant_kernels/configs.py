@@ -7,8 +7,8 @@ missing key is filled by the heuristics. ``"QUANT_X": "once" | "loop"`` says whe
 (every N tile redoes it; slower in every decode cell tuned on the H200, so only on request). ``"ROUTE": "sorted" |
 "pairs"``: pairs sorted by expert into BLOCK_M blocks (the align launch), or one 16-row block per pair (decode:
 no align; an expert hit twice is read twice). ``"COMBINE": "kernel" | "launch"``: the down kernel adds each
-token's k slots itself (``kernels._combine_rows``; the default for pair blocks, and for sorted blocks at up to
-``ops.COMBINE_IN_KERNEL_MAX_PER_EXPERT`` pairs per expert hit), or a combine launch does. BLOCK_K is not a knob:
+token's k slots itself (``kernels._combine_rows``; the default for pair blocks), or a combine launch does (the
+default for sorted blocks). BLOCK_K is not a knob:
 it is the activation group (the K tile that one activation scale covers). Tables ship as
 ``configs/<GPU name, spaces as underscores>.json`` in triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..``
 (fp4 likewise) and then by token count; the entry nearest to T in log scale is used. Written by

@@ -49,11 +49,12 @@ EAGER_BYPASS_OP = os.environ.get("SELECTOR_QUANT_VIA_OP", "0") in ("", "0")
 MAX_IMPRECISE_ACC = int(os.environ.get("SELECTOR_FP8_MAX_IMPRECISE_ACC", "0") or 0)
 # SELECTOR_QUANT_ONE_SCALE_ROW=0: gather one weight scale per column even where a tile lies in one scale row (A/B)
 ONE_SCALE_ROW = os.environ.get("SELECTOR_QUANT_ONE_SCALE_ROW", "1") != "0"
-# With one block per pair (ROUTE "pairs": one token by default), and with sorted blocks of a row or two (decode), the
-# down GEMM adds the k slots itself (COMBINE: no combine launch; its counters and the output's zeros come with x's
-# quantisation). A config's "COMBINE" decides where it says. SELECTOR_QUANT_FUSED_COMBINE=0: the launch always (A/B).
+# With one block per pair (ROUTE "pairs": one token by default) the down GEMM adds the k slots itself (COMBINE: no
+# combine launch; its counters and the output's zeros come with x's quantisation). Sorted blocks do so only where a
+# config says "COMBINE": "kernel": at T=8 on the H200 it was slower than the launch (Qwen3 / Qwen1.5 graph cells
+# 0.63 -> 0.66-0.67 of bf16, part23: each program counts its rows with serial atomics and the last waits on reads).
+# SELECTOR_QUANT_FUSED_COMBINE=0: the launch always (A/B).
 FUSED_COMBINE = os.environ.get("SELECTOR_QUANT_FUSED_COMBINE", "1") != "0"
-COMBINE_IN_KERNEL_MAX_PER_EXPERT = 2  # sorted blocks: pairs per expert hit; the kernel counts its rows one by one
 # Sorted blocks of >= TMA_MIN_BLOCK_M rows (large T) on sm_90+: x quantised straight into block order and both
 # projections reading activations and weights through TMA descriptors (use_tma). On the H200 that took the
 # T=4096 GEMMs from 420-500 to 550-650 TFLOP/s (benchmarks/quant_fp8_dev.py). SELECTOR_QUANT_TMA=0: off (A/B).
@@ -480,7 +481,7 @@ def quant_experts_impl(
     bn2 = _tiles(routing, h, x.device, cfg["down"], False)[0]
     tile_rows = max(2 * bn1 if interleaved else bn1, bn2, block_k)
     tma = once and use_tma(routing, fp4, x.device, w1, w2, tile_rows=tile_rows)
-    fused = FUSED_COMBINE and combine_in_kernel(routing, cfg, n_pairs, num_experts) and not tma
+    fused = FUSED_COMBINE and combine_in_kernel(routing, cfg) and not tma
     down_counts = t * triton.cdiv(h, bn2) if fused else 0
     n_counts = up_counts + down_counts
     counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
@@ -508,14 +509,11 @@ def quant_experts_impl(
     return combine_slots(y, ids, out, top_k, num_experts)
 
 
-def combine_in_kernel(routing: tuple, config: dict | None, num_pairs: int, num_experts: int) -> bool:
+def combine_in_kernel(routing: tuple, config: dict | None) -> bool:
     """Whether the down kernel adds the slots (COMBINE) rather than a combine launch: the config's "COMBINE" where it
-    says, else pair blocks always and sorted blocks while few pairs share an expert (the kernel counts a block's
-    rows one atomic at a time)."""
+    says, else for pair blocks only."""
     asked = (config or {}).get("COMBINE")
-    if asked:
-        return asked == "kernel"
-    return routing[0] is None or num_pairs <= COMBINE_IN_KERNEL_MAX_PER_EXPERT * min(num_experts, num_pairs)
+    return asked == "kernel" if asked else routing[0] is None
 
 
 def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Tensor, tile_rows: int = 0) -> bool:
@@ -633,5 +631,5 @@ def quant_experts(
     )  # fmt: skip
 
 
-__all__ = ["MODES", "combine_in_kernel", "grouped_block_m", "max_blocks_for", "projection", "quant_experts", "quant_experts_impl", "route",
-           "use_tma"]
+__all__ = ["MODES", "combine_in_kernel", "grouped_block_m", "max_blocks_for", "projection", "quant_experts",
+           "quant_experts_impl", "route", "use_tma"]
