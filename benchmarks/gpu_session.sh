@@ -30,7 +30,8 @@
 #   part23 (session 7): CUDA tests of the grouped path (sorted blocks' in-kernel combine), its A/B at T <= 64, fp8
 #           retune at T=1 and 8 (more split gate_up candidates), the quantised grid at T <= 64.
 #   part24: CUDA tests (TMA path, test_quant.py), T=8 retune of the Qwen shapes, Transformers' own FP8 experts beside
-#           ours (needs the hub kernel's source in .carry/finegrained_fp8/: hf_fp8_gpu.py);   part25: the whole grid.
+#           ours (needs the hub kernel's source in .carry/finegrained_fp8/: hf_fp8_gpu.py);   part25: part23's
+#           failed TMA test again, the whole grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -479,6 +480,9 @@ part24)
   fi
   ;;
 part25)
+  stamp "CUDA test: test_tma_path_with_k_split_in_shares (failed in part23; its traceback in tests.txt)"
+  timeout -s INT 70 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
+    -k "tma_path_with_k_split" >"$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" | tee -a "$LOG"
   quant_grid 230 210
   ;;
 esac

@@ -58,6 +58,35 @@ def hf_experts(hf, layer: torch.nn.Module, h: int, i: int):  # noqa: ANN001, ANN
     return mod
 
 
+def write(cells: list[dict], out: Path | None, ceilings: dict, final: bool = False) -> None:
+    """The table (printed when final) and, with --out, the JSON and markdown: after every cell, so a run cut by a
+    timeout keeps what it measured."""
+    head = "| shape | T | mode | selector fp8 | Transformers fp8 grouped_mm | Transformers fp8 batched_mm | best HF / selector |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for key in sorted({(c["shape"], c["tokens"], c["mode"]) for c in cells}, key=lambda x: (x[0], x[2], x[1])):
+        got = {c["backend"]: c for c in cells if (c["shape"], c["tokens"], c["mode"]) == key}
+
+        def show(c: dict | None) -> str:
+            if not c or "time_s" not in c:
+                return "-"
+            return f"{G.fmt_time(c['time_s'])} ({c['time_over_floor']:.2f}x, err {c['rel_error']:.1e})"
+
+        hf_best = min((c["time_s"] for n, c in got.items() if n != "selector" and "time_s" in c), default=None)
+        mine = got.get("selector", {}).get("time_s")
+        ratio = f"{hf_best / mine:.2f}x" if hf_best and mine else "-"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {show(got.get('selector'))} | {show(got.get('hf-grouped'))} "
+                     f"| {show(got.get('hf-batched'))} | {ratio} |")  # fmt: skip
+    table = "\n".join(lines)
+    if final:
+        print(table)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        payload = {"schema": "selector.hf_fp8_gpu/1", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "ceilings": ceilings, "command": " ".join(sys.argv), "complete": final, "cells": cells}  # fmt: skip
+        (out / "hf_fp8_gpu.json").write_text(json.dumps(payload, indent=1) + "\n")
+        (out / "hf_fp8_gpu.md").write_text(table + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel-dir", type=Path, required=True, help="directory holding the finegrained_fp8 package")
@@ -88,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         layer = built["layers"]["fp8-f32"]
         del built["layers"]["bf16"]
         mod = hf_experts(hf, layer, h, i)
-        fns = {"selector": lambda x, idx, w: ours(layer, x, idx, w)}
-        fns.update({n: (lambda f: lambda x, idx, w: f(mod, x, idx, w))(f) for n, f in runners.items()})
+        fns = {"selector": lambda x, idx, w, layer=layer: ours(layer, x, idx, w)}
+        fns.update({n: (lambda f, mod=mod: lambda x, idx, w: f(mod, x, idx, w))(f) for n, f in runners.items()})
         for tokens in tokens_list:
             x = built["x"][:tokens]
             index, weights = G.routing(tokens, e, k, device)
@@ -121,32 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                         + (f"{G.fmt_time(cell['time_s'])} ({cell['time_over_floor']:.2f}x floor) err "
                            f"{cell['rel_error']:.1e} (first call {cell['first_call_s']:.1f}s)"
                            if "time_s" in cell else f"skipped ({cell['skipped']})"))  # fmt: skip
+                    write(cells, a.out, ceilings)
         del layer, mod, fns, built
         torch.cuda.empty_cache()
 
-    head = "| shape | T | mode | selector fp8 | Transformers fp8 grouped_mm | Transformers fp8 batched_mm | best HF / selector |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
-    for key in sorted({(c["shape"], c["tokens"], c["mode"]) for c in cells}, key=lambda x: (x[0], x[2], x[1])):
-        got = {c["backend"]: c for c in cells if (c["shape"], c["tokens"], c["mode"]) == key}
-
-        def show(c: dict | None) -> str:
-            if not c or "time_s" not in c:
-                return "-"
-            return f"{G.fmt_time(c['time_s'])} ({c['time_over_floor']:.2f}x, err {c['rel_error']:.1e})"
-
-        hf_best = min((c["time_s"] for n, c in got.items() if n != "selector" and "time_s" in c), default=None)
-        mine = got.get("selector", {}).get("time_s")
-        ratio = f"{hf_best / mine:.2f}x" if hf_best and mine else "-"
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {show(got.get('selector'))} | {show(got.get('hf-grouped'))} "
-                     f"| {show(got.get('hf-batched'))} | {ratio} |")  # fmt: skip
-    table = "\n".join(lines)
-    print(table)
-    if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        payload = {"schema": "selector.hf_fp8_gpu/1", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "ceilings": ceilings, "command": " ".join(sys.argv), "cells": cells}  # fmt: skip
-        (a.out / "hf_fp8_gpu.json").write_text(json.dumps(payload, indent=1) + "\n")
-        (a.out / "hf_fp8_gpu.md").write_text(table + "\n")
+    write(cells, a.out, ceilings, final=True)
     return 0
 
 
