@@ -31,7 +31,8 @@
 #           retune at T=1 and 8 (more split gate_up candidates), the quantised grid at T <= 64.
 #   part24: CUDA tests (TMA path, test_quant.py), T=8 retune of the Qwen shapes, Transformers' own FP8 experts beside
 #           ours (needs the hub kernel's source in .carry/finegrained_fp8/: hf_fp8_gpu.py);   part25: part23's
-#           failed TMA test again, the whole grid.
+#           failed TMA test again, the whole grid;   part26: Qwen T=4096 host vs kernel time after host-side trims,
+#           the whole grid.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -483,6 +484,13 @@ part25)
   stamp "CUDA test: test_tma_path_with_k_split_in_shares (failed in part23; its traceback in tests.txt)"
   timeout -s INT 70 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
     -k "tma_path_with_k_split" >"$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" | tee -a "$LOG"
+  quant_grid 230 210
+  ;;
+part26)
+  stamp "host issue time vs kernel time, Qwen T=4096 (host-side trims: plain cdiv, cheaper launch keys)"
+  timeout 100 python3 benchmarks/quant_profile.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 4096 \
+    --formats fp8-f32,bf16 --out "$OUT/prof" 2>&1 | grep "T=4096" >>"$LOG"
+  cp "$OUT/prof/quant_profile.json" "$OUT/" 2>/dev/null; rm -rf "$OUT/prof"
   quant_grid 230 210
   ;;
 esac

@@ -15,13 +15,12 @@ import functools
 import os
 
 import torch
-import triton
 import triton.language as tl
 
 from plugins.quant_kernels import configs as _configs
 from plugins.quant_kernels import kernels as K
 from plugins.triton_fused.kernels import _TensorDescriptor as TensorDescriptor  # None: a Triton without TMA
-from plugins.triton_fused.kernels import align, combine, launch, max_blocks_for
+from plugins.triton_fused.kernels import _next_pow2, align, cdiv, combine, launch, max_blocks_for
 
 MODES = ("grouped", "batched")
 
@@ -86,10 +85,10 @@ def _pick(options: tuple[tuple[int, int], ...], programs_per_n: int, n_out: int,
     """The widest tile that still gives every SM two programs; the narrowest when none does."""
     target = _target_programs(device)
     if target == 0:  # interpreter: few, wide programs
-        bn = max(16, min(64, triton.next_power_of_2(n_out)))
+        bn = max(16, min(64, _next_pow2(n_out)))
         return bn, 4
     for bn, warps in options:
-        if programs_per_n * triton.cdiv(n_out, bn) >= target:
+        if programs_per_n * cdiv(n_out, bn) >= target:
             return bn, warps
     return options[-1]
 
@@ -104,7 +103,7 @@ def split_k(mode: str, config: dict | None, routing: tuple, n_out: int, k_dim: i
     if asked:
         return asked
     target = _target_programs(device)
-    steps = triton.cdiv(k_dim, block_k)
+    steps = cdiv(k_dim, block_k)
     if target == 0 or steps < 32:
         return 1
     programs = _tiles(routing, n_out, device, config or {}, False)[1]
@@ -124,7 +123,7 @@ def finish_split(mode: str, config: dict | None, k_dim: int, block_k: int) -> in
 def _asked_split(config: dict | None, k_dim: int, block_k: int) -> int:
     """The config's SPLIT_K, from 1 to one share per K tile; 0 when it does not say."""
     asked = int((config or {}).get("SPLIT_K") or 0)
-    return max(1, min(asked, triton.cdiv(k_dim, block_k))) if asked else 0
+    return max(1, min(asked, cdiv(k_dim, block_k))) if asked else 0
 
 
 def _gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config: dict | None, wide: bool) -> dict:
@@ -171,7 +170,7 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
             raise ValueError(f"quantize_rows: x in block order must have {sorted_rows.numel()} rows, got {rows}")
         rows = sorted_rows.numel()
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((rows, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    s = torch.empty((rows, cdiv(k, group)), dtype=torch.float32, device=x.device)
     if zero is not None and (zero.shape != x.shape or zero.stride(1) != 1):
         raise ValueError(f"quantize_rows: zero must be shaped like x {list(x.shape)} with contiguous rows")
     if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
@@ -179,7 +178,7 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
     if rows:
         block_r = block_r or (16 if rows <= 4096 else 64)
         launch(
-            K._quant_rows_kernel, (triton.cdiv(rows, block_r), s.shape[1]),
+            K._quant_rows_kernel, (cdiv(rows, block_r), s.shape[1]),
             (x, q, s, zero if zero is not None else q, counts if counts is not None else s,
              sorted_rows if sorted_rows is not None else s, block_expert if block_expert is not None else s, rows, k,
              counts.numel() if counts is not None else 0, num_valid, max(1, a_div), x.stride(0), q.stride(0),
@@ -261,7 +260,7 @@ def _launch(
         tile_c = 2 * bn if gated and interleaved else bn
         straddles = not gated and n_split < w.shape[1] and n_split % tile_c != 0
         one_row = ONE_SCALE_ROW and not fp4 and block_n_w % tile_c == 0 and not straddles
-        tiles = num_blocks_m * triton.cdiv(n_out, bn)
+        tiles = num_blocks_m * cdiv(n_out, bn)
         part = count = s  # unused unless the kernel finishes a split K (FINISH) or adds the slots (COMBINE)
         ids, top_k = (combine[1], combine[2]) if combine is not None else (s, 1)
         if finish_split > 1:
@@ -269,7 +268,7 @@ def _launch(
             part = torch.empty(split * tiles * bm * (tile_c + bn), dtype=torch.float32, device=a.device)
         if combine is not None:
             part = out
-            tiles_needed = final.shape[0] * triton.cdiv(n_out, bn)
+            tiles_needed = final.shape[0] * cdiv(n_out, bn)
         else:
             tiles_needed = tiles if finish_split > 1 else 0
         if tiles_needed:
@@ -301,7 +300,7 @@ def _launch(
                  A_FP8=a_scale is not None, QUANT_OUT=out_scale is not None,
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
                  MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c,
-                 COMBINE=combine is not None, K_PAD=triton.next_power_of_2(top_k), TMA=a_sorted,
+                 COMBINE=combine is not None, K_PAD=_next_pow2(top_k), TMA=a_sorted,
                  SORTED_OUT=out_sorted),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
@@ -309,7 +308,7 @@ def _launch(
         (ids,) = routing
         cfg = _gemm_config(mode, ids.numel(), n_out, a.device, config, wide)
         bn = cfg["BLOCK_N"]
-        grid = (ids.numel(), triton.cdiv(n_out, bn))
+        grid = (ids.numel(), cdiv(n_out, bn))
         launch(
             K._rows_kernel, grid,
             (a, w, s, act_scale if static else s, bias if has_bias else s, out, ids,
@@ -405,11 +404,11 @@ def projection(
         out = torch.empty((rows_out, n_out), dtype=torch.float8_e4m3fn if quant_out else inter_dtype, device=a.device)
     out_scale = None
     if quant_out:
-        out_scale = torch.empty((rows_out, triton.cdiv(n_out, block_k)), dtype=torch.float32, device=a.device)
+        out_scale = torch.empty((rows_out, cdiv(n_out, block_k)), dtype=torch.float32, device=a.device)
     if num_pairs == 0 or n_out == 0:
         return combine[0] if combine is not None else (out, out_scale) if quant_out else out
     if split_inter is not None and not fp4:
-        n_split, split_rows = split_inter, triton.cdiv(split_inter, block_n)
+        n_split, split_rows = split_inter, cdiv(split_inter, block_n)
     else:
         n_split, split_rows = c, 0
     _launch(
@@ -482,7 +481,7 @@ def quant_experts_impl(
     tile_rows = max(2 * bn1 if interleaved else bn1, bn2, block_k)
     tma = once and use_tma(routing, fp4, x.device, w1, w2, tile_rows=tile_rows)
     fused = FUSED_COMBINE and combine_in_kernel(routing, cfg) and not tma
-    down_counts = t * triton.cdiv(h, bn2) if fused else 0
+    down_counts = t * cdiv(h, bn2) if fused else 0
     n_counts = up_counts + down_counts
     counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
     if tma:  # x quantised into block order; both projections read it (and their weights) through TMA
@@ -539,7 +538,7 @@ def _tiles(routing: tuple, n_out: int, device: torch.device, config: dict, wide:
     """A grouped projection's (BLOCK_N, number of (block, N tile) programs per K share), as _launch will pick."""
     blocks, bm = routing[1].numel(), routing[2]
     bn = _gemm_config("grouped", blocks * bm, n_out, device, {**config, "BLOCK_M": bm}, wide)["BLOCK_N"]
-    return bn, blocks * triton.cdiv(n_out, bn)
+    return bn, blocks * cdiv(n_out, bn)
 
 
 def resolve_config(config: dict | None, device: torch.device, fp4: bool, num_experts: int, hidden: int, inter: int,

@@ -410,12 +410,12 @@ _LAUNCH_CACHE: dict = {}
 
 
 def _spec(a):
+    if type(a) is int:  # most arguments (sizes, strides): the cheapest test first
+        return a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31)
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() & 15 == 0
     if _TensorDescriptor is not None and isinstance(a, _TensorDescriptor):  # what Triton specialises a TMA one on
         return "desc", a.base.dtype, tuple(a.block_shape), a.padding
-    if isinstance(a, int) and not isinstance(a, bool):
-        return a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31)
     return a
 
 
@@ -443,6 +443,11 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division: triton.cdiv is a constexpr function, whose wrapper costs microseconds per call."""
+    return -(-a // b)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs follow torch's float32 matmul setting: "highest" -> exact fp32 FMA dots, else tf32."""
     if dtype != torch.float32:
@@ -457,7 +462,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the number of BLOCK_M blocks after padding each expert's group (host-known)."""
     padded = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    return triton.cdiv(padded, block_m)
+    return cdiv(padded, block_m)
 
 
 def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,8 +488,8 @@ def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
         # up to ~256 chunks of >= 512 pairs: the scatter loop is latency bound, ~4 us per 64-pair step (run 3:
         # 134 us with 64 chunks of 2048 at T*k = 131072; ~40 us with chunks of 512), while each program also
         # reads the whole [chunks, E] count table. The 256-chunk setting itself is not measured yet.
-        chunk = max(_ALIGN_CHUNK, _next_pow2(triton.cdiv(n, 256)))
-        chunks = triton.cdiv(n, chunk)
+        chunk = max(_ALIGN_CHUNK, _next_pow2(cdiv(n, 256)))
+        chunks = cdiv(n, chunk)
         partial = _empty(chunks * e_pad, torch.int32, dev, 1 << 20)
         launch(
             _align_count_kernel, (chunks,), (top_k_ids_flat, partial, n, num_experts),
@@ -506,7 +511,7 @@ def _launch_gemm(
 ):  # fmt: skip
     num_blocks_m = block_expert.numel()
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (num_blocks_m * triton.cdiv(n_out, bn),)
+    grid = (num_blocks_m * cdiv(n_out, bn),)
     has_bias = bias is not None
     launch(
         _moe_gemm_kernel, grid,
@@ -533,7 +538,7 @@ def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: i
     # against 1.6-1.8 TB/s for half that tile and 0.5 TB/s with 8 warps (benchmarks/quant_profile.py --micro)
     block_h = block_h or min(max(128, 8192 // k_pad), max(128, _next_pow2(h)))
     launch(
-        _combine_kernel, (t, triton.cdiv(h, block_h)),
+        _combine_kernel, (t, cdiv(h, block_h)),
         (y, ids_flat, out, h, top_k, num_experts, y.stride(-2), out.stride(0), y.stride(0) if split > 1 else 0),
         dict(BLOCK_H=block_h, K_PAD=k_pad, SPLIT=split), num_warps,
     )  # fmt: skip
