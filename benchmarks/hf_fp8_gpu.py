@@ -55,6 +55,8 @@ def hf_experts(hf, layer: torch.nn.Module, h: int, i: int):  # noqa: ANN001, ANN
     mod.num_experts, mod.hidden_dim, mod.intermediate_dim = layer.num_experts, h, i
     for name in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"):
         setattr(mod, name, torch.nn.Parameter(getattr(layer, name).data, requires_grad=False))
+    if not hasattr(mod, "_is_expert_parallel"):  # newer Transformers read it in these functions (their loader sets it)
+        mod._is_expert_parallel = False
     return mod
 
 

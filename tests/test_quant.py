@@ -643,3 +643,39 @@ def test_plain_projection_tiles_straddling_gate_and_up_read_both_scale_rows():
     for bn in (16, 32):
         out = run(module, x, idx, w, "grouped", config={"BLOCK_M": 16, "BLOCK_N": bn})
         assert relative_error(out, Q.reference_forward(module, x, idx, w)) < EMULATED_TOL[torch.float32]
+
+
+def test_hf_fp8_comparison_wiring(monkeypatch):
+    """benchmarks/hf_fp8_gpu.py hands a kernel directory to Transformers' FP8 experts functions and gives its
+    FP8Experts module the quantised layer's own tensors. With the FAKE finegrained-fp8 (tests/fake_kernels) both
+    Transformers functions reproduce the float64 reference on those tensors (the fake quantises activations as the
+    kernels do; what remains is Transformers' bf16 gate), and read the same storage (no copies)."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    validate = os.environ.get("SELECTOR_VALIDATE")
+    import hf_fp8_gpu as H  # its quant_gpu import sets SELECTOR_VALIDATE for its own runs: put it back
+    from transformers.integrations import finegrained_fp8 as hf
+
+    if validate is None:
+        monkeypatch.delenv("SELECTOR_VALIDATE", raising=False)
+    else:
+        monkeypatch.setenv("SELECTOR_VALIDATE", validate)
+
+    monkeypatch.setattr(hf, "_FINEGRAINED_FP8", None)  # the script sets Transformers' loader global: restored after
+    monkeypatch.delitem(sys.modules, "finegrained_fp8", raising=False)
+    fake_dir = Path(__file__).resolve().parent / "fake_kernels" / "finegrained-fp8"
+    assert H.install_kernel(fake_dir) is hf and hf._FINEGRAINED_FP8 is not None
+    layer = Q.quantize_experts(make_experts(6, 256, 128, Layout(), seed=61), "fp8_block", "float32")
+    mod = H.hf_experts(hf, layer, 256, 128)
+    assert mod.gate_up_proj.data_ptr() == layer.gate_up_proj.data_ptr()
+    assert mod.down_proj_scale_inv.data_ptr() == layer.down_proj_scale_inv.data_ptr()
+    idx, w = random_routing(5, 6, 2, skew=True)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    ref = Q.reference_forward(layer, x, idx, w)
+    for fn in (hf.fp8_grouped_mm_experts_forward, hf.fp8_batched_mm_experts_forward):
+        out = fn(mod, x, idx, w)
+        assert out.shape == x.shape and relative_error(out, ref) < 2e-2, fn.__name__
+    monkeypatch.delitem(sys.modules, "finegrained_fp8")

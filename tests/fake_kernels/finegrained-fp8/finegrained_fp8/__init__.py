@@ -1,0 +1,52 @@
+"""FAKE `kernels-community/finegrained-fp8` for CPU tests of benchmarks/hf_fp8_gpu.py: plain torch, the three entry
+points Transformers 5.17 calls, with their signatures (matmul_2d, matmul_batched, matmul_grouped). Activations are
+quantised per row and 128-wide group to e4m3 (dynamic, amax / 448), weights dequantised with their block scales,
+products summed in float32. Says nothing about the real kernel's speed or numerics."""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+
+
+def _quantised(a: torch.Tensor, group: int) -> torch.Tensor:
+    rows, k = a.shape
+    pad = -k % group
+    g = torch.nn.functional.pad(a.float(), (0, pad)).view(rows, -1, group)
+    s = (g.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)
+    return ((g / s).to(torch.float8_e4m3fn).float() * s).view(rows, -1)[:, :k]
+
+
+def _dequantised(b: torch.Tensor, bs: torch.Tensor, block_size: list[int]) -> torch.Tensor:
+    bn, bk = block_size
+    n, k = b.shape[-2:]
+    scales = bs.float().repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+    return b.float() * scales
+
+
+def matmul_2d(A, B, Bs, block_size, output_dtype=None, activation_scale=None):  # noqa: ANN001, ANN201
+    return (_quantised(A, block_size[1]) @ _dequantised(B, Bs, block_size).T).to(output_dtype or A.dtype)
+
+
+def matmul_batched(A, B, Bs, expert_ids, block_size, output_dtype=None):  # noqa: ANN001, ANN201
+    """Row j through expert expert_ids[j]; rows of a sentinel expert (>= E) are left as garbage, as the real one does."""
+    out = torch.full((A.shape[0], B.shape[1]), float("nan"))
+    aq = _quantised(A, block_size[1])
+    for j, e in enumerate(expert_ids.tolist()):
+        if 0 <= e < B.shape[0]:
+            out[j] = aq[j] @ _dequantised(B[e], Bs[e], block_size).T
+    return out.to(output_dtype or A.dtype)
+
+
+def matmul_grouped(A, B, Bs, offsets, tokens_per_expert, block_size, output_dtype=None):  # noqa: ANN001, ANN201
+    """Rows sorted by expert; offsets[e] is the end row of expert e (inclusive cumsum); rows past the last are
+    left as garbage."""
+    out = torch.full((A.shape[0], B.shape[1]), float("nan"))
+    aq = _quantised(A, block_size[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = aq[start:end] @ _dequantised(B[e], Bs[e], block_size).T
+        start = end
+    return out.to(output_dtype or A.dtype)
