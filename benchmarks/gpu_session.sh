@@ -77,8 +77,9 @@ tma_ab() {
   done
 }
 
-# the layer A/B of the down kernel's own combine (session 7: sorted blocks too): fp8 cells at T=$1, the launch
-# (SELECTOR_QUANT_FUSED_COMBINE=0) then the kernel
+# the layer A/B of the down kernel's own combine: fp8 cells at T=$1, the launch (SELECTOR_QUANT_FUSED_COMBINE=0)
+# then the kernel (part23 ran it while sorted blocks defaulted to the kernel's combine; since then the switch only
+# moves pair blocks, and sorted blocks combine in the kernel only where a table entry says so)
 combine_ab() {
   for fused in 0 1; do
     stamp "T=$1 fp8 cells, SELECTOR_QUANT_FUSED_COMBINE=$fused"

@@ -63,7 +63,8 @@ def hf_experts(hf, layer: torch.nn.Module, h: int, i: int):  # noqa: ANN001, ANN
 def write(cells: list[dict], out: Path | None, ceilings: dict, final: bool = False) -> None:
     """The table (printed when final) and, with --out, the JSON and markdown: after every cell, so a run cut by a
     timeout keeps what it measured."""
-    head = "| shape | T | mode | selector fp8 | Transformers fp8 grouped_mm | Transformers fp8 batched_mm | best HF / selector |"
+    head = ("| shape | T | mode | selector fp8 | Transformers fp8 grouped_mm | Transformers fp8 batched_mm "
+            "| best HF / selector |")
     lines = [head, "|---|---|---|---|---|---|---|"]
     for key in sorted({(c["shape"], c["tokens"], c["mode"]) for c in cells}, key=lambda x: (x[0], x[2], x[1])):
         got = {c["backend"]: c for c in cells if (c["shape"], c["tokens"], c["mode"]) == key}
@@ -83,8 +84,9 @@ def write(cells: list[dict], out: Path | None, ceilings: dict, final: bool = Fal
         print(table)
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        payload = {"schema": "selector.hf_fp8_gpu/1", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "ceilings": ceilings, "command": " ".join(sys.argv), "complete": final, "cells": cells}  # fmt: skip
+        payload = {"schema": "selector.hf_fp8_gpu/1", "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "ceilings": ceilings, "command": " ".join(sys.argv), "complete": final,
+                   "cells": cells}  # fmt: skip
         (out / "hf_fp8_gpu.json").write_text(json.dumps(payload, indent=1) + "\n")
         (out / "hf_fp8_gpu.md").write_text(table + "\n")
 

@@ -21,8 +21,8 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # On the GPU the fp8 tensor-core dot accumulates at reduced precision, so a few intermediate values land on the
 # neighbouring e4m3 code when they are requantised (benchmarks/fp8_intermediate_rounding.py): with dozens of pairs
-# that moves the output by ~2e-3 (the H200, test_tma_path_with_k_split_in_shares, 66 pairs). The interpreter keeps
-# the tight bounds below.
+# that moves the output by ~2e-3 (the H200, test_tma_path_with_k_split_in_shares, 66 pairs). That test allows it on
+# CUDA; the interpreter, and the tests with a few pairs (which met 1e-4 on the H200), keep the tight bounds.
 GPU_TOL = 5e-3
 
 
@@ -44,7 +44,7 @@ def _check(module, x, idx, w, config, tol=1e-4):
     out = _run(module, x, idx, w, config)
     assert torch.isfinite(out).all()
     err = relative_error(out, Q.reference_forward(module, x, idx, w))
-    assert err < (max(tol, GPU_TOL) if CUDA else tol), f"{config}: {err:.2e}"
+    assert err < tol, f"{config}: {err:.2e}"
     return out
 
 
@@ -235,9 +235,11 @@ def test_tuned_table_lookup(tmp_path):
     assert configs.decode(configs.encode(cfg)) == configs.normalize(cfg)
     with pytest.raises(ValueError, match="power of two"):
         configs.normalize({"BLOCK_N": 48})
-    paired_table = {key: {1: configs.normalize({"ROUTE": "pairs"}), 64: configs.normalize({"BLOCK_M": 32})}}
+    paired_table = {key: {1: configs.normalize({"ROUTE": "pairs", "COMBINE": "kernel"}),
+                          64: configs.normalize({"BLOCK_M": 32})}}  # fmt: skip
     assert configs.lookup(paired_table, key, 1)["ROUTE"] == "pairs"
-    assert configs.lookup(paired_table, key, 2)["ROUTE"] is None  # pairs would share experts: the default rule
+    two = configs.lookup(paired_table, key, 2)  # pairs would share experts: the default rules, for the combine too
+    assert two["ROUTE"] is None and two["COMBINE"] is None
     with pytest.raises(ValueError, match="encoded config"):
         configs.decode(configs.encode(cfg)[:-2])
     looped = {**cfg, "QUANT_X": "loop"}
@@ -483,11 +485,12 @@ def test_tma_path_with_k_split_in_shares(monkeypatch):
                                 "float32", (32, 32))  # fmt: skip
     idx, w = random_routing(33, 4, 2, device=DEV, skew=True)
     x = torch.randn(33, 96, device=DEV)
-    whole = _check(module, x, idx, w, {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}})
+    tol = GPU_TOL if CUDA else 1e-4
+    whole = _check(module, x, idx, w, {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}, tol)
     for shares in (2, 3):
         split = {"BLOCK_N": 32, "SPLIT_K": shares}
         launched.clear()
-        out = _check(module, x, idx, w, {"BLOCK_M": 64, "gate_up": split, "down": split})
+        out = _check(module, x, idx, w, {"BLOCK_M": 64, "gate_up": split, "down": split}, tol)
         grouped = [(g[1], c["FINISH"], c["SORTED_OUT"]) for g, c in launched if c.get("TMA")]
         assert grouped == [(shares, True, True), (shares, False, False)]  # gate_up finished in-kernel; down: combine
         assert relative_error(out, whole.cpu().double()) < (GPU_TOL if CUDA else 1e-5)

@@ -7,12 +7,11 @@ missing key is filled by the heuristics. ``"QUANT_X": "once" | "loop"`` says whe
 (every N tile redoes it; slower in every decode cell tuned on the H200, so only on request). ``"ROUTE": "sorted" |
 "pairs"``: pairs sorted by expert into BLOCK_M blocks (the align launch), or one 16-row block per pair (decode:
 no align; an expert hit twice is read twice). ``"COMBINE": "kernel" | "launch"``: the down kernel adds each
-token's k slots itself (``kernels._combine_rows``; the default for pair blocks), or a combine launch does (the
-default for sorted blocks). BLOCK_K is not a knob:
-it is the activation group (the K tile that one activation scale covers). Tables ship as
-``configs/<GPU name, spaces as underscores>.json`` in triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..``
-(fp4 likewise) and then by token count; the entry nearest to T in log scale is used. Written by
-``python -m plugins.quant_kernels.tune``.
+token's k slots itself (``kernels._combine_rows``; the default for pair blocks; never on the TMA path), or a
+combine launch does (the default for sorted blocks). BLOCK_K is not a knob: it is the activation group (the K
+tile that one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
+triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..`` (fp4 likewise) and then by token count; the entry
+nearest to T in log scale is used. Written by ``python -m plugins.quant_kernels.tune``.
 """
 
 from __future__ import annotations
@@ -87,7 +86,8 @@ def load_table(device_name: str, directory: str | None = None) -> dict[str, dict
 
 def lookup(table: dict[str, dict[int, dict]], key: str, num_tokens: int) -> dict | None:
     """The entry nearest to num_tokens in log scale. An entry tuned with one block per pair (ROUTE "pairs") serves
-    no more tokens than it was tuned at: with more, pairs share experts and a pair block re-reads them."""
+    no more tokens than it was tuned at: with more, pairs share experts and a pair block re-reads them (its
+    COMBINE, chosen for pair blocks, goes with it)."""
     entries = table.get(key)
     if not entries:
         return None
@@ -95,7 +95,7 @@ def lookup(table: dict[str, dict[int, dict]], key: str, num_tokens: int) -> dict
     tuned_at = min(entries, key=lambda n: (abs(math.log2(max(1, n)) - t), n))
     entry = entries[tuned_at]
     if entry.get("ROUTE") == "pairs" and num_tokens > tuned_at:
-        entry = {**entry, "ROUTE": None}  # the default rule decides
+        entry = {**entry, "ROUTE": None, "COMBINE": None}  # the default rules decide (a pair block's combine too)
     return entry
 
 

@@ -266,7 +266,8 @@ def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
 @triton.jit
 def _combine_rows(res, rows, row_ok, slot0, offs_n, n_ok, pid_n, num_pid_n, part_ptr, count_ptr, ids_ptr, sorted_ptr,
                   out_ptr, num_pairs, num_experts, N, top_k, stride_om, stride_on, BLOCK_N: tl.constexpr,
-                  SPLIT_K: tl.constexpr, K_PAD: tl.constexpr, PAIR_BLOCKS: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+                  SPLIT_K: tl.constexpr, K_PAD: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+                  EXACT: tl.constexpr):  # fmt: skip
     """The grouped kernel's COMBINE epilogue: res [BLOCK_M, BLOCK_N] holds the block's results, row m for pair
     rows[m] where row_ok (a pair block: row 0 only; a sorted block: its real rows come first, as align pads only the
     end of an expert's last block, so they are slots slot0 .. slot0 + n_real - 1). The rows are stored (fp32, one
@@ -291,7 +292,8 @@ def _combine_rows(res, rows, row_ok, slot0, offs_n, n_ok, pid_n, num_pid_n, part
         if tl.atomic_add(count_ptr + token * num_pid_n + pid_n, 1) == tl.sum(ok.to(tl.int32), axis=0) * SPLIT_K - 1:
             slots = (token * top_k + j).to(tl.int64)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for sh in tl.static_range(SPLIT_K):  # share order, the slots in one fixed-shape sum: the same bits whoever is last
+            # share order, the slots in one fixed-shape sum: the same bits whoever is last
+            for sh in tl.static_range(SPLIT_K):
                 ptrs = part_ptr + sh * num_pairs * N + slots[:, None] * N + offs_n[None, :]
                 v = tl.load(ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
                 acc += tl.sum(v, axis=0)
@@ -336,7 +338,7 @@ def _grouped_kernel(
     count_ptr[token, N tile] (zeroed by ``_quant_rows_kernel``); the last of the token's valid slots x shares to
     arrive adds them (share order, then one sum over the slots) and writes out[token]. ids_ptr: the pairs' expert
     ids (top_k per token); a token with no valid slot keeps the zeros written up front. Pair blocks, and sorted
-    blocks at decode (a row or two each: the rows are counted one at a time).
+    blocks where a config asks (their rows are counted one at a time; align puts a block's real rows first).
     TMA (sorted blocks, A_FP8, fp8 weights): A holds one row per block slot, in block order (``quantize_rows``
     with ``slots``), and its tiles and the weights' come through TMA descriptors (a_desc [slots, K], w_desc
     [E * w_rows, K]): no gather in the K loop, and the copy engine fills shared memory.

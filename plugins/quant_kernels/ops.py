@@ -48,10 +48,11 @@ EAGER_BYPASS_OP = os.environ.get("SELECTOR_QUANT_VIA_OP", "0") in ("", "0")
 MAX_IMPRECISE_ACC = int(os.environ.get("SELECTOR_FP8_MAX_IMPRECISE_ACC", "0") or 0)
 # SELECTOR_QUANT_ONE_SCALE_ROW=0: gather one weight scale per column even where a tile lies in one scale row (A/B)
 ONE_SCALE_ROW = os.environ.get("SELECTOR_QUANT_ONE_SCALE_ROW", "1") != "0"
-# With one block per pair (ROUTE "pairs": one token by default) the down GEMM adds the k slots itself (COMBINE: no
-# combine launch; its counters and the output's zeros come with x's quantisation). Sorted blocks do so only where a
-# config says "COMBINE": "kernel": at T=8 on the H200 it was slower than the launch (Qwen3 / Qwen1.5 graph cells
-# 0.63 -> 0.66-0.67 of bf16, part23: each program counts its rows with serial atomics and the last waits on reads).
+# With one block per pair (ROUTE "pairs": one token by default) the down GEMM adds the k slots itself unless a config
+# says "COMBINE": "launch" (no combine launch; its counters and the output's zeros come with x's quantisation).
+# Sorted blocks do so only where a config says "COMBINE": "kernel" (never on the TMA path): at T=8 on the H200 it
+# was slower than the launch (Qwen3 / Qwen1.5 graph cells 0.63 -> 0.66-0.67 of bf16, part23: each program counts
+# its rows with serial atomics, and the last waits on its reads).
 # SELECTOR_QUANT_FUSED_COMBINE=0: the launch always (A/B).
 FUSED_COMBINE = os.environ.get("SELECTOR_QUANT_FUSED_COMBINE", "1") != "0"
 # Sorted blocks of >= TMA_MIN_BLOCK_M rows (large T) on sm_90+: x quantised straight into block order and both
@@ -386,8 +387,8 @@ def projection(
     inter_dtype = out_dtype or (a.dtype if a_scale is None else torch.bfloat16)
     linear = not (gated or quant_out) and activation == "none"  # partial sums only add up through a linear epilogue
     if combine is not None and not (mode == "grouped" and linear and topk_w is not None and not out_sorted):
-        raise ValueError("quantised experts: only a grouped projection with a linear, weighted epilogue and pair rows "
-                         "combines in the kernel")  # fmt: skip
+        raise ValueError("quantised experts: only a grouped projection with a linear, weighted epilogue whose rows are "
+                         "stored per pair (not out_sorted) combines in the kernel")  # fmt: skip
     sorted_route = mode == "grouped" and routing[0] is not None
     if a_sorted and not (sorted_route and a_scale is not None and a.shape[0] == a_scale.shape[0] == routing[0].numel()
                          and use_tma(routing, fp4, a.device, w, tile_rows=block_k)):  # fmt: skip
@@ -510,7 +511,7 @@ def quant_experts_impl(
 
 def combine_in_kernel(routing: tuple, config: dict | None) -> bool:
     """Whether the down kernel adds the slots (COMBINE) rather than a combine launch: the config's "COMBINE" where it
-    says, else for pair blocks only."""
+    says, else for pair blocks only. The caller never combines in the kernel on the TMA path (quant_experts_impl)."""
     asked = (config or {}).get("COMBINE")
     return asked == "kernel" if asked else routing[0] is None
 

@@ -7,8 +7,9 @@ for a few pairs): times align, each gate_up tile with x quantised up front (that
 zeroes a split gate_up's counters) or, for a few pairs, inside its K loop (plus a second quantisation of the
 intermediate when the tile does not cover whole groups) and each down tile with the combine (its own launch, or
 the down kernel's COMBINE, less the memset of its counters that the test needs and the layer does not pay: pair
-blocks always, sorted blocks of a few pairs per expert both ways), and keeps the layout whose sum is smallest. Where the layer would run its projections through TMA
-(``ops.use_tma``: sorted blocks of >= 64 rows) the candidates are timed that way: x quantised into block order,
+blocks always, sorted blocks of a few pairs per expert both ways; the output's zeroing rides in x's quantisation,
+timed with gate_up), and keeps the layout whose sum is smallest. Where the layer would run its projections through
+TMA (``ops.use_tma``: sorted blocks of >= 64 rows) the candidates are timed that way: x quantised into block order,
 the intermediate in block order. Random e4m3 / e2m1 weights and scales (never zeros), uniform
 top-k routing. Cells of up to GRAPH_TIMING_MAX_TOKENS tokens are timed as CUDA-graph replays: the layer replays
 recorded graphs at decode and for repeated calls up to that size, and above it its GPU time dwarfs the host's;
@@ -37,7 +38,7 @@ SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048,
 TOKENS = (1, 8, 64, 512, 4096)
 TRY_DECODE_LAYOUTS_MAX_PAIRS = 64  # pair blocks and x quantised in the K loop are tried up to here (T=8, k=8)
 TRY_QUANT_X_LOOP = False
-TRY_COMBINE_IN_KERNEL_PER_EXPERT = 4  # sorted blocks: the down kernel's own combine timed up to this many pairs per expert
+TRY_COMBINE_IN_KERNEL_PER_EXPERT = 4  # sorted blocks: the down kernel's own combine timed up to these pairs per expert
 GRAPH_TIMING_MAX_TOKENS = 4096  # above: back to back (Qwen3 T=512 on the H200: 225 us as graphs, 425-491 back to back)
 # (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
 # (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
@@ -133,7 +134,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         # where the down kernel may add the slots itself: both ways timed for sorted blocks of a few rows
         if route == "pairs" or tma:
             combines = ("kernel",) if route == "pairs" and ops.FUSED_COMBINE else ("launch",)
-        elif ops.FUSED_COMBINE and pairs <= TRY_COMBINE_IN_KERNEL_PER_EXPERT * min(e, pairs):
+        elif ops.FUSED_COMBINE and pairs <= TRY_COMBINE_IN_KERNEL_PER_EXPERT * e:
             combines = ("kernel", "launch")
         else:
             combines = ("launch",)

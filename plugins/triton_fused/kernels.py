@@ -466,7 +466,9 @@ def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert-sorted, block-padded routing. Returns (sorted_rows [max_blocks*BM] int32, block_expert [max_blocks])."""
+    """Expert-sorted, block-padded routing. Returns (sorted_rows [max_blocks*BM] int32, block_expert [max_blocks]).
+    Each expert's pairs fill its blocks from the first slot, padding only after them (the quantised down kernel's
+    in-kernel combine counts a block's real rows as its first slots)."""
     n = top_k_ids_flat.numel()
     dev = top_k_ids_flat.device
     mb = max_blocks_for(n, num_experts, block_m)

@@ -30,7 +30,7 @@ def matmul_2d(A, B, Bs, block_size, output_dtype=None, activation_scale=None):  
 
 
 def matmul_batched(A, B, Bs, expert_ids, block_size, output_dtype=None):  # noqa: ANN001, ANN201
-    """Row j through expert expert_ids[j]; rows of a sentinel expert (>= E) are left as garbage, as the real one does."""
+    """Row j through expert expert_ids[j]; rows of a sentinel expert (>= E) are left as garbage (as the real one)."""
     out = torch.full((A.shape[0], B.shape[1]), float("nan"))
     aq = _quantised(A, block_size[1])
     for j, e in enumerate(expert_ids.tolist()):
