@@ -90,6 +90,15 @@ combine_ab() {
   done
 }
 
+# selector bench with dense, fp8 and fp4 copies of Qwen3 side by side, within $1 s; the last $2 lines of its table
+bench_formats() {
+  stamp "selector bench: dense, fp8 and fp4 side by side"
+  timeout "$1" python3 -m selector.cli bench --preset qwen3-30b-a3b --tokens 1,64,4096 \
+    --formats dense,fp8-f32,fp8-ue8m0,fp4 --out "$OUT/bench" 2>>"$OUT/bench_err.txt" | tail -"$2" >>"$LOG"
+  cp "$OUT/bench/bench.json" "$OUT/bench_formats.json" 2>/dev/null; cp "$OUT/bench/bench.md" "$OUT/bench_formats.md" 2>/dev/null
+  rm -rf "$OUT/bench"; tail -c 3000 "$OUT/bench_err.txt" > "$OUT/bench_err_tail.txt"; rm -f "$OUT/bench_err.txt"
+}
+
 # CUDA tests $1 within $2 s; fp8 retune of every shape at $3 tokens within $4 s; the whole quantised grid within $5 s
 tests_tune_grid() {
   local table=plugins/quant_kernels/configs/NVIDIA_H200.json
@@ -364,11 +373,7 @@ PY
     --shapes deepseek-v3,mixtral-8x7b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
   quant_grid 180 160
-  stamp "selector bench: dense, fp8 and fp4 side by side"
-  timeout 150 python3 -m selector.cli bench --preset qwen3-30b-a3b --tokens 1,64,4096 \
-    --formats dense,fp8-f32,fp8-ue8m0,fp4 --out "$OUT/bench" 2>>"$OUT/bench_err.txt" | tail -30 >>"$LOG"
-  cp "$OUT/bench/bench.json" "$OUT/bench_formats.json" 2>/dev/null; cp "$OUT/bench/bench.md" "$OUT/bench_formats.md" 2>/dev/null
-  rm -rf "$OUT/bench"; tail -c 3000 "$OUT/bench_err.txt" > "$OUT/bench_err_tail.txt"; rm -f "$OUT/bench_err.txt"
+  bench_formats 150 30
   ;;
 part16)
   # session 5, third call (one GPU): programmatic dependent launches for the quantised decode chain: CUDA tests,
@@ -442,11 +447,7 @@ part21)
   quant_grid 215 195
   ;;
 part22)
-  stamp "selector bench: dense, fp8 and fp4 side by side"
-  timeout 110 python3 -m selector.cli bench --preset qwen3-30b-a3b --tokens 1,64,4096 \
-    --formats dense,fp8-f32,fp8-ue8m0,fp4 --out "$OUT/bench" 2>>"$OUT/bench_err.txt" | tail -40 >>"$LOG"
-  cp "$OUT/bench/bench.json" "$OUT/bench_formats.json" 2>/dev/null; cp "$OUT/bench/bench.md" "$OUT/bench_formats.md" 2>/dev/null
-  rm -rf "$OUT/bench"; tail -c 3000 "$OUT/bench_err.txt" > "$OUT/bench_err_tail.txt"; rm -f "$OUT/bench_err.txt"
+  bench_formats 110 40
   ;;
 part23)
   stamp "CUDA tests: quantised grouped path (tracebacks in tests.txt)"

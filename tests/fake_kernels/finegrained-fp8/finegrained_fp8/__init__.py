@@ -1,28 +1,21 @@
 """FAKE `kernels-community/finegrained-fp8` for CPU tests of benchmarks/hf_fp8_gpu.py: plain torch, the three entry
 points Transformers 5.17 calls, with their signatures (matmul_2d, matmul_batched, matmul_grouped). Activations are
-quantised per row and 128-wide group to e4m3 (dynamic, amax / 448), weights dequantised with their block scales,
-products summed in float32. Says nothing about the real kernel's speed or numerics."""
+quantised per row and 128-wide group to e4m3 (dynamic, amax / 448) and weights dequantised with their block scales
+by selector.quant's own helpers, products summed in float32. Says nothing about the real kernel's speed or numerics."""
 
 from __future__ import annotations
 
 import torch
 
-E4M3_MAX = 448.0
+from selector.quant import dequantize_fp8_block, quantize_activations
 
 
 def _quantised(a: torch.Tensor, group: int) -> torch.Tensor:
-    rows, k = a.shape
-    pad = -k % group
-    g = torch.nn.functional.pad(a.float(), (0, pad)).view(rows, -1, group)
-    s = (g.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)
-    return ((g / s).to(torch.float8_e4m3fn).float() * s).view(rows, -1)[:, :k]
+    return quantize_activations(a, group)
 
 
 def _dequantised(b: torch.Tensor, bs: torch.Tensor, block_size: list[int]) -> torch.Tensor:
-    bn, bk = block_size
-    n, k = b.shape[-2:]
-    scales = bs.float().repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
-    return b.float() * scales
+    return dequantize_fp8_block(b, bs, tuple(block_size))
 
 
 def matmul_2d(A, B, Bs, block_size, output_dtype=None, activation_scale=None):  # noqa: ANN001, ANN201
