@@ -32,7 +32,8 @@
 #   part24: CUDA tests (TMA path, test_quant.py), T=8 retune of the Qwen shapes, Transformers' own FP8 experts beside
 #           ours (needs the hub kernel's source in .carry/finegrained_fp8/: hf_fp8_gpu.py);   part25: part23's
 #           failed TMA test again, the whole grid;   part26: Qwen T=4096 host vs kernel time after host-side trims,
-#           the whole grid.
+#           the whole grid;   part27: CUDA tests of the align riding on x's quantisation, its A/B at T=1,8, the Qwen
+#           T=1,8 retune, the Qwen grid at T <= 64.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -87,6 +88,18 @@ combine_ab() {
       --bf16-backends triton_fused --quant-backends triton_fused --no-check --out "$OUT/ab$fused" 2>&1 | grep "T=" \
       | tail -12 >>"$LOG"
     cp "$OUT/ab$fused/quant_gpu.json" "$OUT/quant_combine$fused.json" 2>/dev/null; rm -rf "$OUT/ab$fused"
+  done
+}
+
+# the layer A/B of the align riding on x's quantisation: Qwen fp8 and bf16 cells at T=$1, the align's own launch
+# (SELECTOR_QUANT_FUSED_ALIGN=0) then riding
+align_ab() {
+  for ride in 0 1; do
+    stamp "T=$1 Qwen fp8 cells, SELECTOR_QUANT_FUSED_ALIGN=$ride"
+    SELECTOR_QUANT_FUSED_ALIGN=$ride timeout 100 python3 benchmarks/quant_gpu.py --tokens "$1" --formats fp8-f32 \
+      --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --bf16-backends triton_fused --quant-backends triton_fused \
+      --no-check --out "$OUT/ab$ride" 2>&1 | grep "T=" | tail -8 >>"$LOG"
+    cp "$OUT/ab$ride/quant_gpu.json" "$OUT/quant_align$ride.json" 2>/dev/null; rm -rf "$OUT/ab$ride"
   done
 }
 
@@ -494,6 +507,22 @@ part26)
     --formats fp8-f32,bf16 --out "$OUT/prof" 2>&1 | grep "T=4096" >>"$LOG"
   cp "$OUT/prof/quant_profile.json" "$OUT/" 2>/dev/null; rm -rf "$OUT/prof"
   quant_grid 230 210
+  ;;
+part27)
+  stamp "CUDA tests: align riding on x's quantisation, split gate_up's real rows, in-kernel combine, TMA"
+  timeout -s INT 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
+    -k "align_rides or finished_by or combines_the_slots or one_block_per_pair or tma or zeroes" \
+    >"$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" | tee -a "$LOG"
+  align_ab 1,8
+  stamp "fp8 tune: T=1,8, the Qwen shapes"
+  timeout 130 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8 \
+    --formats fp8 --budget-s 115 --out plugins/quant_kernels/configs/NVIDIA_H200.json 2>&1 | grep "T=" \
+    | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
+  cp plugins/quant_kernels/configs/NVIDIA_H200.json "$OUT/"
+  stamp "quant grid: the Qwen shapes, T <= 64"
+  timeout 160 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,64 \
+    --out "$OUT/quant" --budget-s 140 2>&1 | tail -16 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac
 stamp done

@@ -177,8 +177,8 @@ def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
     from plugins.quant_kernels import ops
 
     aligned = []
-    real = ops.align
-    monkeypatch.setattr(ops, "align", lambda *a: aligned.append(a[2]) or real(*a))
+    real = ops.plan_align
+    monkeypatch.setattr(ops, "plan_align", lambda *a: aligned.append(a[2]) or real(*a))
     layout = Layout(expert_parallel=sentinel)
     module = Q.quantize_experts(make_experts(4, 96, 64, layout, device=DEV, seed=28), "fp8_block", "ue8m0", (32, 32))
     idx, w = random_routing(4, 4, 2, device=DEV, skew=True, sentinel=sentinel)  # skewed: experts hit twice
@@ -459,6 +459,54 @@ def test_quantize_rows_zeroes_what_the_later_kernels_need():
         ops.quantize_rows(x, 32, zero=torch.empty(5, 95, device=DEV))
     with pytest.raises(ValueError, match="int32"):
         ops.quantize_rows(x, 32, counts=torch.empty(4, device=DEV))
+
+
+def test_align_rides_on_x_quantisation(monkeypatch):
+    """Sorted blocks at decode: one more program of x's quantisation launch routes the pairs (no align launch of
+    its own): the same routing buffers as the fused backend's align, every element written (poisoned buffers), the
+    same quantised x, and the layer's output bit for bit as with the separate launch (SELECTOR_QUANT_FUSED_ALIGN=0).
+    Above one program's worth of pairs the align keeps its own two launches."""
+    from plugins.quant_kernels import ops
+    from plugins.triton_fused import kernels as fused_kernels
+
+    monkeypatch.setattr(fused_kernels, "_POISON", True)
+    ids = torch.tensor([3, 0, 3, 3, 7, 1, 3, 9, 0, 3, 5, 2], device=DEV)  # 9: an expert-parallel sentinel (E = 8)
+    x = torch.randn(6, 96, device=DEV)
+    counts = torch.full((40,), 3, dtype=torch.int32, device=DEV)
+    for bm in (16, 64):
+        plan = ops.plan_align(ids, 8, bm)
+        q, s = ops.quantize_rows(x, 32, counts=counts, align=plan)
+        sorted_rows, block_expert = fused_kernels.align(ids, 8, bm)
+        assert torch.equal(plan.sorted_rows, sorted_rows) and torch.equal(plan.block_expert, block_expert)
+        q2, s2 = ops.quantize_rows(x, 32)
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2) and not counts.any()
+    with pytest.raises(ValueError, match="one-program plan"):
+        ops.quantize_rows(x, 32, align=plan, slots=(plan.sorted_rows, plan.block_expert, 64), a_div=2)
+
+    launched = []
+
+    def spy(real):
+        return lambda fn, grid, args, consts, *a: launched.append((fn.__name__, consts)) or real(
+            fn, grid, args, consts, *a)  # fmt: skip
+
+    monkeypatch.setattr(ops, "launch", spy(ops.launch))
+    monkeypatch.setattr(fused_kernels, "launch", spy(fused_kernels.launch))
+    module = Q.quantize_experts(make_experts(8, 64, 96, Layout(expert_parallel=True), device=DEV, seed=43), "fp8_block",
+                                "float32", (32, 32))  # fmt: skip
+    idx, w = random_routing(6, 8, 2, device=DEV, skew=True, sentinel=True)
+    x = torch.randn(6, 64, device=DEV)
+    cfg = {"BLOCK_M": 16, "ROUTE": "sorted", "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}
+    riding = _check(module, x, idx, w, cfg)
+    names = [n for n, _ in launched]
+    assert "_align_kernel" not in names and [c["ALIGN"] for n, c in launched if n == "_quant_rows_kernel"] == [True]
+    for single_max, own_launches in ((1024, ["_align_kernel"]), (4, ["_align_count_kernel", "_align_kernel"])):
+        monkeypatch.setattr(ops, "FUSED_ALIGN", single_max != 1024)  # off; then on, but too many pairs to ride
+        monkeypatch.setattr(fused_kernels, "_SINGLE_ALIGN_MAX", single_max)
+        launched.clear()
+        separate = _run(module, x, idx, w, cfg)
+        assert [n for n, _ in launched if "align" in n] == own_launches
+        assert [c["ALIGN"] for n, c in launched if n == "_quant_rows_kernel"] == [False]
+        assert torch.equal(riding, separate)
 
 
 def _tma_on(monkeypatch) -> None:

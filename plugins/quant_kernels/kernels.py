@@ -39,6 +39,8 @@ import os
 import triton
 import triton.language as tl
 
+from plugins.triton_fused.kernels import align_program
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ACT_CODE = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 
@@ -330,7 +332,8 @@ def _grouped_kernel(
     combine adds the shares. At decode a long K loop over few programs is latency bound (Mixtral's down: K=14336).
     FINISH (any other epilogue): each share writes its fp32 sums (PART_W columns, then the up half's BLOCK_N) to
     part_ptr and counts itself in count_ptr[tile] (zeroed by the caller); the last one to arrive adds every
-    share in share order (the same bits whichever arrives last) and runs the epilogue alone.
+    share in share order (the same bits whichever arrives last) and runs the epilogue alone. Only the real rows
+    are written and read (a pair block's one row of 16; padding rows finish from zeros).
     ONE_SCALE_ROW (fp8): every weight tile lies within one scale row (the tile width divides the block's), so
     each K step loads one weight scale, not one per column.
     COMBINE (linear epilogue): the combine happens here, not in a launch of its own (``_combine_rows``). Each pair
@@ -440,18 +443,24 @@ def _grouped_kernel(
         share = (num_blocks_m * num_pid_n).to(tl.int64) * BLOCK_M * row_w
         cols_a = tl.arange(0, PART_W)[None, :]
         cols_u = PART_W + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(part + tl.program_id(1) * share + cols_a, acc)
-        tl.store(part + tl.program_id(1) * share + cols_u, acc_u)
+        # only the block's real rows travel (a pair block: 1 of 16); padding rows finish as zeros (finite)
+        real = row_ok[:, None]
+        tl.store(part + tl.program_id(1) * share + cols_a, acc, mask=real)
+        if GATED and not INTERLEAVED:
+            tl.store(part + tl.program_id(1) * share + cols_u, acc_u, mask=real)
         # every warp's stores first (older Tritons put no barrier before a scalar atomic), then acq_rel: this
         # share's sums are visible before it is counted, and the last one to count sees every share's
         tl.debug_barrier()
         if tl.atomic_add(count_ptr + tile, 1) != SPLIT_K - 1:
             return
-        acc = tl.load(part + cols_a, cache_modifier=".cg")  # other SMs wrote them: read past this SM's L1
-        acc_u = tl.load(part + cols_u, cache_modifier=".cg")
+        # other SMs wrote them: read past this SM's L1
+        acc = tl.load(part + cols_a, mask=real, other=0.0, cache_modifier=".cg")
         for sh in tl.static_range(1, SPLIT_K):
-            acc += tl.load(part + sh * share + cols_a, cache_modifier=".cg")
-            acc_u += tl.load(part + sh * share + cols_u, cache_modifier=".cg")
+            acc += tl.load(part + sh * share + cols_a, mask=real, other=0.0, cache_modifier=".cg")
+        if GATED and not INTERLEAVED:
+            acc_u = tl.load(part + cols_u, mask=real, other=0.0, cache_modifier=".cg")
+            for sh in tl.static_range(1, SPLIT_K):
+                acc_u += tl.load(part + sh * share + cols_u, mask=real, other=0.0, cache_modifier=".cg")
 
     bias_base = bias_ptr + expert * stride_be
     if GATED and INTERLEAVED:
@@ -502,17 +511,21 @@ def _grouped_kernel(
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, block_expert_ptr, num_rows, K,
-                       num_counts, num_valid, a_div, stride_xm, stride_qm, stride_sm, stride_zm,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr, ZERO: tl.constexpr,
-                       COUNTS: tl.constexpr, SLOTS: tl.constexpr, GATHER: tl.constexpr,
-                       BLOCK_M: tl.constexpr):  # fmt: skip
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, block_expert_ptr, ids_ptr, num_rows, K,
+                       num_counts, num_valid, a_div, num_experts, max_blocks, stride_xm, stride_qm, stride_sm,
+                       stride_zm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
+                       ZERO: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr, GATHER: tl.constexpr,
+                       BLOCK_M: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                       E_PAD: tl.constexpr, B_TILE: tl.constexpr):  # fmt: skip
     """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic).
     SLOTS: row r is slot r of the align layout's blocks (BLOCK_M rows each); the slots of unused blocks (block
     expert < 0, never read) are left unwritten. GATHER (with SLOTS): x holds pairs' rows, slot r quantises
     x[sorted[r] // a_div], and a padding slot (sorted[r] >= num_valid) gets zeros.
     Also clears what the layer's later kernels count or add into, saving them launches of their own: ZERO, a
-    tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr."""
+    tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr. ALIGN (not with SLOTS): the grid's
+    last row of programs has no rows to quantise, and its program (last, 0) routes the layer's num_valid pairs
+    (expert ids at ids_ptr) into sorted_ptr / block_expert_ptr, as the fused backend's one-program align launch
+    would (``align_program``; CHUNK, SUB, E_PAD, B_TILE as ``plan_align`` sets them), beside the quantisation."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_ok = offs_r < num_rows
@@ -541,6 +554,10 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, blo
         for c0 in range(pid * 1024, num_counts, step):
             offs_c = c0 + tl.arange(0, 1024)
             tl.store(count_ptr + offs_c, tl.zeros([1024], tl.int32), mask=offs_c < num_counts)
+    if ALIGN:
+        if (tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == 0):
+            align_program(ids_ptr, sorted_ptr, sorted_ptr, block_expert_ptr, num_valid, num_experts, 1, max_blocks,
+                          0, 1, BLOCK_M, CHUNK, SUB, E_PAD, 16, B_TILE, True)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------

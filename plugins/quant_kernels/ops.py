@@ -20,7 +20,8 @@ import triton.language as tl
 from plugins.quant_kernels import configs as _configs
 from plugins.quant_kernels import kernels as K
 from plugins.triton_fused.kernels import _TensorDescriptor as TensorDescriptor  # None: a Triton without TMA
-from plugins.triton_fused.kernels import _next_pow2, align, cdiv, combine, launch, max_blocks_for
+from plugins.triton_fused.kernels import (AlignPlan, _next_pow2, cdiv, combine, launch, max_blocks_for, plan_align,
+                                          run_align)
 
 MODES = ("grouped", "batched")
 
@@ -59,6 +60,9 @@ FUSED_COMBINE = os.environ.get("SELECTOR_QUANT_FUSED_COMBINE", "1") != "0"
 # projections reading activations and weights through TMA descriptors (use_tma). On the H200 that took the
 # T=4096 GEMMs from 420-500 to 550-650 TFLOP/s (benchmarks/quant_fp8_dev.py). SELECTOR_QUANT_TMA=0: off (A/B).
 TMA = os.environ.get("SELECTOR_QUANT_TMA", "1") != "0"
+# Sorted blocks of up to _SINGLE_ALIGN_MAX pairs (decode) are routed by one more program of x's quantisation launch
+# rather than an align launch of their own (``quantize_rows(align=)``). SELECTOR_QUANT_FUSED_ALIGN=0: its own (A/B).
+FUSED_ALIGN = os.environ.get("SELECTOR_QUANT_FUSED_ALIGN", "1") != "0"
 TMA_MIN_BLOCK_M = 64
 TMA_MAX_BOX = 256  # rows of one TMA copy (the hardware's limit per box dimension)
 
@@ -149,13 +153,16 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_warps: int = 4,
                   zero: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                  slots: tuple | None = None, a_div: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  slots: tuple | None = None, a_div: int = 0,
+                  align: AlignPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)]).
     `block_r`, `num_warps`: rows per program and its warps (benchmarks sweep them; None: the default below).
     The same launch fills `zero` (shaped like x, its last dim contiguous) and `counts` (int32) with zeros.
     `slots` (a sorted routing from ``route``): one row per block slot, in block order, for a TMA projection
     (``projection(a_sorted=True)``); with `a_div` > 0 x holds token rows and slot r quantises x[sorted[r] // a_div]
-    (zeros for padding), else x is already in block order. Slots of unused blocks are left unwritten."""
+    (zeros for padding), else x is already in block order. Slots of unused blocks are left unwritten.
+    `align` (a one-program plan from ``plan_align``, not with `slots`): one more program in the same launch fills
+    its routing buffers, the launch ``run_align`` would make (decode: one kernel boundary fewer per layer)."""
     x = x if x.stride(1) == 1 else x.contiguous()  # the kernel walks columns with stride 1
     rows, k = x.shape
     sorted_rows = block_expert = None
@@ -176,20 +183,33 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
         raise ValueError(f"quantize_rows: zero must be shaped like x {list(x.shape)} with contiguous rows")
     if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
         raise ValueError("quantize_rows: counts must be contiguous int32")
+    if align is not None:
+        if slots is not None or not align.single:
+            raise ValueError("quantize_rows: align needs a one-program plan (plan_align) and no slots")
+        ids, num_valid, num_experts, max_blocks = align.args[0], align.args[4], align.args[5], align.args[7]
+        sorted_rows, block_expert, bm = align.sorted_rows, align.block_expert, align.consts["BLOCK_M"]
+        num_warps = max(num_warps, align.num_warps)
     if rows:
         block_r = block_r or (16 if rows <= 4096 else 64)
+        consts = align.consts if align is not None else dict(CHUNK=1, SUB=1, E_PAD=1, B_TILE=1)
         launch(
-            K._quant_rows_kernel, (cdiv(rows, block_r), s.shape[1]),
+            K._quant_rows_kernel, (cdiv(rows, block_r) + (align is not None), s.shape[1]),
             (x, q, s, zero if zero is not None else q, counts if counts is not None else s,
-             sorted_rows if sorted_rows is not None else s, block_expert if block_expert is not None else s, rows, k,
-             counts.numel() if counts is not None else 0, num_valid, max(1, a_div), x.stride(0), q.stride(0),
-             s.stride(0), zero.stride(0) if zero is not None else 0),
+             sorted_rows if sorted_rows is not None else s, block_expert if block_expert is not None else s,
+             ids if align is not None else s, rows, k, counts.numel() if counts is not None else 0, num_valid,
+             max(1, a_div), num_experts if align is not None else 0, max_blocks if align is not None else 0,
+             x.stride(0), q.stride(0), s.stride(0), zero.stride(0) if zero is not None else 0),
             dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=K.INTERPRET, ZERO=zero is not None,
                  COUNTS=counts is not None and counts.numel() > 0, SLOTS=slots is not None,
-                 GATHER=slots is not None and a_div > 0, BLOCK_M=max(1, bm)), num_warps,
+                 GATHER=slots is not None and a_div > 0, BLOCK_M=max(1, bm), ALIGN=align is not None,
+                 CHUNK=consts["CHUNK"], SUB=consts["SUB"], E_PAD=consts["E_PAD"], B_TILE=consts["B_TILE"]),
+            num_warps,
         )  # fmt: skip
-    elif counts is not None:
-        counts.zero_()
+    else:
+        if counts is not None:
+            counts.zero_()
+        if align is not None:
+            run_align(align)
     return q, s
 
 
@@ -323,16 +343,26 @@ def route(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | No
           top_k: int | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """grouped: (sorted_rows, block_expert, BLOCK_M) from the fused backend's align, or (None, ids, 16): one
     block per pair, no align launch (configs.py: ROUTE; by default for one token's `top_k` pairs); batched: (ids,)."""
+    routing, plan = route_deferred(mode, ids_flat, num_experts, config, top_k)
+    if plan is not None:
+        run_align(plan)
+    return routing
+
+
+def route_deferred(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None,
+                   top_k: int | None = None) -> tuple[tuple[torch.Tensor, ...], AlignPlan | None]:  # fmt: skip
+    """``route``'s layout with its align not launched yet: (routing, plan), plan None where there is nothing to
+    launch (pairs, batched). The caller runs the plan (``run_align``) or hands it to ``quantize_rows(align=)``."""
     if mode == "batched":
-        return (ids_flat,)
+        return (ids_flat,), None
     config = config or {}
     bm = int(config.get("BLOCK_M") or 0)  # nested or flat
     one_token = top_k is not None and ids_flat.numel() == top_k and bm in (0, 16)
     if (config.get("ROUTE") or ("pairs" if one_token else "sorted")) == "pairs":
-        return None, ids_flat, 16
+        return (None, ids_flat, 16), None
     bm = bm or grouped_block_m(ids_flat.numel(), num_experts)
-    sorted_rows, block_expert = align(ids_flat, num_experts, bm)
-    return sorted_rows, block_expert, bm
+    plan = plan_align(ids_flat, num_experts, bm)
+    return (plan.sorted_rows, plan.block_expert, bm), plan
 
 
 def projection(
@@ -460,11 +490,13 @@ def quant_experts_impl(
     n_pairs = ids.numel()
     inter_dim = w2.shape[2] * (2 if fp4 else 1)
     cfg = resolve_config(config, x.device, fp4, num_experts, h, inter_dim, t, top_k) if mode == "grouped" else None
-    routing = route(mode, ids, num_experts, cfg or config, top_k)
+    routing, pending = route_deferred(mode, ids, num_experts, cfg or config, top_k)
     common = dict(num_experts=num_experts, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k)
     split = (w1.shape[1] // 2) if gated and not interleaved else None
     up_args = dict(gated=gated, interleaved=interleaved, activation=activation, split_inter=split)
     if cfg is None or as1 is not None:  # batched, or static scales (per expert: x cannot be quantised up front)
+        if pending is not None:
+            run_align(pending)
         nested = cfg or _configs.normalize(config)  # the op hands batched configs over nested too (configs.decode)
         c1, c2 = nested["gate_up"], nested["down"]
         inter = projection(mode, x, w1, s1, routing, n_pairs, a_div=top_k, act_scale=as1, bias=b1, config=c1,
@@ -485,10 +517,14 @@ def quant_experts_impl(
     down_counts = t * cdiv(h, bn2) if fused else 0
     n_counts = up_counts + down_counts
     counts = torch.empty(n_counts, dtype=torch.int32, device=x.device) if n_counts else None
+    # a one-program align rides on x's quantisation launch (decode), unless that launch needs its result (TMA)
+    ride = pending if pending is not None and pending.single and once and not tma and FUSED_ALIGN else None
+    if pending is not None and ride is None:
+        run_align(pending)
     if tma:  # x quantised into block order; both projections read it (and their weights) through TMA
         xq, xs = quantize_rows(x, block_k, counts=counts, slots=routing, a_div=top_k)
-    elif once:  # x's quantisation also zeroes the counters and out: no launch of their own
-        xq, xs = quantize_rows(x, block_k, zero=out if fused else None, counts=counts)
+    elif once:  # x's quantisation also zeroes the counters and out, and may route: no launches of their own
+        xq, xs = quantize_rows(x, block_k, zero=out if fused else None, counts=counts, align=ride)
     else:  # QUANT_X "loop": no quantize_rows launch to ride on
         xq, xs = x, None
         if counts is not None:
@@ -632,4 +668,4 @@ def quant_experts(
 
 
 __all__ = ["MODES", "combine_in_kernel", "grouped_block_m", "max_blocks_for", "projection", "quant_experts",
-           "quant_experts_impl", "route", "use_tma"]
+           "quant_experts_impl", "route", "route_deferred", "use_tma"]

@@ -3,9 +3,10 @@
     python -m plugins.quant_kernels.tune --out plugins/quant_kernels/configs/NVIDIA_H200.json --budget-s 150
 
 Per (format, shape, token count) and candidate layout (pairs sorted into BLOCK_M blocks, or one block per pair
-for a few pairs): times align, each gate_up tile with x quantised up front (that launch timed with it: it also
-zeroes a split gate_up's counters) or, for a few pairs, inside its K loop (plus a second quantisation of the
-intermediate when the tile does not cover whole groups) and each down tile with the combine (its own launch, or
+for a few pairs): times align (unless, as at decode, it rides on x's quantisation: ``quantize_rows(align=)``),
+each gate_up tile with x quantised up front (that launch timed with it: it also zeroes a split gate_up's counters)
+or, for a few pairs, inside its K loop (plus a second quantisation of the intermediate when the tile does not
+cover whole groups) and each down tile with the combine (its own launch, or
 the down kernel's COMBINE, less the memset of its counters that the test needs and the layer does not pay: pair
 blocks always, sorted blocks of a few pairs per expert both ways; the output's zeroing rides in x's quantisation,
 timed with gate_up), and keeps the layout whose sum is smallest. Where the layer would run its projections through
@@ -32,6 +33,7 @@ import triton.testing
 
 from plugins.quant_kernels import configs as C
 from plugins.quant_kernels import ops
+from plugins.triton_fused.kernels import run_align
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048, 8),
           "mixtral-8x7b": (8, 4096, 14336, 2), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # (E, H, I, k); fmt: skip
@@ -45,7 +47,7 @@ GRAPH_TIMING_MAX_TOKENS = 4096  # above: back to back (Qwen3 T=512 on the H200: 
 # gate_up: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); a split gate_up is finished by its last share in the kernel
 GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6), (16, 2, 4), (32, 2, 4),
                 (32, 4, 6), (32, 4, 4, 2), (64, 4, 4, 2), (64, 4, 6, 2), (128, 4, 4, 2), (64, 4, 4, 4),
-                (128, 4, 3, 4), (128, 4, 4, 4), (128, 8, 4, 2), (128, 8, 3, 4)),
+                (128, 4, 3, 4), (128, 4, 4, 4), (128, 8, 4, 2), (128, 8, 3, 4), (128, 8, 3, 8), (64, 4, 3, 8)),
            32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
            64: ((64, 4, 4), (64, 4, 3), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
            128: ((64, 8, 3), (64, 8, 4), (32, 4, 4))}  # fmt: skip
@@ -120,11 +122,15 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         if time.perf_counter() > deadline:
             break
         rcfg = {"BLOCK_M": bm, "ROUTE": route}
-        routing = ops.route("grouped", ids, e, rcfg)
-        # pair blocks launch nothing to route (host only: an empty graph cannot be timed)
-        t_align = 0.0 if route == "pairs" else _time(lambda: ops.route("grouped", ids, e, rcfg), graph)
+        routing, plan = ops.route_deferred("grouped", ids, e, rcfg)
+        if plan is not None:
+            run_align(plan)  # the candidates below read the routing
         size = "small" if bm <= 32 else "large"
         tma = ops.use_tma(routing, fp4, dev, w1, w2)  # every candidate tile is within TMA's 256 rows
+        # as the layer does: a one-program align rides on x's quantisation (timed with gate_up, which includes it)
+        ride = plan if plan is not None and plan.single and ops.FUSED_ALIGN and not tma else None
+        # pair blocks launch nothing to route (host only: an empty graph cannot be timed)
+        t_align = 0.0 if route == "pairs" or ride else _time(lambda: ops.route("grouped", ids, e, rcfg), graph)
         if tma:  # the down GEMM reads the intermediate in block order
             iq_in, isc_in = ops.quantize_rows(torch.randn(routing[0].numel(), inter, device=dev,
                                                           dtype=torch.bfloat16), 128, slots=routing)  # fmt: skip
@@ -150,7 +156,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                         continue
                     cfg["SPLIT_K"] = split[0] if split else 1
                 elif split:
-                    if qx != "once" or triton.cdiv(h, 128) < 4 * split[0]:  # each share keeps >= 4 K steps
+                    # each share keeps >= 4 K steps, or 2 with one-row blocks (their shares add real rows only)
+                    if qx != "once" or triton.cdiv(h, 128) < (2 if route == "pairs" else 4) * split[0]:
                         continue
                     cfg["SPLIT_K"] = split[0]
                 if part == "gate_up":
@@ -171,7 +178,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     if tma:
                         fn = lambda: up(*ops.quantize_rows(x, 128, counts=c, slots=routing, a_div=top_k), c)
                     elif qx == "once":
-                        fn = lambda: up(*ops.quantize_rows(x, 128, zero=zero, counts=c), c)
+                        fn = lambda: up(*ops.quantize_rows(x, 128, zero=zero, counts=c, align=ride), c)
                     else:
                         fn = lambda: (_zero(c, zero), up(x, None, c))
                     extra = 0.0 if qo else t_qi
@@ -202,7 +209,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         qx, combine = up_cfg.pop("QUANT_X"), down_cfg.pop("COMBINE")
         total = t_align + up_t + parts["down"][0]
         name = f"{route} BM={bm}{' TMA' if tma else ''}"
-        log(f"  T={tokens} {name}: {total * 1e6:.1f}us (align {t_align * 1e6:.1f}, x quantised {qx} "
+        aligned = "with x's quantisation" if ride else f"{t_align * 1e6:.1f}"
+        log(f"  T={tokens} {name}: {total * 1e6:.1f}us (align {aligned}, x quantised {qx} "
             f"[{t_qx * 1e6:.1f} us up front], gate_up {up_t * 1e6:.1f} {up_cfg}, down {parts['down'][0] * 1e6:.1f} "
             f"{down_cfg}, combine {combine})")  # fmt: skip
         if best is None or total < best["time_s"]:

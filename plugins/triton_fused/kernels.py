@@ -27,6 +27,7 @@ Temporaries: intermediate (T*k*I) and y (T*k*H) in the input dtype plus a few sm
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -116,8 +117,18 @@ def _align_kernel(
     per-chunk counts of ``_align_count_kernel``. Inside one expert's group the pairs keep their order (ranks
     come from prefix counts, no atomics), so the layout itself is deterministic.
     """
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
+                  max_blocks, tl.program_id(0), tl.num_programs(0), BLOCK_M, CHUNK, SUB, E_PAD, NCH_SUB, B_TILE,
+                  SINGLE)  # fmt: skip
+
+
+@triton.jit
+def align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks, max_blocks,
+                  pid, nprog, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
+                  NCH_SUB: tl.constexpr, B_TILE: tl.constexpr, SINGLE: tl.constexpr):  # fmt: skip
+    """The work of ``_align_kernel``'s program `pid` of `nprog`; with SINGLE (pid 0 of 1) also callable from
+    another kernel's program, so that the routing rides on a launch the layer makes anyway (the quantised
+    experts' x quantisation)."""
     e_range = tl.arange(0, E_PAD)
     e_ok = e_range < num_experts
 
@@ -465,10 +476,22 @@ def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(padded, block_m)
 
 
-def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert-sorted, block-padded routing. Returns (sorted_rows [max_blocks*BM] int32, block_expert [max_blocks]).
-    Each expert's pairs fill its blocks from the first slot, padding only after them (the quantised down kernel's
-    in-kernel combine counts a block's real rows as its first slots)."""
+class AlignPlan(NamedTuple):
+    """The buffers ``align`` fills and the launches that fill them (``run_align``); `single`: one program of
+    `_align_kernel` does it all, with `args` / `consts` / `num_warps` (a caller may run that program inside a
+    kernel of its own: ``align_program``)."""
+
+    sorted_rows: torch.Tensor
+    block_expert: torch.Tensor
+    single: bool
+    args: tuple
+    consts: dict
+    num_warps: int
+    partial: torch.Tensor | None  # per-chunk counts of the two-launch path
+
+
+def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
+    """``align``'s buffers (allocated) and launch parameters, nothing launched."""
     n = top_k_ids_flat.numel()
     dev = top_k_ids_flat.device
     mb = max_blocks_for(n, num_experts, block_m)
@@ -479,32 +502,40 @@ def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple
     warps = 8 if e_pad >= 128 else 4
     if n <= _SINGLE_ALIGN_MAX:
         chunk = max(16, _next_pow2(n))
-        sub = min(64, chunk)
+        args = (top_k_ids_flat, sorted_rows, sorted_rows, block_expert, n, num_experts, 1, mb)
+        consts = dict(BLOCK_M=block_m, CHUNK=chunk, SUB=min(64, chunk), E_PAD=e_pad, NCH_SUB=16, B_TILE=b_tile,
+                      SINGLE=True)  # fmt: skip
+        return AlignPlan(sorted_rows, block_expert, True, args, consts, warps, None)
+    # up to ~256 chunks of >= 512 pairs: the scatter loop is latency bound, ~4 us per 64-pair step (run 3:
+    # 134 us with 64 chunks of 2048 at T*k = 131072; ~40 us with chunks of 512), while each program also
+    # reads the whole [chunks, E] count table. The 256-chunk setting itself is not measured yet.
+    chunk = max(_ALIGN_CHUNK, _next_pow2(cdiv(n, 256)))
+    chunks = cdiv(n, chunk)
+    partial = _empty(chunks * e_pad, torch.int32, dev, 1 << 20)
+    args = (top_k_ids_flat, partial, sorted_rows, block_expert, n, num_experts, chunks, mb)
+    consts = dict(BLOCK_M=block_m, CHUNK=chunk, SUB=64, E_PAD=e_pad, NCH_SUB=16 if e_pad <= 256 else 8,
+                  B_TILE=b_tile, SINGLE=False)  # fmt: skip
+    return AlignPlan(sorted_rows, block_expert, False, args, consts, warps, partial)
+
+
+def run_align(plan: AlignPlan) -> None:
+    """The launches of a plan from ``plan_align``."""
+    if not plan.single:
+        ids, n, num_experts, chunks = plan.args[0], plan.args[4], plan.args[5], plan.args[6]
         launch(
-            _align_kernel, (1,),
-            (top_k_ids_flat, sorted_rows, sorted_rows, block_expert, n, num_experts, 1, mb),
-            dict(BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, NCH_SUB=16, B_TILE=b_tile, SINGLE=True),
-            warps,
+            _align_count_kernel, (chunks,), (ids, plan.partial, n, num_experts),
+            dict(CHUNK=plan.consts["CHUNK"], E_PAD=plan.consts["E_PAD"]), plan.num_warps,
         )  # fmt: skip
-    else:
-        # up to ~256 chunks of >= 512 pairs: the scatter loop is latency bound, ~4 us per 64-pair step (run 3:
-        # 134 us with 64 chunks of 2048 at T*k = 131072; ~40 us with chunks of 512), while each program also
-        # reads the whole [chunks, E] count table. The 256-chunk setting itself is not measured yet.
-        chunk = max(_ALIGN_CHUNK, _next_pow2(cdiv(n, 256)))
-        chunks = cdiv(n, chunk)
-        partial = _empty(chunks * e_pad, torch.int32, dev, 1 << 20)
-        launch(
-            _align_count_kernel, (chunks,), (top_k_ids_flat, partial, n, num_experts),
-            dict(CHUNK=chunk, E_PAD=e_pad), warps,
-        )  # fmt: skip
-        launch(
-            _align_kernel, (chunks,),
-            (top_k_ids_flat, partial, sorted_rows, block_expert, n, num_experts, chunks, mb),
-            dict(BLOCK_M=block_m, CHUNK=chunk, SUB=64, E_PAD=e_pad, NCH_SUB=16 if e_pad <= 256 else 8,
-                 B_TILE=b_tile, SINGLE=False),
-            warps,
-        )  # fmt: skip
-    return sorted_rows, block_expert
+    launch(_align_kernel, (1 if plan.single else plan.args[6],), plan.args, plan.consts, plan.num_warps)
+
+
+def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-sorted, block-padded routing. Returns (sorted_rows [max_blocks*BM] int32, block_expert [max_blocks]).
+    Each expert's pairs fill its blocks from the first slot, padding only after them (the quantised down kernel's
+    in-kernel combine counts a block's real rows as its first slots)."""
+    plan = plan_align(top_k_ids_flat, num_experts, block_m)
+    run_align(plan)
+    return plan.sorted_rows, plan.block_expert
 
 
 def _launch_gemm(
