@@ -21,8 +21,9 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # On the GPU the fp8 tensor-core dot accumulates at reduced precision, so a few intermediate values land on the
 # neighbouring e4m3 code when they are requantised (benchmarks/fp8_intermediate_rounding.py): with dozens of pairs
-# that moves the output by ~2e-3 (the H200, test_tma_path_with_k_split_in_shares, 66 pairs). That test allows it on
-# CUDA; the interpreter, and the tests with a few pairs (which met 1e-4 on the H200), keep the tight bounds.
+# that moves the output by ~2e-3 (the H200, test_tma_path_with_k_split_in_shares, 66 pairs). The TMA tests (66 and
+# 74 pairs) allow it on CUDA; the interpreter, and the tests with a few pairs (which met 1e-4 on the H200), keep the
+# tight bounds.
 GPU_TOL = 5e-3
 
 
@@ -561,13 +562,14 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
     real = ops.launch
     monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a, **kw: launched.append((fn.__name__, consts))
                         or real(fn, grid, args, consts, *a, **kw))  # fmt: skip
+    tol = GPU_TOL if CUDA else 1e-4  # 74 pairs: the H200 read 0.9-2.0e-3 (see GPU_TOL)
     for fmt in (("fp8_block", "float32", (32, 32)), ("fp8_block", "ue8m0", (32, 32))):
         module = Q.quantize_experts(make_experts(4, 64, 80, layout, device=DEV, seed=41), *fmt)
         idx, w = random_routing(37, 4, 2, device=DEV, sentinel=layout.expert_parallel, skew=True)
         x = torch.randn(37, 64, device=DEV)
         cfg = {"BLOCK_M": 64, "gate_up": {"BLOCK_N": gate_up_bn}, "down": {"BLOCK_N": 32}}
         launched.clear()
-        tma = _check(module, x, idx, w, cfg)
+        tma = _check(module, x, idx, w, cfg, tol)
         grouped = [c for n, c in launched if n == "_grouped_kernel"]
         quants = [c for n, c in launched if n == "_quant_rows_kernel"]
         assert [c["TMA"] for c in grouped] == [True, True] and [c["SORTED_OUT"] for c in grouped] == [True, False]
@@ -575,10 +577,11 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
         assert len(quants) == (2 if gate_up_bn < 32 else 1) and all(c["SLOTS"] for c in quants)
         monkeypatch.setattr(ops, "TMA", False)
         launched.clear()
-        pointers = _check(module, x, idx, w, cfg)
+        pointers = _check(module, x, idx, w, cfg, tol)
         assert not any(c["TMA"] for n, c in launched if n == "_grouped_kernel")
         monkeypatch.setattr(ops, "TMA", True)
-        assert relative_error(tma, pointers.cpu().double()) < 1e-6
+        # the GPU: wgmma through TMA and the pointer path's dots may accumulate differently (then requantise)
+        assert relative_error(tma, pointers.cpu().double()) < (GPU_TOL if CUDA else 1e-6)
 
 
 def test_quantize_rows_into_block_order():
