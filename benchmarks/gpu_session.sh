@@ -33,7 +33,8 @@
 #           ours (needs the hub kernel's source in .carry/finegrained_fp8/: hf_fp8_gpu.py);   part25: part23's
 #           failed TMA test again, the whole grid;   part26: Qwen T=4096 host vs kernel time after host-side trims,
 #           the whole grid;   part27: CUDA tests of the align riding on x's quantisation, its A/B at T=1,8, the Qwen
-#           T=1,8 retune, the Qwen grid at T <= 64.
+#           T=1,8 retune, the Qwen grid at T <= 64;   part28: CUDA tests of swapped tiles, the Qwen T=1,8 retune with
+#           them among the candidates, the Qwen grid at T <= 64.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -522,6 +523,21 @@ part27)
   stamp "quant grid: the Qwen shapes, T <= 64"
   timeout 160 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,64 \
     --out "$OUT/quant" --budget-s 140 2>&1 | tail -16 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part28)
+  stamp "CUDA tests: swapped tiles, config round trip, TMA block order, align riding"
+  timeout -s INT 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
+    -k "swapped or table_lookup or tma_path_reads or align_rides" >"$OUT/tests.txt" 2>&1
+  tail -4 "$OUT/tests.txt" | tee -a "$LOG"
+  stamp "fp8 tune: T=1,8, the Qwen shapes (swapped tiles among the candidates)"
+  timeout 260 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8 \
+    --formats fp8 --budget-s 230 --out plugins/quant_kernels/configs/NVIDIA_H200.json 2>&1 | grep "T=" \
+    >"$OUT/tune.txt"; cat "$OUT/tune.txt" >>"$LOG"
+  cp plugins/quant_kernels/configs/NVIDIA_H200.json "$OUT/"
+  stamp "quant grid: the Qwen shapes, T <= 64"
+  timeout 110 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,64 \
+    --out "$OUT/quant" --budget-s 95 2>&1 | tail -16 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
   ;;
 esac

@@ -251,6 +251,8 @@ def test_tuned_table_lookup(tmp_path):
     combined = {**cfg, "COMBINE": "kernel"}
     assert configs.decode(configs.encode(combined))["COMBINE"] == "kernel"
     assert configs.decode(configs.encode(cfg))["COMBINE"] is None
+    swapped = {**cfg, "down": {"BLOCK_N": 64, "SWAP": 1}}  # the custom op carries a swapped tile too
+    assert configs.decode(configs.encode(swapped))["down"] == {"BLOCK_N": 64, "SWAP": 1}
     with pytest.raises(ValueError, match="QUANT_X"):
         configs.normalize({"QUANT_X": "twice"})
     with pytest.raises(ValueError, match="COMBINE"):
@@ -378,6 +380,33 @@ def test_split_k_gate_up_finished_by_its_last_share(route, layout, fmt, monkeypa
         split = _check(module, x, idx, w, {**base, "gate_up": {"BLOCK_N": bn, "SPLIT_K": shares}})
         assert [(g[1], f) for g, f in launched if f is not None][0] == (shares, True)  # gate_up: shares, finished
         assert relative_error(split, whole.cpu().double()) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", FORMATS + [pytest.param(("fp4", "ue8m0", None), id="fp4")])
+@pytest.mark.parametrize("layout", FINISH_LAYOUTS, ids=str)
+def test_swapped_tiles_match(layout, fmt, monkeypatch):
+    """SWAP (kernels._mma: weights on the MMA's M side, the block's rows on its N side) gives the plain tiles'
+    result up to the order of fp32 sums: both projections, pair blocks and sorted blocks, one-row scale tiles
+    (ONE_SCALE_ROW) and per-column scales, a gate_up split in K and finished by its last share."""
+    from plugins.quant_kernels import ops
+
+    swaps = []
+    real = ops.launch
+    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: swaps.append(consts.get("SWAP"))
+                        or real(fn, grid, args, consts, *a))  # fmt: skip
+    h = 3 * 128 if fmt[0] == "fp4" else 96
+    module = Q.quantize_experts(make_experts(4, h, 64, layout, device=DEV, seed=44), *fmt)
+    idx, w = random_routing(3, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
+    x = torch.randn(3, h, device=DEV)
+    bn = 64 if fmt[0] == "fp4" else 32
+    for route, split in (("pairs", 1), ("sorted", 1), ("pairs", 2)):
+        plain = {"BLOCK_M": 16, "ROUTE": route, "gate_up": {"BLOCK_N": bn, "SPLIT_K": split}, "down": {"BLOCK_N": 32}}
+        swapped = {**plain, "gate_up": {**plain["gate_up"], "SWAP": 1}, "down": {"BLOCK_N": 32, "SWAP": 1}}
+        want = _check(module, x, idx, w, plain)
+        swaps.clear()
+        got = _check(module, x, idx, w, swapped)
+        assert [sw for sw in swaps if sw is not None] == [True, True]  # both grouped launches swapped
+        assert relative_error(got, want.cpu().double()) < 1e-5
 
 
 @pytest.mark.parametrize("layout", [Layout(bias=True), Layout(interleaved=True, expert_parallel=True)], ids=str)

@@ -35,6 +35,7 @@ def test_tuner_candidates_run_the_layers_launches(monkeypatch):
     monkeypatch.setattr(tune, "_time", lambda fn, graph: timed.append(fn()) or 1e-6 * len(timed))  # fake timer
     monkeypatch.setattr(tune, "GATE_UP", {16: ((32, 4, 4), (32, 4, 4, 2))})
     monkeypatch.setattr(tune, "DOWN", {"small": ((32, 4, 4), (32, 4, 4, 2)), "large": ((32, 4, 4),)})
+    monkeypatch.setattr(tune, "SWAPPED", {"gate_up": ((32, 4, 4, 1, 1),), "down": ((32, 4, 4, 1, 1),)})
     monkeypatch.setattr(tune, "block_m_candidates", lambda pairs, e: (16,))
     torch.manual_seed(0)
     e, h, i, k = 4, 1024, 768, 2  # gate_up: 8 K steps (split 2 allowed); down: 6 (split 2 allowed for pair blocks)
@@ -48,5 +49,7 @@ def test_tuner_candidates_run_the_layers_launches(monkeypatch):
     assert any(c["COMBINE"] and c["SPLIT_K"] == 2 for c in grouped)  # a split pair-block down, combined in-kernel
     assert any(c["FINISH"] and c["SPLIT_K"] == 2 for c in grouped)  # a split gate_up, finished in-kernel
     assert "_combine_kernel" in [n for n, _ in launched]  # sorted blocks: the combine launch
+    assert any(c["SWAP"] for c in grouped) and not all(c["SWAP"] for c in grouped)  # swapped tiles tried too
+    assert any(c["ALIGN"] for c in quants)  # sorted blocks' align timed riding on x's quantisation, as the layer runs
     config = configs.normalize(best["config"])
     assert config["ROUTE"] in ("pairs", "sorted") and config["gate_up"]["BLOCK_N"] == 32

@@ -24,7 +24,8 @@ from typing import Any
 from plugins.tile_tables import read_table
 
 CONFIG_DIR = Path(__file__).with_name("configs")
-GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_K")  # SPLIT_K: ops.split_k / finish_split
+# SPLIT_K: ops.split_k / finish_split; SWAP: 1 = weights on the MMA's M side (kernels._mma; grouped mode)
+GEMM_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_K", "SWAP")
 PARTS = ("gate_up", "down")
 QUANT_X = (None, "once", "loop")  # encoded as its index (0 = unset: the heuristic picks)
 ROUTE = (None, "sorted", "pairs")  # likewise

@@ -155,6 +155,22 @@ def _scaled(d, sa, ws, ONE_ROW: tl.constexpr):
 
 
 @triton.jit
+def _mma(acc, aq, b, sa, ws, MAX_IMPRECISE: tl.constexpr, ONE_ROW: tl.constexpr, SWAP: tl.constexpr):
+    """acc + one K tile's scaled dot of aq [BM, BK] and b [BK, BNC]. SWAP: acc is [BNC, BM], the product taken
+    as b^T aq^T, so the weight tile is the MMA's M side and the block's rows its N side (decode: on sm_90 a
+    native fp8 wgmma with 16 token columns, where [16, BK] x [BK, BNC] is an mma.sync on operands widened to f16)."""
+    if SWAP:
+        d = _dot(tl.trans(b), tl.trans(aq), MAX_IMPRECISE)
+        if ONE_ROW:
+            acc += d * (sa * ws)[None, :]
+        else:
+            acc += d * ws[:, None] * sa[None, :]
+    else:
+        acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_ROW)
+    return acc
+
+
+@triton.jit
 def _quant_rows(a, static_s, BM: tl.constexpr, STATIC: tl.constexpr, EXACT: tl.constexpr):
     """a [BM, BK] fp32 -> (e4m3 [BM, BK], scale [BM]) per row."""
     if STATIC:
@@ -316,6 +332,7 @@ def _grouped_kernel(
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, FINISH: tl.constexpr,
     PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr, TMA: tl.constexpr, SORTED_OUT: tl.constexpr,
+    SWAP: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -347,6 +364,8 @@ def _grouped_kernel(
     [E * w_rows, K]): no gather in the K loop, and the copy engine fills shared memory.
     SORTED_OUT: rows are stored in block order (slot pid_m * BLOCK_M + m, padding slots included), the layout
     the next TMA projection reads.
+    SWAP (``_mma``): the K loop accumulates the transposed tile (weights on the MMA's M side); the epilogue sees
+    the same [BLOCK_M, N] tile.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -384,15 +403,19 @@ def _grouped_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    W: tl.constexpr = 2 * BLOCK_N if GATED and INTERLEAVED else BLOCK_N  # stored channels of one tile
     if GATED and INTERLEAVED:
         offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         c_ok = offs_c < 2 * N
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     else:
         offs_c = offs_n
         c_ok = n_ok
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([W, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, W], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
     a_s_base = a_s_ptr + a_rows * stride_asm
     if SPLIT_K > 1:
@@ -419,22 +442,19 @@ def _grouped_kernel(
         else:
             a = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             aq, sa = _quant_rows(a.to(tl.float32), static_s, BLOCK_M, STATIC, EXACT)
-        if GATED and INTERLEAVED:
-            b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW,
-                                w_desc, w_row0 + pid_n * 2 * BLOCK_N, TMA)  # fmt: skip
-            acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_SCALE_ROW)
-        else:
-            b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0, EXACT, ONE_SCALE_ROW,
-                                w_desc, w_row0 + pid_n * BLOCK_N, TMA)  # fmt: skip
-            acc += _scaled(_dot(aq, b, MAX_IMPRECISE), sa, ws, ONE_SCALE_ROW)
-            if GATED:
-                bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
-                                      stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
-                                      EXACT, ONE_SCALE_ROW, w_desc, w_row0 + up_offset + pid_n * BLOCK_N,
-                                      TMA)  # fmt: skip
-                acc_u += _scaled(_dot(aq, bu, MAX_IMPRECISE), sa, wsu, ONE_SCALE_ROW)
+        b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
+                            stride_sn, stride_sk, BLOCK_K, W, FP4, UE8M0, EXACT, ONE_SCALE_ROW,
+                            w_desc, w_row0 + pid_n * W, TMA)  # fmt: skip
+        acc = _mma(acc, aq, b, sa, ws, MAX_IMPRECISE, ONE_SCALE_ROW, SWAP)
+        if GATED and not INTERLEAVED:
+            bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
+                                  stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
+                                  EXACT, ONE_SCALE_ROW, w_desc, w_row0 + up_offset + pid_n * BLOCK_N,
+                                  TMA)  # fmt: skip
+            acc_u = _mma(acc_u, aq, bu, sa, wsu, MAX_IMPRECISE, ONE_SCALE_ROW, SWAP)
+    if SWAP:  # back to [BLOCK_M, channels] for the epilogue (one register transpose per program)
+        acc = tl.trans(acc)
+        acc_u = tl.trans(acc_u)
 
     if FINISH:
         tile = pid_m * num_pid_n + pid_n

@@ -322,7 +322,7 @@ def _launch(
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
                  MAX_IMPRECISE=MAX_IMPRECISE_ACC, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c,
                  COMBINE=combine is not None, K_PAD=_next_pow2(top_k), TMA=a_sorted,
-                 SORTED_OUT=out_sorted),
+                 SORTED_OUT=out_sorted, SWAP=bool(cfg.get("SWAP"))),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:

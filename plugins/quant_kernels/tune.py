@@ -56,6 +56,12 @@ GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (
 DOWN = {"small": ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 3),
                   (32, 4, 4, 4), (64, 4, 4, 2), (64, 4, 4, 4), (64, 4, 4, 8), (128, 4, 4, 2), (128, 4, 4, 4)),
         "large": ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))}  # fmt: skip
+# 16-row blocks also with swapped tiles (SWAP, kernels._mma: weights on the MMA's M side, on sm_90 a native fp8
+# wgmma instead of an mma.sync on operands widened to f16): (BLOCK_N, num_warps, num_stages, SPLIT_K, 1)
+SWAPPED = {"gate_up": ((64, 4, 4, 1, 1), (128, 4, 3, 1, 1), (128, 4, 4, 1, 1), (128, 8, 3, 1, 1), (128, 4, 3, 2, 1),
+                       (128, 4, 3, 4, 1), (64, 4, 4, 2, 1)),
+           "down": ((64, 4, 4, 1, 1), (128, 4, 3, 1, 1), (128, 4, 4, 1, 1), (128, 8, 3, 1, 1), (128, 4, 4, 2, 1),
+                    (64, 4, 4, 2, 1))}  # fmt: skip
 SPLIT_MIN_STEPS = 32
 
 
@@ -146,20 +152,25 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
             combines = ("launch",)
         for part, options in (("gate_up", GATE_UP[bm]), ("down", DOWN[size])):
             variants = quant_x if part == "gate_up" else combines
+            options = options + (SWAPPED[part] if bm == 16 else ())
             # qx: where x is quantised (gate_up), or where the slots are added (down)
-            for (bn, warps, stages, *split), qx in itertools.product(options, variants):
+            for option, qx in itertools.product(options, variants):
+                bn, warps, stages = option[:3]
+                split, swap = (option[3] if len(option) > 3 else 1), (option[4] if len(option) > 4 else 0)
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "GROUP_M": 1 if bm <= 32 else 8}
+                if swap:
+                    cfg["SWAP"] = 1
                 if part == "down":
                     # a kernel that combines needs no launch to add the shares: shares of >= 3 steps there
-                    min_steps = 3 * split[0] if split and qx == "kernel" else SPLIT_MIN_STEPS
-                    if split and triton.cdiv(inter, 128) < min_steps:
+                    min_steps = 3 * split if split > 1 and qx == "kernel" else SPLIT_MIN_STEPS
+                    if split > 1 and triton.cdiv(inter, 128) < min_steps:
                         continue
-                    cfg["SPLIT_K"] = split[0] if split else 1
-                elif split:
+                    cfg["SPLIT_K"] = split
+                elif split > 1:
                     # each share keeps >= 4 K steps, or 2 with one-row blocks (their shares add real rows only)
-                    if qx != "once" or triton.cdiv(h, 128) < (2 if route == "pairs" else 4) * split[0]:
+                    if qx != "once" or triton.cdiv(h, 128) < (2 if route == "pairs" else 4) * split:
                         continue
-                    cfg["SPLIT_K"] = split[0]
+                    cfg["SPLIT_K"] = split
                 if part == "gate_up":
                     qo = bn % 128 == 0
                     up = lambda a, a_s, c: ops.projection(
@@ -169,7 +180,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     # as the layer does: x's quantisation also zeroes a split gate_up's counters and, where the down
                     # kernel combines, its counters and the output (with QUANT_X "loop", memsets do)
                     fused = "kernel" in combines
-                    n_counts = (routing[1].numel() * triton.cdiv(inter, bn) if split else 0) + (
+                    n_counts = (routing[1].numel() * triton.cdiv(inter, bn) if split > 1 else 0) + (
                         tokens * triton.cdiv(h, 16) if fused else 0)  # fmt: skip
                     c = counts[:n_counts] if n_counts else None
                     zero = out if fused else None
