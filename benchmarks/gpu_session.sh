@@ -34,7 +34,8 @@
 #           failed TMA test again, the whole grid;   part26: Qwen T=4096 host vs kernel time after host-side trims,
 #           the whole grid;   part27: CUDA tests of the align riding on x's quantisation, its A/B at T=1,8, the Qwen
 #           T=1,8 retune, the Qwen grid at T <= 64;   part28: CUDA tests of swapped tiles, the Qwen T=1,8 retune with
-#           them among the candidates, the Qwen grid at T <= 64.
+#           them among the candidates, the Qwen grid at T <= 64;   part29: the swapped-tile CUDA tests again, the
+#           whole grid, selector bench --formats.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -539,6 +540,13 @@ part28)
   timeout 110 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,64 \
     --out "$OUT/quant" --budget-s 95 2>&1 | tail -16 >>"$LOG"
   cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  ;;
+part29)
+  stamp "CUDA tests: swapped tiles (GPU tolerance), TMA block order"
+  timeout -s INT 120 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
+    -k "swapped or tma_path_reads" >"$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" | tee -a "$LOG"
+  quant_grid 250 230
+  bench_formats 150 30
   ;;
 esac
 stamp done

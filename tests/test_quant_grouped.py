@@ -387,7 +387,9 @@ def test_split_k_gate_up_finished_by_its_last_share(route, layout, fmt, monkeypa
 def test_swapped_tiles_match(layout, fmt, monkeypatch):
     """SWAP (kernels._mma: weights on the MMA's M side, the block's rows on its N side) gives the plain tiles'
     result up to the order of fp32 sums: both projections, pair blocks and sorted blocks, one-row scale tiles
-    (ONE_SCALE_ROW) and per-column scales, a gate_up split in K and finished by its last share."""
+    (ONE_SCALE_ROW) and per-column scales, a gate_up split in K and finished by its last share. On sm_90 the
+    swapped tile is an fp8 wgmma, whose reduced-precision accumulation moves a few requantised intermediates (the
+    H200 read up to 6.2e-4 against the reference, 7.7e-5 against the plain tiles): GPU_TOL there."""
     from plugins.quant_kernels import ops
 
     swaps = []
@@ -404,9 +406,9 @@ def test_swapped_tiles_match(layout, fmt, monkeypatch):
         swapped = {**plain, "gate_up": {**plain["gate_up"], "SWAP": 1}, "down": {"BLOCK_N": 32, "SWAP": 1}}
         want = _check(module, x, idx, w, plain)
         swaps.clear()
-        got = _check(module, x, idx, w, swapped)
+        got = _check(module, x, idx, w, swapped, GPU_TOL if CUDA else 1e-4)
         assert [sw for sw in swaps if sw is not None] == [True, True]  # both grouped launches swapped
-        assert relative_error(got, want.cpu().double()) < 1e-5
+        assert relative_error(got, want.cpu().double()) < (GPU_TOL if CUDA else 1e-5)
 
 
 @pytest.mark.parametrize("layout", [Layout(bias=True), Layout(interleaved=True, expert_parallel=True)], ids=str)
