@@ -488,6 +488,10 @@ def quantize_activations(x: torch.Tensor, group: int, static_scale: torch.Tensor
 
     Dynamic: s = amax / 448 over the group (1 where amax is 0), computed in float32; x / s as x * (1 / s),
     both correctly rounded. Static: s is the given per-tensor scale and values beyond +-448 saturate.
+    Both divisions take a tensor divisor: on CUDA torch divides by a Python scalar as a multiplication by its
+    rounded reciprocal, one ulp off the correctly rounded quotient the kernels compute, and bf16 inputs sit on
+    e4m3 ties often enough that this ulp flips codes (the reference computed on the H200 read 1.7-1.9e-2 from
+    the CPU's, where the kernels read 2-3e-3: benchmarks/reference_device_check.py).
     """
     x = x.to(torch.float32)
     rows, k = x.shape
@@ -495,10 +499,10 @@ def quantize_activations(x: torch.Tensor, group: int, static_scale: torch.Tensor
     xp = torch.nn.functional.pad(x, (0, groups * group - k)).reshape(rows, groups, group)
     if static_scale is None:
         amax = xp.abs().amax(dim=-1, keepdim=True)
-        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        s = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     else:
         s = torch.as_tensor(static_scale, dtype=torch.float32, device=x.device).reshape(-1, 1, 1).expand(rows, 1, 1)
-    r = 1.0 / s
+    r = torch.ones_like(s) / s
     q = (xp * r).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(torch.float32)
     return (q * s).reshape(rows, groups * group)[:, :k]
 
