@@ -35,7 +35,7 @@
 #           the whole grid;   part27: CUDA tests of the align riding on x's quantisation, its A/B at T=1,8, the Qwen
 #           T=1,8 retune, the Qwen grid at T <= 64;   part28: CUDA tests of swapped tiles, the Qwen T=1,8 retune with
 #           them among the candidates, the Qwen grid at T <= 64;   part29: the swapped-tile CUDA tests again, the
-#           whole grid, selector bench --formats.
+#           whole grid, selector bench --formats;   part30: the whole grid against the fixed reference.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh part1|part2
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -547,6 +547,9 @@ part29)
     -k "swapped or tma_path_reads" >"$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" | tee -a "$LOG"
   quant_grid 250 230
   bench_formats 150 30
+  ;;
+part30)  # the grid again with the reference's activation quantisation fixed (benchmarks/reference_device_check.py)
+  quant_grid 205 180
   ;;
 esac
 stamp done

@@ -6,9 +6,10 @@ One run, on one GPU:
    kernels multiply e4m3 tiles (the targets keep perf.md's floor);
 2. a correctness check of every quantised path (format x backend) on a small layer against the float64
    reference from the dequantised weights (`selector.quant.reference_forward`, activations quantised as the
-   kernels do): bf16 compute, bound GPU_BOUND = 2.5e-2 (the interpreter meets 1e-2, tests/test_quant.py; on the
-   GPU the intermediate's e4m3 re-quantisation lands on other codes more often: fp8_intermediate_rounding.py,
-   and DeepGEMM reads the same 1.5-1.7e-2 there);
+   kernels do): bf16 compute, bound GPU_BOUND = 1e-2 (the interpreter meets 1e-2, tests/test_quant.py; the
+   H200 reads 2-3e-3 since the reference quantises activations alike on the GPU and the CPU: until session 8
+   it divided by a Python scalar, which torch on CUDA does as a multiplication by the rounded reciprocal, and
+   every path read 1.3-2.1e-2 against it under a 2.5e-2 bound: benchmarks/reference_device_check.py);
 3. per shape of perf.md and T in --tokens: bf16 cells (grouped_mm, batched_mm, triton_fused where it loads)
    and quantised cells (fp8-f32, fp8-ue8m0, fp4 through batched_mm and grouped_mm), timed back to back with
    CUDA events around the whole run ("eager") and, for T <= 64, as CUDA-graph replays ("graph");
@@ -62,7 +63,7 @@ QUANT_TIMED = ("triton_fused", "batched_mm")  # grouped_mm runs the same grouped
 BATCHED_BF16_CAP = 40 * 2**30  # perf.md: batched_mm gathers T x k weight copies; cap its temporaries
 BATCHED_QUANT_MAX_PAIRS = 512  # one pair per program re-reads its expert's weights: decode only
 GRAPH_MAX_TOKENS = 64
-GPU_BOUND = 2.5e-2  # relative error vs float64 on the GPU (module docstring says why)
+GPU_BOUND = 1e-2  # relative error vs float64 on the GPU (module docstring says why)
 BUDGET = "budget spent (--budget-s)"
 SWEEP = [  # --sweep: tile configurations tried for the grouped quantised cells (both projections take the same)
     {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns} for bn in (32, 64, 128) for nw in (4, 8) for ns in (3, 4)
