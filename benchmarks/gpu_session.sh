@@ -105,6 +105,27 @@ align_ab() {
   done
 }
 
+# CUDA tests of test_quant_grouped.py matching -k "$2" within $1 s (SIGINT: pytest still prints its summary)
+grouped_tests() {
+  stamp "CUDA tests: $2"
+  timeout -s INT "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py -k "$2" \
+    >"$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" | tee -a "$LOG"
+}
+
+# fp8 retune of the Qwen shapes at T=1,8 within $1 s (the table travels back in $OUT), then their grid at T <= 64
+# within $2 s
+qwen_decode_tune_grid() {
+  local table=plugins/quant_kernels/configs/NVIDIA_H200.json shapes=qwen3-30b-a3b,qwen1.5-moe-a2.7b
+  stamp "fp8 tune: T=1,8, the Qwen shapes"
+  timeout $(($1 + 30)) python3 -m plugins.quant_kernels.tune --shapes $shapes --tokens 1,8 --formats fp8 \
+    --budget-s "$1" --out $table 2>&1 | grep "T=" >"$OUT/tune.txt"; cat "$OUT/tune.txt" >>"$LOG"
+  cp $table "$OUT/"
+  stamp "quant grid: the Qwen shapes, T <= 64"
+  timeout $(($2 + 15)) python3 benchmarks/quant_gpu.py --shapes $shapes --tokens 1,8,64 --out "$OUT/quant" \
+    --budget-s "$2" 2>&1 | tail -16 >>"$LOG"
+  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+}
+
 # selector bench with dense, fp8 and fp4 copies of Qwen3 side by side, within $1 s; the last $2 lines of its table
 bench_formats() {
   stamp "selector bench: dense, fp8 and fp4 side by side"
@@ -511,40 +532,16 @@ part26)
   quant_grid 230 210
   ;;
 part27)
-  stamp "CUDA tests: align riding on x's quantisation, split gate_up's real rows, in-kernel combine, TMA"
-  timeout -s INT 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
-    -k "align_rides or finished_by or combines_the_slots or one_block_per_pair or tma or zeroes" \
-    >"$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" | tee -a "$LOG"
+  grouped_tests 200 "align_rides or finished_by or combines_the_slots or one_block_per_pair or tma or zeroes"
   align_ab 1,8
-  stamp "fp8 tune: T=1,8, the Qwen shapes"
-  timeout 130 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8 \
-    --formats fp8 --budget-s 115 --out plugins/quant_kernels/configs/NVIDIA_H200.json 2>&1 | grep "T=" \
-    | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
-  cp plugins/quant_kernels/configs/NVIDIA_H200.json "$OUT/"
-  stamp "quant grid: the Qwen shapes, T <= 64"
-  timeout 160 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,64 \
-    --out "$OUT/quant" --budget-s 140 2>&1 | tail -16 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+  qwen_decode_tune_grid 115 140
   ;;
-part28)
-  stamp "CUDA tests: swapped tiles, config round trip, TMA block order, align riding"
-  timeout -s INT 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
-    -k "swapped or table_lookup or tma_path_reads or align_rides" >"$OUT/tests.txt" 2>&1
-  tail -4 "$OUT/tests.txt" | tee -a "$LOG"
-  stamp "fp8 tune: T=1,8, the Qwen shapes (swapped tiles among the candidates)"
-  timeout 260 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8 \
-    --formats fp8 --budget-s 230 --out plugins/quant_kernels/configs/NVIDIA_H200.json 2>&1 | grep "T=" \
-    >"$OUT/tune.txt"; cat "$OUT/tune.txt" >>"$LOG"
-  cp plugins/quant_kernels/configs/NVIDIA_H200.json "$OUT/"
-  stamp "quant grid: the Qwen shapes, T <= 64"
-  timeout 110 python3 benchmarks/quant_gpu.py --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,64 \
-    --out "$OUT/quant" --budget-s 95 2>&1 | tail -16 >>"$LOG"
-  cp "$OUT/quant/quant_gpu.json" "$OUT/quant/quant_gpu.md" "$OUT/" 2>/dev/null; rm -rf "$OUT/quant"
+part28)  # the tuner's candidates now include swapped tiles
+  grouped_tests 150 "swapped or table_lookup or tma_path_reads or align_rides"
+  qwen_decode_tune_grid 230 95
   ;;
 part29)
-  stamp "CUDA tests: swapped tiles (GPU tolerance), TMA block order"
-  timeout -s INT 120 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py \
-    -k "swapped or tma_path_reads" >"$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" | tee -a "$LOG"
+  grouped_tests 120 "swapped or tma_path_reads"
   quant_grid 250 230
   bench_formats 150 30
   ;;
