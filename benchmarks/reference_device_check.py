@@ -78,4 +78,3 @@ if __name__ == "__main__":
     main()
     print("the reference's steps, one expert of the small layer:")
     stages()
-    main()

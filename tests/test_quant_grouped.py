@@ -389,7 +389,7 @@ def test_swapped_tiles_match(layout, fmt, monkeypatch):
     result up to the order of fp32 sums: both projections, pair blocks and sorted blocks, one-row scale tiles
     (ONE_SCALE_ROW) and per-column scales, a gate_up split in K and finished by its last share. On sm_90 the
     swapped tile is an fp8 wgmma, whose reduced-precision accumulation moves a few requantised intermediates (the
-    H200 read up to 6.2e-4 against the reference, 7.7e-5 against the plain tiles): GPU_TOL there."""
+    H200 read up to 6.2e-4 against the reference, 7.7e-5 against the plain tiles): 2e-3 and 5e-4 there."""
     from plugins.quant_kernels import ops
 
     swaps = []
@@ -406,9 +406,9 @@ def test_swapped_tiles_match(layout, fmt, monkeypatch):
         swapped = {**plain, "gate_up": {**plain["gate_up"], "SWAP": 1}, "down": {"BLOCK_N": 32, "SWAP": 1}}
         want = _check(module, x, idx, w, plain)
         swaps.clear()
-        got = _check(module, x, idx, w, swapped, GPU_TOL if CUDA else 1e-4)
+        got = _check(module, x, idx, w, swapped, 2e-3 if CUDA else 1e-4)
         assert [sw for sw in swaps if sw is not None] == [True, True]  # both grouped launches swapped
-        assert relative_error(got, want.cpu().double()) < (GPU_TOL if CUDA else 1e-5)
+        assert relative_error(got, want.cpu().double()) < (5e-4 if CUDA else 1e-5)
 
 
 @pytest.mark.parametrize("layout", [Layout(bias=True), Layout(interleaved=True, expert_parallel=True)], ids=str)
@@ -506,6 +506,7 @@ def test_align_rides_on_x_quantisation(monkeypatch):
     x = torch.randn(6, 96, device=DEV)
     counts = torch.full((40,), 3, dtype=torch.int32, device=DEV)
     for bm in (16, 64):
+        counts.fill_(3)
         plan = ops.plan_align(ids, 8, bm)
         q, s = ops.quantize_rows(x, 32, counts=counts, align=plan)
         sorted_rows, block_expert = fused_kernels.align(ids, 8, bm)

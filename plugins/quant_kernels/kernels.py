@@ -347,7 +347,8 @@ def _grouped_kernel(
     SPLIT_K: program_id(1) sums its share of the K tiles. Linear epilogues (no gate, no activation, no
     QUANT_OUT) write that partial sum (fp32; bias from share 0 only) to out + program_id(1) * stride_os, and the
     combine adds the shares. At decode a long K loop over few programs is latency bound (Mixtral's down: K=14336).
-    FINISH (any other epilogue): each share writes its fp32 sums (PART_W columns, then the up half's BLOCK_N) to
+    FINISH (any other epilogue): each share writes its fp32 sums (PART_W columns, then, gated over concatenated
+    channels, the up half's BLOCK_N) to
     part_ptr and counts itself in count_ptr[tile] (zeroed by the caller); the last one to arrive adds every
     share in share order (the same bits whichever arrives last) and runs the epilogue alone. Only the real rows
     are written and read (a pair block's one row of 16; padding rows finish from zeros).
@@ -388,7 +389,8 @@ def _grouped_kernel(
         rows = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
         first = tl.load(sorted_ptr + pid_m * BLOCK_M)
     row_ok = rows < num_valid
-    # padding slots read the block's first row (always a real pair): finite values, never stored
+    # padding slots read the block's first row (always a real pair): finite values, stored only in block order
+    # (SORTED_OUT)
     if TMA:  # A (and its scales) in block order
         a_rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
     else:

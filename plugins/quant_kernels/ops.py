@@ -156,7 +156,8 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
                   slots: tuple | None = None, a_div: int = 0,
                   align: AlignPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)]).
-    `block_r`, `num_warps`: rows per program and its warps (benchmarks sweep them; None: the default below).
+    `block_r`, `num_warps`: rows per program and its warps (benchmarks sweep them; None: the default below; with
+    `align`, at least the align program's warps).
     The same launch fills `zero` (shaped like x, its last dim contiguous) and `counts` (int32) with zeros.
     `slots` (a sorted routing from ``route``): one row per block slot, in block order, for a TMA projection
     (``projection(a_sorted=True)``); with `a_div` > 0 x holds token rows and slot r quantises x[sorted[r] // a_div]
@@ -189,7 +190,7 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
         ids, num_valid, num_experts, max_blocks = align.args[0], align.args[4], align.args[5], align.args[7]
         sorted_rows, block_expert, bm = align.sorted_rows, align.block_expert, align.consts["BLOCK_M"]
         num_warps = max(num_warps, align.num_warps)
-    if rows:
+    if rows and s.shape[1]:
         block_r = block_r or (16 if rows <= 4096 else 64)
         consts = align.consts if align is not None else dict(CHUNK=1, SUB=1, E_PAD=1, B_TILE=1)
         launch(

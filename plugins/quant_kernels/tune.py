@@ -190,8 +190,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                         fn = lambda: up(*ops.quantize_rows(x, 128, counts=c, slots=routing, a_div=top_k), c)
                     elif qx == "once":
                         fn = lambda: up(*ops.quantize_rows(x, 128, zero=zero, counts=c, align=ride), c)
-                    else:
-                        fn = lambda: (_zero(c, zero), up(x, None, c))
+                    else:  # no quantisation launch for a riding align (t_align is 0 then): its own launch, here
+                        fn = lambda: (_zero(c, zero), ride is not None and run_align(ride), up(x, None, c))
                     extra = 0.0 if qo else t_qi
                 elif qx == "kernel":  # the kernel combines; its counters zeroed here
                     c = counts[: tokens * triton.cdiv(h, bn)]

@@ -25,8 +25,8 @@ def _load():  # noqa: ANN202
 
 def _estimate(problem: Problem, env: Environment) -> float:
     # Four launches (align, two GEMMs, combine) and GEMMs near the floor: see benchmarks/ for the measurements.
-    # Quantised experts run plugins/quant_kernels' grouped path with this GPU's tuned tiles (one more launch:
-    # the activations are quantised up front).
+    # Quantised experts run plugins/quant_kernels' grouped path with this GPU's tuned tiles (the activations are
+    # quantised up front, in a launch that at decode also routes the pairs: about the same launch count).
     if problem.weight_format != "dense":
         return 28e-6 + 1.15 * floor_seconds(problem, env)
     return 25e-6 + 1.15 * floor_seconds(problem, env)

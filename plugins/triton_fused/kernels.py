@@ -477,9 +477,9 @@ def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 class AlignPlan(NamedTuple):
-    """The buffers ``align`` fills and the launches that fill them (``run_align``); `single`: one program of
-    `_align_kernel` does it all, with `args` / `consts` / `num_warps` (a caller may run that program inside a
-    kernel of its own: ``align_program``)."""
+    """The buffers ``align`` fills and the launches that fill them (``run_align``): `_align_kernel`'s `args`,
+    `consts` and `num_warps`, after ``_align_count_kernel`` over `partial` unless `single` (one program does it
+    all, and a caller may run that program inside a kernel of its own: ``align_program``)."""
 
     sorted_rows: torch.Tensor
     block_expert: torch.Tensor
