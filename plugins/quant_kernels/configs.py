@@ -6,12 +6,12 @@ missing key is filled by the heuristics. ``"QUANT_X": "once" | "loop"`` says whe
 (dynamic scales): once up front by ``quantize_rows`` (one more launch; the default), or inside the gate_up K loop
 (every N tile redoes it; slower in every decode cell tuned on the H200, so only on request). ``"ROUTE": "sorted" |
 "pairs"``: pairs sorted by expert into BLOCK_M blocks (the align; at decode one more program of x's quantisation
-launch), or one 16-row block per pair (decode: no align; an expert hit twice is read twice). ``"COMBINE": "kernel" | "launch"``: the down kernel adds each
-token's k slots itself (``kernels._combine_rows``; the default for pair blocks; never on the TMA path), or a
-combine launch does (the default for sorted blocks). ``"SWAP": 1`` in a GEMM's config: the weight tile on the
-MMA's M side and the block's rows on its N side (``kernels._mma``; on sm_90 a native fp8 wgmma for 16-row blocks,
-which the H200's decode entries use). BLOCK_K is not a knob: it is the activation group (the K
-tile that one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
+launch), or one 16-row block per pair (decode: no align; an expert hit twice is read twice).
+``"COMBINE": "kernel" | "launch"``: the down kernel adds each token's k slots itself (``kernels._combine_rows``;
+the default for pair blocks; never on the TMA path), or a combine launch does (the default for sorted blocks).
+``"SWAP": 1`` in a GEMM's config: the weight tile on the MMA's M side and the block's rows on its N side
+(``kernels._mma``; on sm_90 a native fp8 wgmma for 16-row blocks, which the H200's decode entries use). BLOCK_K
+is not a knob: it is the activation group (the K tile that one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
 triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..`` (fp4 likewise) and then by token count; the entry
 nearest to T in log scale is used. Written by ``python -m plugins.quant_kernels.tune``.
 """
