@@ -80,28 +80,20 @@ tma_ab() {
   done
 }
 
-# the layer A/B of the down kernel's own combine: fp8 cells at T=$1, the launch (SELECTOR_QUANT_FUSED_COMBINE=0)
-# then the kernel (part23 ran it while sorted blocks defaulted to the kernel's combine; since then the switch only
-# moves pair blocks, and sorted blocks combine in the kernel only where a table entry says so)
-combine_ab() {
-  for fused in 0 1; do
-    stamp "T=$1 fp8 cells, SELECTOR_QUANT_FUSED_COMBINE=$fused"
-    SELECTOR_QUANT_FUSED_COMBINE=$fused timeout 90 python3 benchmarks/quant_gpu.py --tokens "$1" --formats fp8-f32 \
-      --bf16-backends triton_fused --quant-backends triton_fused --no-check --out "$OUT/ab$fused" 2>&1 | grep "T=" \
-      | tail -12 >>"$LOG"
-    cp "$OUT/ab$fused/quant_gpu.json" "$OUT/quant_combine$fused.json" 2>/dev/null; rm -rf "$OUT/ab$fused"
-  done
-}
-
-# the layer A/B of the align riding on x's quantisation: Qwen fp8 and bf16 cells at T=$1, the align's own launch
-# (SELECTOR_QUANT_FUSED_ALIGN=0) then riding
-align_ab() {
-  for ride in 0 1; do
-    stamp "T=$1 Qwen fp8 cells, SELECTOR_QUANT_FUSED_ALIGN=$ride"
-    SELECTOR_QUANT_FUSED_ALIGN=$ride timeout 100 python3 benchmarks/quant_gpu.py --tokens "$1" --formats fp8-f32 \
-      --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --bf16-backends triton_fused --quant-backends triton_fused \
-      --no-check --out "$OUT/ab$ride" 2>&1 | grep "T=" | tail -8 >>"$LOG"
-    cp "$OUT/ab$ride/quant_gpu.json" "$OUT/quant_align$ride.json" 2>/dev/null; rm -rf "$OUT/ab$ride"
+# a layer A/B of a switch: fp8 cells (triton_fused beside bf16's) at T=$3 with $1=0, then $1=1; the cells' JSON
+# kept as quant_$2{0,1}.json; $4...: more quant_gpu.py arguments. Part23: SELECTOR_QUANT_FUSED_COMBINE (the down
+# kernel's own combine, while sorted blocks defaulted to it; since then the switch only moves pair blocks, and sorted
+# blocks combine in the kernel only where a table entry says so). Part27: SELECTOR_QUANT_FUSED_ALIGN (the align's
+# own launch, then riding on x's quantisation), Qwen shapes.
+switch_ab() {
+  local var=$1 name=$2 tokens=$3
+  shift 3
+  for on in 0 1; do
+    stamp "T=$tokens fp8 cells, $var=$on"
+    env "$var=$on" timeout 100 python3 benchmarks/quant_gpu.py --tokens "$tokens" --formats fp8-f32 \
+      --bf16-backends triton_fused --quant-backends triton_fused --no-check --out "$OUT/ab$on" "$@" 2>&1 \
+      | grep "T=" | tail -12 >>"$LOG"
+    cp "$OUT/ab$on/quant_gpu.json" "$OUT/quant_$name$on.json" 2>/dev/null; rm -rf "$OUT/ab$on"
   done
 }
 
@@ -489,7 +481,7 @@ part23)
   stamp "CUDA tests: quantised grouped path (tracebacks in tests.txt)"
   timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_quant_grouped.py >"$OUT/tests.txt" 2>&1
   tail -6 "$OUT/tests.txt" | tee -a "$LOG"
-  combine_ab 1,8,64
+  switch_ab SELECTOR_QUANT_FUSED_COMBINE combine 1,8,64
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: T=1 then 8, every shape"
   timeout 130 python3 -m plugins.quant_kernels.tune --tokens 1,8 --formats fp8 --budget-s 115 --out $table \
@@ -533,7 +525,7 @@ part26)
   ;;
 part27)
   grouped_tests 200 "align_rides or finished_by or combines_the_slots or one_block_per_pair or tma or zeroes"
-  align_ab 1,8
+  switch_ab SELECTOR_QUANT_FUSED_ALIGN align 1,8 --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b
   qwen_decode_tune_grid 115 140
   ;;
 part28)  # the tuner's candidates now include swapped tiles

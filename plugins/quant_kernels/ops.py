@@ -187,8 +187,9 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
     if align is not None:
         if slots is not None or not align.single:
             raise ValueError("quantize_rows: align needs a one-program plan (plan_align) and no slots")
-        ids, num_valid, num_experts, max_blocks = align.args[0], align.args[4], align.args[5], align.args[7]
+        ids, num_valid, num_experts = align.ids, align.ids.numel(), align.num_experts
         sorted_rows, block_expert, bm = align.sorted_rows, align.block_expert, align.consts["BLOCK_M"]
+        max_blocks = block_expert.numel()
         num_warps = max(num_warps, align.num_warps)
     if rows and s.shape[1]:
         block_r = block_r or (16 if rows <= 4096 else 64)

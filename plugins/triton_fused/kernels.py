@@ -477,17 +477,25 @@ def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 class AlignPlan(NamedTuple):
-    """The buffers ``align`` fills and the launches that fill them (``run_align``): `_align_kernel`'s `args`,
-    `consts` and `num_warps`, after ``_align_count_kernel`` over `partial` unless `single` (one program does it
-    all, and a caller may run that program inside a kernel of its own: ``align_program``)."""
+    """What ``align`` fills and how (``run_align`` launches it): `_align_kernel`'s constexprs and warps, and, for
+    many pairs, the per-chunk counts `partial` that ``_align_count_kernel`` fills first. Without them (`single`)
+    one program does it all, and a caller may run that program inside a kernel of its own (``align_program``)."""
 
+    ids: torch.Tensor
+    num_experts: int
     sorted_rows: torch.Tensor
     block_expert: torch.Tensor
-    single: bool
-    args: tuple
     consts: dict
     num_warps: int
-    partial: torch.Tensor | None  # per-chunk counts of the two-launch path
+    partial: torch.Tensor | None
+
+    @property
+    def single(self) -> bool:
+        return self.partial is None
+
+    @property
+    def chunks(self) -> int:
+        return 1 if self.single else cdiv(self.ids.numel(), self.consts["CHUNK"])
 
 
 def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
@@ -498,35 +506,36 @@ def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> 
     sorted_rows = _empty(mb * block_m, torch.int32, dev, 1 << 30)
     block_expert = _empty(mb, torch.int32, dev, -1)
     e_pad = max(16, _next_pow2(num_experts))
-    b_tile = 16 if block_m >= 64 else 32
+    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, NCH_SUB=16, B_TILE=16 if block_m >= 64 else 32)
     warps = 8 if e_pad >= 128 else 4
     if n <= _SINGLE_ALIGN_MAX:
         chunk = max(16, _next_pow2(n))
-        args = (top_k_ids_flat, sorted_rows, sorted_rows, block_expert, n, num_experts, 1, mb)
-        consts = dict(BLOCK_M=block_m, CHUNK=chunk, SUB=min(64, chunk), E_PAD=e_pad, NCH_SUB=16, B_TILE=b_tile,
-                      SINGLE=True)  # fmt: skip
-        return AlignPlan(sorted_rows, block_expert, True, args, consts, warps, None)
+        consts.update(CHUNK=chunk, SUB=min(64, chunk), SINGLE=True)
+        return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, None)
     # up to ~256 chunks of >= 512 pairs: the scatter loop is latency bound, ~4 us per 64-pair step (run 3:
     # 134 us with 64 chunks of 2048 at T*k = 131072; ~40 us with chunks of 512), while each program also
     # reads the whole [chunks, E] count table. The 256-chunk setting itself is not measured yet.
     chunk = max(_ALIGN_CHUNK, _next_pow2(cdiv(n, 256)))
-    chunks = cdiv(n, chunk)
-    partial = _empty(chunks * e_pad, torch.int32, dev, 1 << 20)
-    args = (top_k_ids_flat, partial, sorted_rows, block_expert, n, num_experts, chunks, mb)
-    consts = dict(BLOCK_M=block_m, CHUNK=chunk, SUB=64, E_PAD=e_pad, NCH_SUB=16 if e_pad <= 256 else 8,
-                  B_TILE=b_tile, SINGLE=False)  # fmt: skip
-    return AlignPlan(sorted_rows, block_expert, False, args, consts, warps, partial)
+    consts.update(CHUNK=chunk, SUB=64, NCH_SUB=16 if e_pad <= 256 else 8, SINGLE=False)
+    partial = _empty(cdiv(n, chunk) * e_pad, torch.int32, dev, 1 << 20)
+    return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, partial)
 
 
 def run_align(plan: AlignPlan) -> None:
     """The launches of a plan from ``plan_align``."""
+    n, chunks = plan.ids.numel(), plan.chunks
     if not plan.single:
-        ids, n, num_experts, chunks = plan.args[0], plan.args[4], plan.args[5], plan.args[6]
         launch(
-            _align_count_kernel, (chunks,), (ids, plan.partial, n, num_experts),
+            _align_count_kernel, (chunks,), (plan.ids, plan.partial, n, plan.num_experts),
             dict(CHUNK=plan.consts["CHUNK"], E_PAD=plan.consts["E_PAD"]), plan.num_warps,
         )  # fmt: skip
-    launch(_align_kernel, (1 if plan.single else plan.args[6],), plan.args, plan.consts, plan.num_warps)
+    partial = plan.sorted_rows if plan.single else plan.partial  # unused by the one-program path
+    launch(
+        _align_kernel, (chunks,),
+        (plan.ids, partial, plan.sorted_rows, plan.block_expert, n, plan.num_experts, chunks,
+         plan.block_expert.numel()),
+        plan.consts, plan.num_warps,
+    )  # fmt: skip
 
 
 def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
