@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     report["cuda_libs"] = preload_cuda_libs()
     _say(f"CUDA libraries for deep_gemm/_C.so: {report['cuda_libs']}")
 
-    import plugins.deepgemm
-    import plugins.grouped_mm
-    import plugins.triton_fused
+    import selector.plugins.deepgemm
+    import selector.plugins.grouped_mm
+    import selector.plugins.triton_fused
     import selector
-    from probes import collect_environment
+    from selector.probes import collect_environment
     from selector.bench import calls_for, make_layer, measure_ceilings, random_routing, reference_rows
     from selector.bench import time_back_to_back, time_first_call
     from selector.environment import current_environment, set_environment
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from selector.registry import get_registry, register_plugin
     from selector.requirements import evaluate
 
-    for plugin in (plugins.deepgemm, plugins.grouped_mm, plugins.triton_fused):
+    for plugin in (selector.plugins.deepgemm, selector.plugins.grouped_mm, selector.plugins.triton_fused):
         register_plugin(plugin, name=plugin.__name__.split(".")[-1])
     env = collect_environment(packages=("torch", "kernels", "triton", "huggingface-hub", "pluggy"))
     set_environment(env)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        from plugins.deepgemm.forward import load_deepgemm
+        from selector.plugins.deepgemm.forward import load_deepgemm
 
         dg = load_deepgemm()
         report["kernel_module"] = f"{dg.module.__name__} from {getattr(dg.module, '__file__', '?')}"
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
         row: dict = {"shape": name, "format": fmt if fmt == "dense" else f"{fmt}/{scale_fmt}", "T": t}
         out, row["first_call_s"] = time_first_call(torch, lambda: layer(x, index, weights))
-        row["backend_ran"] = layer.__dict__.get("_selector_last_backend")
+        row["backend_ran"] = selector.last_backend(layer)
         sample = min(t, 16)
         if fmt == "dense":
             ref = reference_rows(torch, layer, x, index, weights, sample)

@@ -109,7 +109,7 @@ grouped_tests() {
 qwen_decode_tune_grid() {
   local table=plugins/quant_kernels/configs/NVIDIA_H200.json shapes=qwen3-30b-a3b,qwen1.5-moe-a2.7b
   stamp "fp8 tune: T=1,8, the Qwen shapes"
-  timeout $(($1 + 30)) python3 -m plugins.quant_kernels.tune --shapes $shapes --tokens 1,8 --formats fp8 \
+  timeout $(($1 + 30)) python3 -m selector.plugins.quant_kernels.tune --shapes $shapes --tokens 1,8 --formats fp8 \
     --budget-s "$1" --out $table 2>&1 | grep "T=" >"$OUT/tune.txt"; cat "$OUT/tune.txt" >>"$LOG"
   cp $table "$OUT/"
   stamp "quant grid: the Qwen shapes, T <= 64"
@@ -133,7 +133,7 @@ tests_tune_grid() {
   stamp "CUDA tests: $1"
   timeout "$2" python3 -m pytest -q -p no:cacheprovider $1 2>&1 | tail -3 | tee -a "$LOG"
   stamp "fp8 tune: T=$3, every shape"
-  timeout $(($4 + 15)) python3 -m plugins.quant_kernels.tune --tokens "$3" --formats fp8 --budget-s "$4" --out $table \
+  timeout $(($4 + 15)) python3 -m selector.plugins.quant_kernels.tune --tokens "$3" --formats fp8 --budget-s "$4" --out $table \
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -3 >>"$LOG"
   cp $table "$OUT/"
   quant_grid $(($5 + 20)) "$5"
@@ -196,7 +196,7 @@ part4)
   cp "$OUT/dg/deepgemm_gpu.json" "$OUT/" 2>/dev/null; rm -rf "$OUT/dg"
   stamp "quant tune: Qwen shapes, T >= 512"
   cp plugins/quant_kernels/configs/NVIDIA_H200.json "$OUT/quant_configs_H200.json"
-  timeout 100 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 512,4096 \
+  timeout 100 python3 -m selector.plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 512,4096 \
     --formats fp8 --budget-s 75 --out "$OUT/quant_configs_H200.json" 2>&1 | tail -4 | tee -a "$LOG"
   cp "$OUT/quant_configs_H200.json" plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "quant bench: Qwen shapes, T >= 512"
@@ -225,9 +225,9 @@ part5)
   timeout 80 python3 -m pytest -q -p no:cacheprovider -x tests/test_quant_grouped.py 2>&1 | tail -6 >>"$LOG"
   stamp "fp8 tune: decode layouts (T=1, 8), then Qwen T >= 512"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
-  timeout 110 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b,mixtral-8x7b \
+  timeout 110 python3 -m selector.plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b,mixtral-8x7b \
     --tokens 1,8 --formats fp8 --budget-s 90 --out $table >>"$LOG" 2>&1
-  timeout 95 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 512,4096 \
+  timeout 95 python3 -m selector.plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 512,4096 \
     --formats fp8 --budget-s 75 --out $table >>"$LOG" 2>&1
   cp $table "$OUT/"
   stamp "quant bench (GPU 0)"
@@ -248,9 +248,9 @@ part6)
     2>&1 | tail -6 >>"$LOG"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: T=1 with split K (Mixtral, DeepSeek), T=8 layouts (all)"
-  timeout 80 python3 -m plugins.quant_kernels.tune --shapes mixtral-8x7b,deepseek-v3 --tokens 1 --formats fp8 \
+  timeout 80 python3 -m selector.plugins.quant_kernels.tune --shapes mixtral-8x7b,deepseek-v3 --tokens 1 --formats fp8 \
     --budget-s 65 --out $table >>"$LOG" 2>&1
-  timeout 110 python3 -m plugins.quant_kernels.tune --tokens 8 --formats fp8 --budget-s 95 --out $table >>"$LOG" 2>&1
+  timeout 110 python3 -m selector.plugins.quant_kernels.tune --tokens 8 --formats fp8 --budget-s 95 --out $table >>"$LOG" 2>&1
   cp $table "$OUT/"
   stamp "quant bench (GPU 0)"
   timeout 190 python3 benchmarks/quant_gpu.py --out "$OUT/quant" --budget-s 170 2>&1 | tail -36 >>"$LOG"
@@ -280,7 +280,7 @@ part8)
   timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_quant_grouped.py 2>&1 | tail -4 | tee -a "$LOG"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: Qwen T=1, x quantised up front or in the K loop"
-  timeout 70 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1 --formats fp8 \
+  timeout 70 python3 -m selector.plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1 --formats fp8 \
     --budget-s 55 --try-quant-x-loop --out $table 2>&1 | tee -a "$LOG" | grep -c "T=1"
   cp $table "$OUT/"
   stamp "quant bench"
@@ -318,7 +318,7 @@ part10)
     tests/test_graphs_policy.py tests/test_triton_fused_kernels.py 2>&1 | tail -5 | tee -a "$LOG"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: Qwen T=1,8,512,4096"
-  timeout 170 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,512,4096 \
+  timeout 170 python3 -m selector.plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 1,8,512,4096 \
     --formats fp8 --budget-s 150 --out $table 2>&1 | tail -3 | tee -a "$LOG"
   cp $table "$OUT/"
   stamp "host profile: decode replay"
@@ -364,7 +364,7 @@ part14)
   done
   stamp "fp8 tune: T=1, Qwen first"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
-  timeout 145 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 130 --out $table \
+  timeout 145 python3 -m selector.plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 130 --out $table \
     --shapes qwen1.5-moe-a2.7b,qwen3-30b-a3b,deepseek-v3,mixtral-8x7b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
   quant_grid 180 160
@@ -397,7 +397,7 @@ for t in (1, 8):
 PY
   stamp "fp8 tune: T=1, DeepSeek and Mixtral"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
-  timeout 90 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 75 --out $table \
+  timeout 90 python3 -m selector.plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 75 --out $table \
     --shapes deepseek-v3,mixtral-8x7b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
   quant_grid 180 160
@@ -419,7 +419,7 @@ part16)
   done
   stamp "fp8 tune: T=1, Qwen shapes"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
-  timeout 75 python3 -m plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 60 --out $table \
+  timeout 75 python3 -m selector.plugins.quant_kernels.tune --tokens 1 --formats fp8 --budget-s 60 --out $table \
     --shapes qwen1.5-moe-a2.7b,qwen3-30b-a3b 2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
   quant_grid 180 160
@@ -451,7 +451,7 @@ part19)
   tma_ab
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: T=4096 then 512, every shape"
-  timeout 130 python3 -m plugins.quant_kernels.tune --tokens 4096,512 --formats fp8 --budget-s 115 --out $table \
+  timeout 130 python3 -m selector.plugins.quant_kernels.tune --tokens 4096,512 --formats fp8 --budget-s 115 --out $table \
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
   quant_grid 150 130
@@ -464,7 +464,7 @@ part20)
     >"$OUT/tests.txt" 2>&1; tail -12 "$OUT/tests.txt" | tee -a "$LOG"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: T=512 then 4096, every shape"
-  timeout 140 python3 -m plugins.quant_kernels.tune --tokens 512,4096 --formats fp8 --budget-s 125 --out $table \
+  timeout 140 python3 -m selector.plugins.quant_kernels.tune --tokens 512,4096 --formats fp8 --budget-s 125 --out $table \
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
   tma_ab
@@ -484,7 +484,7 @@ part23)
   switch_ab SELECTOR_QUANT_FUSED_COMBINE combine 1,8,64
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: T=1 then 8, every shape"
-  timeout 130 python3 -m plugins.quant_kernels.tune --tokens 1,8 --formats fp8 --budget-s 115 --out $table \
+  timeout 130 python3 -m selector.plugins.quant_kernels.tune --tokens 1,8 --formats fp8 --budget-s 115 --out $table \
     2>&1 | grep "T=" | tee "$OUT/tune.txt" | tail -4 >>"$LOG"
   cp $table "$OUT/"
   stamp "quant grid, T <= 64"
@@ -500,7 +500,7 @@ part24)
   grep -E "passed|failed" "$OUT/tests.txt" | tee -a "$LOG"
   table=plugins/quant_kernels/configs/NVIDIA_H200.json
   stamp "fp8 tune: T=8, the Qwen shapes (sorted blocks' combine timed both ways)"
-  timeout 90 python3 -m plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 8 --formats fp8 \
+  timeout 90 python3 -m selector.plugins.quant_kernels.tune --shapes qwen3-30b-a3b,qwen1.5-moe-a2.7b --tokens 8 --formats fp8 \
     --budget-s 75 --out $table 2>&1 | grep "T=" >>"$LOG"
   cp $table "$OUT/"
   if [ -d .carry/finegrained_fp8 ]; then

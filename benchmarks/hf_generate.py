@@ -156,7 +156,7 @@ def parse_args() -> argparse.Namespace:
 def ensure_backends() -> list[str]:
     """selector's registry; when selector is not pip-installed (no entry points), register the built-ins."""
     import selector
-    from selector.model import reset_selection_caches
+    from selector.dispatch import reset_selection_caches
 
     names = selector.get_registry().names
     if not names:
@@ -441,16 +441,16 @@ def graph_break_reasons() -> list[str]:
 def observe_auto(model, ids, mask) -> dict[str, Any]:
     """Which selector backend ran the experts at prefill and at each decode step (uncompiled run)."""
     import selector.hf as hf
-    from selector.model import LAST_ATTR
+    from selector.dispatch import clear_last_backend, last_backend
 
     module = next(m for members in hf.experts_modules(model).values() for _, m in members)
     seen: list[tuple[int, str | None]] = []
 
     def pre(mod, args):
-        mod.__dict__.pop(LAST_ATTR, None)
+        clear_last_backend(mod)
 
     def post(mod, args, output):
-        seen.append((int(args[0].shape[0]), mod.__dict__.get(LAST_ATTR)))
+        seen.append((int(args[0].shape[0]), last_backend(mod)))
 
     handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:
@@ -468,7 +468,7 @@ def compile_mode_for(backend: str, model) -> str:
 
     import selector
     import selector.hf as hf
-    from selector.model import _RESOLVER, _declared_top_k, _static_problem
+    from selector import dispatch
 
     if backend == "eager":
         return "default"  # the module's own loop reads expert ids on the host
@@ -476,8 +476,8 @@ def compile_mode_for(backend: str, model) -> str:
         return "reduce-overhead"  # Transformers' batched_mm / grouped_mm have no host sync
     # what auto runs under torch.compile: one choice per layer, among compile-friendly backends
     module = next(m for members in hf.experts_modules(model).values() for _, m in members)
-    problem = replace(_static_problem(module, _declared_top_k(module)), compile=True)
-    pick = _RESOLVER.rank(problem).best
+    problem = replace(dispatch.problem_of(module, dispatch.declared_top_k(module)), compile=True)
+    pick = dispatch.rank_problem(problem).best
     spec = selector.get_registry().specs.get(pick)
     return "reduce-overhead" if spec is not None and spec.cuda_graph_safe else "default"
 

@@ -119,7 +119,7 @@ class Problem:
     def __init__(self, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bm: int) -> None:
         self.e, self.n, self.k = w.shape
         self.ids, self.w, self.ws, self.bm = ids, w, ws, bm
-        from plugins.quant_kernels import ops
+        from selector.plugins.quant_kernels import ops
 
         self.xq, self.xs = ops.quantize_rows(x, 128)  # pair order (the gathering variants)
         routing = ops.route("grouped", ids, self.e, {"BLOCK_M": bm, "ROUTE": "sorted"})
@@ -179,7 +179,7 @@ def timeit(fn) -> float:  # noqa: ANN001
 
 
 def shipped_fn(prob: Problem, config: dict):
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     routing = ops.route("grouped", prob.ids, prob.e, {"BLOCK_M": prob.bm, "ROUTE": "sorted"})
     return lambda: ops.projection("grouped", prob.xq, prob.w, prob.ws, routing, prob.ids.numel(), a_div=1,
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                      {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "GROUP_M": 8}],
                     results, deadline, log)  # fmt: skip
         probs.clear()
-    from plugins.quant_kernels import configs as C
+    from selector.plugins.quant_kernels import configs as C
 
     table = C.load_table(torch.cuda.get_device_name())
     for shape in a.shapes.split(","):

@@ -271,7 +271,7 @@ def run_cells(name: str, built: dict, tokens: int, ceilings: dict, args, log, de
                     continue
                 try:
                     if args.sweep and tokens >= 512 and fmt_name != "bf16" and backend == "triton_fused":
-                        from plugins.quant_kernels.forward import quant_experts_forward
+                        from selector.plugins.quant_kernels.forward import quant_experts_forward
 
                         best = None
                         for cfg in SWEEP:

@@ -79,7 +79,7 @@ def profile_cell(shape: str, tokens: int, fmt: str, host: bool = False, graphs: 
         os.environ[var] = "1" if graphs else "0"
     per_call = G.timed(run, "eager")
     issue = host_issue_time(run)
-    from plugins.triton_fused import kernels as fused_kernels
+    from selector.plugins.triton_fused import kernels as fused_kernels
 
     cached, before = len(fused_kernels._LAUNCH_CACHE), _alloc_events()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -117,8 +117,8 @@ def _event_time(fn, calls: int = 50) -> float:  # noqa: ANN001
 
 def micro(shape: str, tokens: int) -> list[dict]:
     """quantize_rows (x [T, H]) and combine (y [T*k, H] -> [T, H]) over their tile choices, device time each."""
-    from plugins.quant_kernels.ops import quantize_rows
-    from plugins.triton_fused.kernels import combine
+    from selector.plugins.quant_kernels.ops import quantize_rows
+    from selector.plugins.triton_fused.kernels import combine
 
     h, _, e, k = G.SHAPES[shape]
     dev = torch.device("cuda")

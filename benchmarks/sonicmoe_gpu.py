@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    import plugins.eager
-    import plugins.grouped_mm
-    import plugins.sonicmoe as sonic
+    import selector.plugins.eager
+    import selector.plugins.grouped_mm
+    import selector.plugins.sonicmoe as sonic
     import selector
-    from probes import collect_environment
+    from selector.probes import collect_environment
     from selector.bench import calls_for, make_layer, measure_ceilings, random_routing, reference_rows
     from selector.bench import time_back_to_back, time_first_call
     from selector.environment import current_environment
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from selector.registry import get_registry, register_plugin
     from selector.requirements import evaluate
 
-    for plugin in (plugins.sonicmoe, plugins.grouped_mm, plugins.eager):
+    for plugin in (selector.plugins.sonicmoe, selector.plugins.grouped_mm, selector.plugins.eager):
         register_plugin(plugin, name=plugin.__name__.split(".")[-1])
     env = collect_environment(packages=("torch", "kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi", "sonic-moe",
                                         "quack-kernels", "huggingface-hub", "pluggy"))
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
         row: dict = {"T": t, "padded_T": sonic.padded_tokens(t)}
         out, row["first_call_s"] = time_first_call(torch, lambda: layer(x, index, weights))
-        row["backend_ran"] = layer.__dict__.get("_selector_last_backend")
+        row["backend_ran"] = selector.last_backend(layer)
         sample = min(t, 32)
         ref = reference_rows(torch, layer, x, index, weights, sample)
         row["rel_err_sonicmoe"] = float((out[:sample].double() - ref).norm() / ref.norm().clamp_min(1e-30))

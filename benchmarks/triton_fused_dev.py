@@ -31,18 +31,18 @@ sys.path.insert(0, str(ROOT))
 def _import_plugin():
     """Import kernels/configs/tune; if the package __init__ (someone else's) fails, bypass it with stubs."""
     try:
-        from plugins.triton_fused import configs, kernels, tune
+        from selector.plugins.triton_fused import configs, kernels, tune
 
         return kernels, configs, tune
     except Exception:
         traceback.print_exc()
         print("!! package import failed; loading the kernel modules without plugins/triton_fused/__init__.py")
-        for name in ("plugins", "plugins.triton_fused"):
+        for name in ("plugins", "selector.plugins.triton_fused"):
             sys.modules.pop(name, None)
             mod = types.ModuleType(name)
             mod.__path__ = [str(ROOT / name.replace(".", "/"))]
             sys.modules[name] = mod
-        return tuple(importlib.import_module(f"plugins.triton_fused.{m}") for m in ("kernels", "configs", "tune"))
+        return tuple(importlib.import_module(f"selector.plugins.triton_fused.{m}") for m in ("kernels", "configs", "tune"))
 
 
 K, C, TU = _import_plugin()

@@ -1,8 +1,9 @@
 """selector: picks the fastest correct Mixture-of-Experts experts backend for this machine, and explains why.
 
 Public API: the types plugins declare (`BackendSpec`, `Requirements`, `ToolkitRule`, `hookimpl`), the model
-API (`experts`, `set_experts_implementation`, `get_experts_implementation`, `explain_model`), and the
-ranking (`rank`, `Problem`, `Ranking`, `Availability`, `Status`).
+API (`experts`, `set_experts_implementation`, `get_experts_implementation`, `explain_model`), the dispatch
+core's (`run_experts`, `last_backend`, `explain_module`, `reset_selection_caches`), and the ranking (`rank`,
+`Problem`, `Ranking`, `Availability`, `Status`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ _LAZY = {
     "set_experts_implementation": "selector.model",
     "get_experts_implementation": "selector.model",
     "explain_model": "selector.model",
-    "reset_selection_caches": "selector.model",
-    "run_experts": "selector.model",
+    "reset_selection_caches": "selector.dispatch",
+    "run_experts": "selector.dispatch",
+    "last_backend": "selector.dispatch",
+    "explain_module": "selector.dispatch",
     "rank": "selector.ranking",
     "get_registry": "selector.registry",
     "register_plugin": "selector.registry",
@@ -41,15 +44,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from selector.dispatch import explain_module, last_backend, reset_selection_caches, run_experts
     from selector.environment import current_environment, set_environment
-    from selector.model import (
-        experts,
-        explain_model,
-        get_experts_implementation,
-        reset_selection_caches,
-        run_experts,
-        set_experts_implementation,
-    )
+    from selector.hf import from_config, from_pretrained
+    from selector.model import experts, explain_model, get_experts_implementation, set_experts_implementation
     from selector.ranking import rank
     from selector.registry import get_registry, register_plugin
 

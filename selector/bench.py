@@ -283,7 +283,7 @@ def _run_bench(
     import torch
 
     from selector.environment import current_environment
-    from selector.model import AUTO
+    from selector.dispatch import AUTO
     from selector.presets import preset
     from selector.registry import get_registry
 
@@ -347,7 +347,7 @@ def _time_cells(torch: Any, result: BenchResult, layer: Any, problem: Any, shape
     """Every backend's cells for one layer (one weight format) and one token count, appended to result.cells."""
     import selector
     from selector import quant
-    from selector.model import AUTO, LAST_ATTR
+    from selector.dispatch import AUTO, last_backend
 
     t, dtype_name = x.shape[0], problem.dtype
     elem = x.element_size()
@@ -366,12 +366,12 @@ def _time_cells(torch: Any, result: BenchResult, layer: Any, problem: Any, shape
     # what "auto" picks for this cell, through the model API itself
     selector.set_experts_implementation(layer, AUTO)
     layer(x, index, weights)
-    auto_name = layer.__dict__.get(LAST_ATTR)
+    auto_name = last_backend(layer)
 
     candidates: dict[str, Callable[..., Any] | None] = {}
     for name in backends or registry.names:
         verdict = selector.rank(problem, env, registry).excluded.get(name)
-        candidates[name] = None if verdict else registry.get(name).load()
+        candidates[name] = None if verdict else registry.get(name).loader(problem.weight_format)()
         if verdict:
             result.cells.extend(new_cell(name, mode, skipped=verdict.reason) for mode in modes)
     candidates.update(peers)

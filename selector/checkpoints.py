@@ -341,7 +341,7 @@ def _replace_dense(module: torch.nn.Module, up_name: str, up: torch.Tensor, down
         elif hasattr(module, name):
             delattr(module, name)
         module.register_parameter(name, torch.nn.Parameter(value.contiguous()))
-    Q._forget_caches(module)
+    Q.forget_caches(module)
 
 
 def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

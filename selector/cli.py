@@ -63,7 +63,7 @@ def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem 
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from probes import collect_environment
+    from selector.probes import collect_environment
     from selector.doctor import build_report
     from selector.registry import get_registry
     from selector.render import render_json, render_markdown, render_text
@@ -96,7 +96,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from probes import OVERRIDE_VARIABLES
+    from selector.probes import OVERRIDE_VARIABLES
 
     overrides = "\n".join(f"  {k:<28} {v}" for k, v in OVERRIDE_VARIABLES.items())
     parser = argparse.ArgumentParser(prog="selector", description="Pick and explain Mixture-of-Experts experts backends.")

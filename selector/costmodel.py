@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from probes import Environment
+from selector.probes import Environment
 from selector.types import Problem
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from probes import Environment, collect_environment
+from selector.probes import Environment, collect_environment
 from selector.tuning import record_key
 
 SOCKET_VARIABLE = "SELECTOR_DAEMON_SOCKET"

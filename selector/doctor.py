@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import selector
-from probes import Environment
+from selector.probes import Environment
 from selector.config import ConfigError, SelectorConfig, load_config
 from selector.ranking import rank
 from selector.registry import Registry

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from probes import Environment, collect_environment
+from selector.probes import Environment, collect_environment
 
 _CURRENT: Environment | None = None
 

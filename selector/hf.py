@@ -18,7 +18,7 @@ Names (decided once, in `register_with_transformers`):
   "sonicmoe", ...) keep meaning Transformers' own functions: importing selector never changes what an
   existing name runs. "eager" is always the module's original loop.
 
-Every selector name runs through `selector.model.run_experts`: input validation, then the same resolution
+Every selector name runs through `selector.dispatch.run_experts`: input validation, then the same resolution
 as the decorator API (an explicit backend that cannot run here raises ImportError/ValueError at the first
 forward, naming what is missing and the fix; "auto" skips it and records why).
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from selector import layers
-from selector import model as _model
+from selector import dispatch
 from selector.costmodel import TYPICAL_TOKENS
 from selector.types import Availability, Problem, Ranking
 
@@ -50,7 +50,7 @@ logger = logging.getLogger("selector.hf")
 MIN_TRANSFORMERS = "5.14"  # first release whose validation reads the experts interface and that has
 # get_experts_implementation / per-sub-config set_experts_implementation
 PREFIX = "selector:"
-AUTO = _model.AUTO
+AUTO = dispatch.AUTO
 EAGER = "eager"  # Transformers' name for the module's own forward: never registered, never shadowed
 # decode-phase swaps this module performs (Transformers performs "grouped_mm" -> "batched_mm" itself)
 DECODE_SWAPS: Mapping[str, str] = {PREFIX + "grouped_mm": PREFIX + "batched_mm"}
@@ -125,7 +125,7 @@ def _make_forward(request: str, quantized: bool = False) -> Callable[..., torch.
             _adopt_quantized(module, hidden_states.dtype)
             if request == AUTO:
                 return _quantized_auto(module, hidden_states, top_k_index, top_k_weights)
-        out = _model.run_experts(module, hidden_states, top_k_index, top_k_weights, implementation=request)
+        out = dispatch.run_experts(module, hidden_states, top_k_index, top_k_weights, implementation=request)
         if request == AUTO and not torch.compiler.is_compiling() and logger.isEnabledFor(logging.INFO):
             _log_auto_choice(module, hidden_states.shape[0], top_k_index.shape[1])
         return out
@@ -139,9 +139,9 @@ def _make_forward(request: str, quantized: bool = False) -> Callable[..., torch.
 
 
 def _log_auto_choice(module: torch.nn.Module, num_tokens: int, top_k: int) -> None:
-    name = module.__dict__.get(_model.LAST_ATTR)
-    problem = _model._static_problem(module, top_k)
-    key = (problem, _model.token_bucket(num_tokens), name)
+    name = dispatch.last_backend(module)
+    problem = dispatch.problem_of(module, top_k)
+    key = (problem, dispatch.token_bucket(num_tokens), name)
     if key in _LOGGED:
         return
     _LOGGED.add(key)
@@ -184,7 +184,7 @@ def register_with_transformers() -> dict[str, str]:
     """
     moe = check_transformers()
     interfaces = _interfaces(moe)
-    registry = _model._RESOLVER.get_registry()
+    registry = dispatch.get_backend_registry()
     with _LOCK:
         existing = [dict(interface.items()) for interface, _ in interfaces]
         wanted: dict[str, str] = {AUTO: AUTO}
@@ -241,13 +241,13 @@ def _quantized_plan(module: torch.nn.Module, num_tokens: int, top_k: int, decodi
 
     The fallback is what Transformers itself runs: grouped_mm, and batched_mm for the decode steps on an
     accelerator (its own decode-phase rule)."""
-    problem = _model._static_problem(module, top_k)
-    bucket = _model.token_bucket(num_tokens)
+    problem = dispatch.problem_of(module, top_k)
+    bucket = dispatch.token_bucket(num_tokens)
     swap = decoding and _accelerator_check(layers.up_weight(module).device)
     key = (problem, bucket, swap)
     plan = _QUANT_PLANS.get(key)
     if plan is None:
-        best = _model.explain_module(module, num_tokens=bucket, top_k=top_k).best
+        best = dispatch.explain_module(module, num_tokens=bucket, top_k=top_k).best
         if best is None:
             best = TRANSFORMERS_FALLBACK + ("batched_mm" if swap else "grouped_mm")
         plan = _QUANT_PLANS[key] = best
@@ -258,7 +258,7 @@ def _quantized_plan(module: torch.nn.Module, num_tokens: int, top_k: int, decodi
 def _quantized_plan_constant(uid: str, top_k: int) -> str:
     # only constants cross into a function dynamo runs eagerly: the module goes by its tracked id. The decode
     # flag is read here, not in the traced caller: Dynamo cannot trace ContextVar.get (a graph break per layer).
-    return _quantized_plan(_model._TRACKED[uid], TYPICAL_TOKENS, top_k, _DECODING.get())
+    return _quantized_plan(dispatch.tracked_module(uid), TYPICAL_TOKENS, top_k, _DECODING.get())
 
 
 def _quantized_auto(
@@ -266,24 +266,24 @@ def _quantized_auto(
 ) -> torch.Tensor:
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     if torch.compiler.is_compiling():
-        uid = getattr(module, "_selector_uid", None)  # getattr: traceable (see _adopt_quantized)
+        uid = dispatch.tracked_id(module)  # a getattr: traceable
         if uid is None:
             raise RuntimeError(
                 "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
                 "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
             )
-        plan = _quantized_plan_constant(uid, _model._traced_top_k(module))
+        plan = _quantized_plan_constant(uid, dispatch.traced_top_k(module))
     else:
-        _model.track(module)
+        dispatch.track(module)
         plan = _quantized_plan(module, num_tokens, top_k, _DECODING.get())
     if plan.startswith(TRANSFORMERS_FALLBACK):
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
 
         if not torch.compiler.is_compiling():
-            module.__dict__[_model.LAST_ATTR] = plan
+            dispatch.note_backend(module, plan)
         fn = FP8ExpertsInterface._global_mapping[plan[len(TRANSFORMERS_FALLBACK) :]]
         return fn(module, hidden_states, top_k_index, top_k_weights)
-    return _model.run_experts(module, hidden_states, top_k_index, top_k_weights, implementation=plan)
+    return dispatch.run_experts(module, hidden_states, top_k_index, top_k_weights, implementation=plan)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def experts_modules(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.n
     out: dict[str, list[tuple[str, torch.nn.Module]]] = {}
     for path, module in model.named_modules():
         if is_transformers_experts(module):
-            _model.track(module)  # so torch.compile can name it (see selector.model.track)
+            dispatch.track(module)  # so torch.compile can name it (see selector.dispatch.track)
             out.setdefault(_scope_of(root_config, module.config), []).append((path, module))
     return out
 
@@ -626,7 +626,7 @@ def selection_report(model: torch.nn.Module, tokens: Sequence[int] = REPORT_TOKE
         for path, module in members:
             if is_quantized(module):
                 _adopt_quantized(module, _config_dtype(module.config))
-            problem = _model._static_problem(module, _top_k(module))
+            problem = dispatch.problem_of(module, _top_k(module))
             groups.setdefault(problem, []).append(path)
             first.setdefault(problem, module)
             requested.setdefault(problem, module.config._experts_implementation)
@@ -648,14 +648,14 @@ def _scope_entry(
     request = names.get(requested) if isinstance(requested, str) else None
     if request is None:  # Transformers' own ("eager", "grouped_mm", ...)
         return ScopeSelection(scope, requested, "transformers", paths, problem, requested)
-    ranking = _model.explain_module(module, top_k=problem.top_k)
+    ranking = dispatch.explain_module(module, top_k=problem.top_k)
     if request == AUTO and is_quantized(module):  # no selector backend for the format: Transformers' FP8 one
         by_tokens = {t: _quantized_plan(module, t, problem.top_k, decoding=False) for t in tokens}
         chosen = ranking.best or TRANSFORMERS_FALLBACK + "grouped_mm"
         runs = "selector" if ranking.best else "transformers"
         return ScopeSelection(scope, requested, runs, paths, problem, chosen, by_tokens, ranking)
     if request == AUTO:
-        by_tokens = {t: _model.explain_module(module, num_tokens=t, top_k=problem.top_k).best for t in tokens}
+        by_tokens = {t: dispatch.explain_module(module, num_tokens=t, top_k=problem.top_k).best for t in tokens}
         return ScopeSelection(scope, requested, "selector", paths, problem, ranking.best, by_tokens, ranking)
     error = None
     if request in ranking.excluded:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from selector.types import Availability, Problem, Status
 
 if TYPE_CHECKING:
-    from probes import Environment
+    from selector.probes import Environment
 
 KERNELS_MIN_VERSION = "0.17"  # the `kernels` release whose loading rules this module mirrors
 DOCS = "docs/offline-kernels.md"
@@ -185,7 +185,7 @@ def system_build(env: Environment) -> SystemBuild:
     cpu = {"amd64": "x86_64", "arm64": "aarch64" if os_name == "darwin" else "arm64"}.get(cpu, cpu)
     tvm = env.package("apache-tvm-ffi")
     if tvm is None:  # not among the default probes: ask once, honouring SELECTOR_PACKAGE_APACHE_TVM_FFI
-        from probes import probe_packages
+        from selector.probes import probe_packages
 
         tvm = probe_packages(("apache-tvm-ffi",))[0]
     return SystemBuild(

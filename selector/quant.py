@@ -304,15 +304,12 @@ def quant_format(module: torch.nn.Module) -> QuantFormat | None:
     )
 
 
-# what the model API and the backends cache per module, keyed partly on the weights: forgotten on a format change
-_MODULE_CACHES = ("_selector_problem", "_selector_choices", "_selector_facts", "_selector_quant_plan")
-
-
-def _forget_caches(module: torch.nn.Module) -> None:
+def forget_caches(module: torch.nn.Module) -> None:
+    """Drop what the dispatch core and the backends cached about the module's weights (on a format change)."""
+    from selector.dispatch import forget_module
     from selector.graphs import forget
 
-    for key in _MODULE_CACHES:
-        module.__dict__.pop(key, None)
+    forget_module(module)
     forget(module)
 
 
@@ -385,7 +382,7 @@ def set_quantized(
     # Transformers' FP8Experts attribute names, so its own code reads the module too
     module.block_size = None if fmt.weight_format == "fp4" else list(fmt.block_size)
     module.activation_scheme = fmt.activation_quant
-    _forget_caches(module)
+    forget_caches(module)
     return module
 
 
@@ -449,7 +446,7 @@ def dequantize_experts(module: torch.nn.Module, dtype: torch.dtype | None = None
                  "block_size", "activation_scheme"):  # fmt: skip
         module.__dict__.pop(attr, None)
     module.selector_weight_format = "dense"
-    _forget_caches(module)
+    forget_caches(module)
     return module
 
 
@@ -474,7 +471,7 @@ def adopt_transformers_experts(module: torch.nn.Module, compute_dtype: torch.dty
     module.selector_activation_quant = fmt.activation_quant
     module.selector_compute_dtype = compute_dtype
     module.is_transposed = False
-    _forget_caches(module)
+    forget_caches(module)
     return module
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from probes import Environment
+from selector.probes import Environment
 from selector.config import SelectorConfig
 from selector.registry import Registry
 from selector.requirements import evaluate

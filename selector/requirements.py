@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from probes import Environment
+from selector.probes import Environment
 from selector.types import AVAILABLE, Availability, BackendSpec, Problem, Requirements, Status
 
 

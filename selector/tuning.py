@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from probes import Environment
+from selector.probes import Environment
 from selector.types import Problem
 
 DATA_DIR = Path(__file__).parent / "tuning_data"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # only for annotations
     import torch
 
-    from probes import Environment
+    from selector.probes import Environment
 
 
 class ExpertsForward(Protocol):
@@ -149,6 +149,9 @@ class BackendSpec:
     `load` imports the implementation only when it runs, so listing and ranking backends stays cheap.
     `check` covers what `requirements` cannot say; it returns None when it has nothing against the problem.
     `estimate` returns a relative cost (lower is faster) used to order the runnable backends.
+    `format_loads` names the forward for each quantised weight format the backend runs with another function
+    than its dense one (`requirements.weight_formats` lists which formats it runs at all): the dispatch core
+    picks (backend, format) -> forward once per module, so no forward branches on the format per call.
     """
 
     name: str
@@ -161,6 +164,11 @@ class BackendSpec:
     cuda_graph_safe: bool = True
     first_call_cost: str = ""  # e.g. "JIT-compiles 25-144 s on the first call of a shape"
     url: str = ""
+    format_loads: Mapping[str, Callable[[], ExpertsForward]] = field(default_factory=dict)
+
+    def loader(self, weight_format: str = "dense") -> Callable[[], ExpertsForward]:
+        """What imports the forward this backend runs for `weight_format`."""
+        return self.format_loads.get(weight_format, self.load)
 
 
 @dataclass(frozen=True)

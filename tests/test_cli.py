@@ -89,7 +89,7 @@ def test_plugins_json_lists_built_ins_with_their_distribution() -> None:
     result = run("plugins", "--json")
     assert result.returncode == 0
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
-    assert plugins["eager"]["distribution"].startswith("selector ")
+    assert plugins["eager"]["distribution"].startswith("moe-selector ")
     assert plugins["grouped_mm"]["backends"] == ["grouped_mm"]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from probes import collect_environment
+from selector.probes import collect_environment
 from selector import daemon
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 import selector  # noqa: E402
 import selector.hf as hf  # noqa: E402
 from selector import BackendSpec, Requirements, graphs, hookimpl  # noqa: E402
-from selector.model import LAST_ATTR, reset_selection_caches  # noqa: E402
+from selector.dispatch import clear_last_backend, last_backend, reset_selection_caches  # noqa: E402
 from selector.registry import register_plugin, unregister_plugin  # noqa: E402
 
 from transformers import AutoModelForCausalLM, CompileConfig, Qwen2MoeConfig, StaticCache  # noqa: E402
@@ -51,7 +51,7 @@ def _prompt(batch: int = 2, length: int = 6) -> torch.Tensor:
 
 
 def _load_fused():  # noqa: ANN202
-    from plugins.triton_fused.forward import triton_fused_experts_forward
+    from selector.plugins.triton_fused.forward import triton_fused_experts_forward
 
     return triton_fused_experts_forward
 
@@ -117,14 +117,14 @@ def test_tracing_leaves_the_experts_modules_untouched(name):
 
 @needs_interpreter
 def test_compiled_decode_is_one_graph_that_runs_the_fused_kernel(fused_cpu, monkeypatch):
-    from plugins.triton_fused import kernels
+    from selector.plugins.triton_fused import kernels
 
     model = _model("auto")
     ids = _prompt(batch=1, length=5)
     with torch.no_grad():
         eager_tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
                                       min_new_tokens=4, do_sample=False)
-    assert {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"fused_cpu"}
+    assert {last_backend(m) for m in _experts(model)} == {"fused_cpu"}
     calls: list[int] = []
     impl = kernels.fused_experts_impl
 
@@ -204,7 +204,7 @@ def test_decode_steps_replay_their_graph_and_never_record_again(fused_cpu, monke
                            min_new_tokens=new_tokens, do_sample=False)
             # one recording per layer and shape (prefill: 12 tokens, decode: 2), whatever the number of steps
             assert sorted(shapes[0][0] for shapes in _FakeRecording.made) == [2] * layers + [12] * layers
-    assert {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"fused_cpu"}
+    assert {last_backend(m) for m in _experts(model)} == {"fused_cpu"}
 
 
 @pytest.mark.gpu

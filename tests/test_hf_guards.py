@@ -5,7 +5,7 @@ Every call of a torch.compile'd model first evaluates its guards on the host; in
 compiled decode step of tiny Qwen2-MoE models (fp32, CPU) and bound what selector's dispatch adds:
 - no NO_HASATTR guard on an experts module: each is evaluated through nn.Module.__getattr__ raising
   AttributeError (Python, ~1 us), once per layer and call; selector pins the attributes it and the backends
-  read with a default (selector.model.PINNED_DEFAULTS, TOP_K_ATTR);
+  read with a default (selector.dispatch.PINNED_DEFAULTS, the k of the last call);
 - no guard on os.environ through selector's modules (environment reads stay out of traced code);
 - per layer at most one more guard evaluated in Python than batched_mm, and a bounded number of C++ ones.
 """
@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 import selector  # noqa: E402
 import selector.hf as hf  # noqa: E402
-from selector.model import LAST_ATTR, reset_selection_caches  # noqa: E402
+from selector.dispatch import clear_last_backend, last_backend, reset_selection_caches  # noqa: E402
 from selector.registry import register_plugin, unregister_plugin  # noqa: E402
 
 from transformers import AutoModelForCausalLM, CompileConfig, Qwen2MoeConfig, StaticCache  # noqa: E402
@@ -111,7 +111,7 @@ def test_auto_adds_no_slow_guards_over_batched_mm(auto_backend):
         for layers in (1, 3):
             lines[implementation, layers], model = _decode_guards(implementation, layers)
             if implementation == "auto":
-                ran = {m.__dict__[LAST_ATTR] for m in model.modules() if LAST_ATTR in m.__dict__}
+                ran = {last_backend(m) for m in model.modules() if last_backend(m) is not None}
                 assert ran == {auto_backend} if auto_backend != "auto" else len(ran) == 1
     auto = lines["auto", 3]
     slow = [line for line in auto if line.startswith("NO_HASATTR") and "_modules['experts']" in line]

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from selector.dispatch import last_backend
 from experts_fixtures import Layout, make_experts, random_routing, reference_experts, relative_error
 
 import selector
-from probes import DEFAULT_PACKAGES, collect_environment
+from selector.probes import DEFAULT_PACKAGES, collect_environment
 from selector import hub
 from selector.environment import set_environment
 from selector.errors import unavailable_error
@@ -53,8 +55,8 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     for variable in ("LOCAL_KERNELS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "SELECTOR_JIT_AMORTIZE_CALLS",
                      "SELECTOR_SONICMOE_PAD_TOKENS", "SELECTOR_KERNELS_LOCK"):
         monkeypatch.delenv(variable, raising=False)
-    import plugins.deepgemm as deepgemm
-    import plugins.sonicmoe as sonic
+    import selector.plugins.deepgemm as deepgemm
+    import selector.plugins.sonicmoe as sonic
 
     sonic.forget_compiled()
     deepgemm.forget_compiled()
@@ -163,7 +165,7 @@ def test_backends_registered_through_entry_points() -> None:
 
 def test_declaring_backends_imports_no_torch() -> None:
     code = (
-        "import sys; import plugins.deepgemm, plugins.deepgemm_megamoe, plugins.sonicmoe, selector.hub; "
+        "import sys; import selector.plugins.deepgemm, selector.plugins.deepgemm_megamoe, selector.plugins.sonicmoe, selector.hub; "
         "assert 'torch' not in sys.modules, 'torch imported'; assert 'kernels' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
@@ -275,7 +277,7 @@ def test_deepgemm_machine_errors_come_before_config_errors() -> None:
 
 def test_explicit_request_fails_at_first_forward_not_at_set_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the model API: the name is accepted, the first forward raises with the fix."""
-    import selector.model as model
+    import selector.dispatch as model
 
     set_environment(make_env(B200, nvcc="12.9"))
     real = model.problem_from_module
@@ -334,14 +336,14 @@ def world_of_one():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
-    from plugins.deepgemm_megamoe.forward import destroy_buffers
+    from selector.plugins.deepgemm_megamoe.forward import destroy_buffers
 
     destroy_buffers()
     dist.destroy_process_group()
 
 
 def test_megamoe_call_path_against_fake(fake_kernels: None, world_of_one) -> None:
-    from plugins.deepgemm_megamoe.forward import megamoe_experts_forward
+    from selector.plugins.deepgemm_megamoe.forward import megamoe_experts_forward
     from selector.quant import quantize_experts, reference_forward
 
     # with a process group up, the EP request is accepted (the fake's torch-cpu build fits a CPU torch)
@@ -361,7 +363,7 @@ def test_megamoe_call_path_against_fake(fake_kernels: None, world_of_one) -> Non
 
 
 def test_megamoe_forward_refuses_missing_group_and_wrong_weights(fake_kernels: None) -> None:
-    from plugins.deepgemm_megamoe.forward import megamoe_experts_forward
+    from selector.plugins.deepgemm_megamoe.forward import megamoe_experts_forward
     from selector.quant import quantize_experts
 
     dense = make_experts(4, 256, 256, dtype=torch.bfloat16)
@@ -389,7 +391,7 @@ def test_sonicmoe_needs_hopper_and_its_packages() -> None:
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
 def test_sonicmoe_gated_activations_map_to_glu_kernels(activation: str) -> None:
-    from plugins.sonicmoe import ACTIVATION_TYPES
+    from selector.plugins.sonicmoe import ACTIVATION_TYPES
 
     assert first_forward_error("sonicmoe", problem(activation=activation), make_env(H200)) is None
     assert ACTIVATION_TYPES[activation] in ("SWIGLU", "GEGLU", "REGLU")
@@ -628,7 +630,7 @@ def test_kernels_pyproject_is_what_kernels_lock_reads(tmp_path: Path) -> None:
 
 
 def test_padded_token_buckets() -> None:
-    from plugins.sonicmoe import padded_tokens
+    from selector.plugins.sonicmoe import padded_tokens
 
     assert [padded_tokens(t) for t in (1, 3, 4, 5, 9, 17, 33, 3000, 4096, 4097)] == [
         1, 3, 4, 5, 10, 20, 40, 3072, 4096, 5120]
@@ -638,7 +640,7 @@ def test_padded_token_buckets() -> None:
 
 
 def test_estimate_charges_pending_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    import plugins.sonicmoe as sonic
+    import selector.plugins.sonicmoe as sonic
     from selector.costmodel import floor_seconds
 
     env = make_env(H200, torch_cuda="")
@@ -661,7 +663,7 @@ def test_estimate_charges_pending_compiles(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_deepgemm_estimate_charges_download_and_jit(fake_kernels: None) -> None:
-    import plugins.deepgemm as dg
+    import selector.plugins.deepgemm as dg
 
     env = make_env(H100, torch_cuda="")  # the fake's torch-cpu variant fits: the kernel is local
     prob = problem(num_tokens=4096)
@@ -676,7 +678,7 @@ def test_deepgemm_estimate_charges_download_and_jit(fake_kernels: None) -> None:
 
 def test_auto_waits_for_a_warm_sonicmoe(monkeypatch: pytest.MonkeyPatch, fake_kernels: None) -> None:
     """Cold, SonicMoE's compile keeps it out of first place; warm, it wins large batches, loses T=1."""
-    import plugins.sonicmoe as sonic
+    import selector.plugins.sonicmoe as sonic
     from selector.config import SelectorConfig
     from selector.ranking import rank
     from selector.registry import build_registry
@@ -715,7 +717,7 @@ def _fake_module(name: str):
 @pytest.mark.parametrize("gpu", [H100, B200], ids=["hopper", "blackwell"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_deepgemm_bf16_layout_matches_reference(fake_kernels: None, gpu: str, layout: Layout) -> None:
-    from plugins.deepgemm.forward import deepgemm_experts_forward
+    from selector.plugins.deepgemm.forward import deepgemm_experts_forward
 
     set_environment(make_env(gpu))
     fake = _fake_module("deep-gemm")
@@ -733,7 +735,7 @@ def test_deepgemm_bf16_layout_matches_reference(fake_kernels: None, gpu: str, la
 
 
 def test_deepgemm_layout_rows_and_padding() -> None:
-    from plugins.deepgemm.forward import contiguous_layout
+    from selector.plugins.deepgemm.forward import contiguous_layout
 
     idx = torch.tensor([[2, 0], [0, 4], [2, 4], [4, 0]])  # expert 4 is the EP sentinel for E=4
     hopper = contiguous_layout(idx, num_experts=4, alignment=8, psum=False)
@@ -754,7 +756,7 @@ def test_deepgemm_layout_rows_and_padding() -> None:
 
 def test_deepgemm_combine_sums_slots_in_the_result_dtype() -> None:
     """float32 results keep float32 routing weights (exact to ~1e-7); bf16 results round them once (~2^-9)."""
-    from plugins.deepgemm.forward import combine, contiguous_layout
+    from selector.plugins.deepgemm.forward import combine, contiguous_layout
 
     idx, w = random_routing(9, 6, 3)
     lay = contiguous_layout(idx, num_experts=6, alignment=8, psum=False)
@@ -773,7 +775,7 @@ def test_deepgemm_combine_sums_slots_in_the_result_dtype() -> None:
 )
 def test_deepgemm_quantised_matches_reference(fake_kernels: None, gpu: str, weight_format: str,
                                              scale_format: str | None) -> None:
-    from plugins.deepgemm.forward import deepgemm_experts_forward
+    from selector.plugins.deepgemm.forward import deepgemm_experts_forward
     from selector.quant import quantize_experts, reference_forward
 
     set_environment(make_env(gpu))
@@ -812,7 +814,7 @@ def _older_deepgemm_api(fake) -> types.SimpleNamespace:
 
 
 def test_deepgemm_runs_an_earlier_release_api_on_hopper(fake_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from plugins.deepgemm import forward
+    from selector.plugins.deepgemm import forward
     from selector.quant import quantize_experts, reference_forward
 
     set_environment(make_env(H100))
@@ -838,7 +840,7 @@ def test_deepgemm_runs_an_earlier_release_api_on_hopper(fake_kernels: None, monk
 
 
 def test_deepgemm_quantised_forward_guards(fake_kernels: None) -> None:
-    from plugins.deepgemm.forward import deepgemm_experts_forward
+    from selector.plugins.deepgemm.forward import deepgemm_experts_forward
     from selector.quant import quantize_experts
 
     idx, w = random_routing(2, 4, 2)
@@ -868,7 +870,7 @@ SONIC_LAYOUTS = [
 
 @pytest.mark.parametrize("layout", SONIC_LAYOUTS, ids=str)
 def test_sonicmoe_layout_matches_reference(fake_kernels: None, layout: Layout) -> None:
-    from plugins.sonicmoe.forward import sonicmoe_experts_forward
+    from selector.plugins.sonicmoe.forward import sonicmoe_experts_forward
 
     fake = _fake_module("sonic-moe")
     fake.CALLS.clear()
@@ -885,7 +887,7 @@ def test_sonicmoe_layout_matches_reference(fake_kernels: None, layout: Layout) -
 @pytest.mark.parametrize(("act", "kind"), [(torch.nn.SiLU(), "SWIGLU"), (torch.nn.GELU(), "GEGLU"),
                                            (torch.nn.GELU(approximate="tanh"), "GEGLU"), (torch.nn.ReLU(), "REGLU")])
 def test_sonicmoe_activations(fake_kernels: None, act: torch.nn.Module, kind: str) -> None:
-    from plugins.sonicmoe.forward import sonicmoe_experts_forward
+    from selector.plugins.sonicmoe.forward import sonicmoe_experts_forward
 
     fake = _fake_module("sonic-moe")
     module = make_experts(4, 64, 32, dtype=torch.bfloat16, act=act, seed=2)
@@ -902,7 +904,7 @@ def test_sonicmoe_activations(fake_kernels: None, act: torch.nn.Module, kind: st
      (Layout(custom_gate=True, interleaved=True), None, "custom gate")],
 )
 def test_sonicmoe_forward_refuses_other_activations(fake_kernels: None, layout: Layout, act, what: str) -> None:
-    from plugins.sonicmoe.forward import sonicmoe_experts_forward
+    from selector.plugins.sonicmoe.forward import sonicmoe_experts_forward
 
     module = make_experts(4, 32, 16, layout, dtype=torch.bfloat16, act=act)
     idx, w = random_routing(3, 4, 2)
@@ -913,7 +915,7 @@ def test_sonicmoe_forward_refuses_other_activations(fake_kernels: None, layout: 
 
 def test_sonicmoe_kernel_without_concat_flag_gets_interleaved_weights(fake_kernels: None,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import plugins.sonicmoe.forward as forward
+    import selector.plugins.sonicmoe.forward as forward
 
     bundle = forward.load_sonicmoe()
     monkeypatch.setattr(forward, "_SONICMOE", replace(bundle, concat_flag=None))
@@ -931,7 +933,7 @@ def test_sonicmoe_kernel_without_concat_flag_gets_interleaved_weights(fake_kerne
 
 
 def test_sonicmoe_forward_records_compiles_and_warm_up(fake_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    import plugins.sonicmoe as sonic
+    import selector.plugins.sonicmoe as sonic
     from selector.problem import problem_from_module
 
     module = make_experts(4, 64, 32, dtype=torch.bfloat16)
@@ -946,7 +948,7 @@ def test_sonicmoe_forward_records_compiles_and_warm_up(fake_kernels: None, monke
 
 
 def test_sonicmoe_zero_tokens(fake_kernels: None) -> None:
-    from plugins.sonicmoe.forward import sonicmoe_experts_forward
+    from selector.plugins.sonicmoe.forward import sonicmoe_experts_forward
 
     module = make_experts(4, 32, 16, dtype=torch.bfloat16)
     out = sonicmoe_experts_forward(module, torch.zeros(0, 32).bfloat16(), torch.zeros(0, 2, dtype=torch.long),
@@ -954,7 +956,7 @@ def test_sonicmoe_zero_tokens(fake_kernels: None) -> None:
     assert out.shape == (0, 32)
 
 
-# --- end to end through selector.model, against the eager backend -----------------------------------------
+# --- end to end through the dispatch core, against the eager backend -----------------------------------------
 
 
 class _CpuFakePlugin:
@@ -968,9 +970,9 @@ class _CpuFakePlugin:
         def load(target: str):
             def _load():
                 if target == "deepgemm":
-                    from plugins.deepgemm.forward import deepgemm_experts_forward as fn
+                    from selector.plugins.deepgemm.forward import deepgemm_experts_forward as fn
                 else:
-                    from plugins.sonicmoe.forward import sonicmoe_experts_forward as fn
+                    from selector.plugins.sonicmoe.forward import sonicmoe_experts_forward as fn
                 return fn
 
             return _load
@@ -995,7 +997,7 @@ def test_model_api_runs_the_adapters_like_eager(fake_kernels: None, backend: str
         expected = module(x, idx, w)
         selector.set_experts_implementation(module, backend)
         out = module(x, idx, w)
-        assert module.__dict__["_selector_last_backend"] == backend
+        assert last_backend(module) == backend
         assert relative_error(out, expected.double()) < 2e-2
     finally:
         unregister_plugin("fake_cpu_backends")

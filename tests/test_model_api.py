@@ -9,7 +9,7 @@ from experts_fixtures import TOLERANCE, make_experts, random_routing, reference_
 import selector
 from selector import BackendSpec, Requirements, hookimpl
 from selector.errors import ExpertsInputError
-from selector.model import LAST_ATTR, reset_selection_caches
+from selector.dispatch import forget_module, last_backend, reset_selection_caches
 from selector.registry import register_plugin, unregister_plugin
 
 
@@ -54,8 +54,8 @@ def test_set_and_get_by_name_and_dict() -> None:
     x, idx, w = _inputs()
     model.vision.experts(x, idx, w)
     model.text[1].experts(x, idx, w)
-    assert model.vision.experts.__dict__[LAST_ATTR] == "batched_mm"
-    assert model.text[1].experts.__dict__[LAST_ATTR] == "eager"
+    assert last_backend(model.vision.experts) == "batched_mm"
+    assert last_backend(model.text[1].experts) == "eager"
 
 
 def test_unknown_name_fails_at_once_listing_names() -> None:
@@ -119,15 +119,15 @@ def test_unsupported_configuration_raises_value_error_on_forward(bf16_plugin) ->
 def test_auto_skips_quietly_and_switches_with_token_count(bf16_plugin) -> None:
     fp32 = make_experts(4, 16, 8, dtype=torch.float32)
     out = fp32(*_inputs())  # auto: the bf16-only fake is excluded quietly, a reference backend runs
-    assert fp32.__dict__[LAST_ATTR] != "fake_bf16_only" and out.abs().sum() > 0
+    assert last_backend(fp32) != "fake_bf16_only" and out.abs().sum() > 0
 
     bf16 = make_experts(4, 16, 8, dtype=torch.bfloat16)
     x, idx, w = _inputs(t=4)
     bf16(x.bfloat16(), idx, w)
-    assert bf16.__dict__[LAST_ATTR] == "fake_bf16_only"  # cheapest at few tokens
+    assert last_backend(bf16) == "fake_bf16_only"  # cheapest at few tokens
     x, idx, w = _inputs(t=100)
     bf16(x.bfloat16(), idx, w)
-    assert bf16.__dict__[LAST_ATTR] != "fake_bf16_only"  # re-ranked for the larger bucket
+    assert last_backend(bf16) != "fake_bf16_only"  # re-ranked for the larger bucket
     ranking = selector.explain_model(bf16, num_tokens=4)[""]
     assert ranking.best == "fake_bf16_only" and "triton_fused" in ranking.excluded
 
@@ -168,7 +168,7 @@ def test_sentinel_is_allowed_only_under_expert_parallelism() -> None:
         module(x, idx, w)
     module._is_expert_parallel = True
     reset_selection_caches()
-    module.__dict__.pop("_selector_problem", None)
+    forget_module(module)
     out = module(x, idx, w)
     assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
 
@@ -227,11 +227,11 @@ def test_validation_level_first_checks_values_once_per_shape(monkeypatch: pytest
 def test_compiled_modules_are_named_by_constant_ids() -> None:
     import copy
 
-    from selector.model import _TRACKED, track
+    from selector.dispatch import track, tracked_module
 
     module = make_experts(4, 16, 8)
     uid = track(module)
-    assert _TRACKED[uid] is module and track(module) == uid
+    assert tracked_module(uid) is module and track(module) == uid
     clone = copy.deepcopy(module)
     assert track(clone) != uid  # a copy is its own layer
 
@@ -254,7 +254,7 @@ def test_auto_skips_a_backend_whose_load_fails() -> None:
     try:
         module = make_experts(4, 16, 8)
         module(*_inputs())
-        assert module.__dict__[LAST_ATTR] not in ("fake_broken_load", None)
+        assert last_backend(module) not in ("fake_broken_load", None)
         selector.set_experts_implementation(module, "fake_broken_load")
         with pytest.raises(ImportError, match="shared object"):
             module(*_inputs())  # asked for by name: the failure is the user's to see

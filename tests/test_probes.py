@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import probes
-from probes import (
+from selector import probes
+from selector.probes import (
     OVERRIDE_VARIABLES,
     Environment,
     GpuDevice,
@@ -26,8 +26,8 @@ from probes import (
     probe_packages,
     probe_toolkit,
 )
-from probes import toolkit as toolkit_module
-from probes.packages import parse_torch_cuda
+from selector.probes import toolkit as toolkit_module
+from selector.probes.packages import parse_torch_cuda
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -825,7 +825,7 @@ def test_every_override_variable_is_documented() -> None:
 
 def test_probing_does_not_import_torch() -> None:
     code = (
-        "import sys, probes\n"
+        "import sys\nfrom selector import probes\n"
         "env = probes.collect_environment()\n"
         "assert env.package('torch') is not None\n"
         "print('torch' in sys.modules, any(m.startswith('torch.') for m in sys.modules))\n"

@@ -37,10 +37,10 @@ import torch
 from experts_fixtures import Layout, make_experts, random_routing, relative_error
 
 import selector
-from probes import collect_environment
+from selector.probes import collect_environment
 from selector import checkpoints as C
 from selector import quant as Q
-from selector.model import LAST_ATTR, reset_selection_caches
+from selector.dispatch import clear_last_backend, last_backend, reset_selection_caches
 from selector.problem import problem_from_module
 from selector.registry import build_registry
 from selector.requirements import evaluate
@@ -75,7 +75,7 @@ def quantised(e, h, i, fmt, layout=Layout(), dtype=torch.float32, seed=0, act=No
 
 
 def run(module, x, idx, w, mode, config=None):
-    from plugins.quant_kernels.forward import quant_experts_forward
+    from selector.plugins.quant_kernels.forward import quant_experts_forward
 
     return quant_experts_forward(module, x, idx, w, mode=mode, config=config)
 
@@ -338,7 +338,7 @@ def test_ranking_excludes_backends_that_cannot_run_the_format():
     x = torch.randn(4, 64, device=DEV)
     idx, w = random_routing(4, 4, 2, device=DEV)
     out = module(x, idx, w)  # auto
-    assert module.__dict__[LAST_ATTR] in ("batched_mm", "grouped_mm", "triton_fused")  # triton_fused: with a GPU
+    assert last_backend(module) in ("batched_mm", "grouped_mm", "triton_fused")  # triton_fused: with a GPU
     assert relative_error(out, Q.reference_forward(module, x, idx, w)) < 1e-4
     selector.set_experts_implementation(module, "eager")
     with pytest.raises(ValueError, match="'eager' cannot run here: does not run fp8_block expert weights"):
@@ -359,7 +359,7 @@ def test_quantising_in_place_after_a_dense_forward_re_chooses():
     Q.dequantize_experts(module)
     selector.set_experts_implementation(module, "eager")
     module(x, idx, w)  # dense again
-    assert module.__dict__[LAST_ATTR] == "eager"
+    assert last_backend(module) == "eager"
 
 
 def _env(**variables):

@@ -15,7 +15,7 @@ import torch
 from experts_fixtures import Layout, make_experts, random_routing, relative_error
 
 from selector import quant as Q
-from selector.model import reset_selection_caches
+from selector.dispatch import reset_selection_caches
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -36,7 +36,7 @@ def fresh():
 
 
 def _run(module, x, idx, w, config=None):
-    from plugins.quant_kernels.forward import quant_experts_forward
+    from selector.plugins.quant_kernels.forward import quant_experts_forward
 
     return quant_experts_forward(module, x, idx, w, mode="grouped", config=config)
 
@@ -51,7 +51,7 @@ def _check(module, x, idx, w, config, tol=1e-4):
 
 def test_quantize_rows_is_the_reference_quantisation():
     """Odd K (a partial last group), a zero row (scale 1, no NaN), values far apart in size."""
-    from plugins.quant_kernels.ops import quantize_rows
+    from selector.plugins.quant_kernels.ops import quantize_rows
 
     x = torch.randn(21, 200, device=DEV) * torch.logspace(-3, 3, 21, device=DEV)[:, None]
     x[3] = 0
@@ -64,7 +64,7 @@ def test_quantize_rows_is_the_reference_quantisation():
 
 def test_quantize_rows_reads_strided_rows():
     """A transposed view (column stride != 1) quantises like its contiguous copy."""
-    from plugins.quant_kernels.ops import quantize_rows
+    from selector.plugins.quant_kernels.ops import quantize_rows
 
     x = torch.randn(200, 21, device=DEV).t()
     q, s = quantize_rows(x, 64)
@@ -74,8 +74,8 @@ def test_quantize_rows_reads_strided_rows():
 
 def test_batched_mode_uses_the_callers_tile_config(monkeypatch):
     """A flat config given to the batched path reaches both GEMMs (it travels nested through the custom op)."""
-    from plugins.quant_kernels import ops
-    from plugins.quant_kernels.forward import quant_experts_forward
+    from selector.plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels.forward import quant_experts_forward
 
     seen = []
     real = ops.projection
@@ -138,13 +138,13 @@ def test_layouts(layout):
 
 
 def test_triton_fused_runs_quantised_experts():
-    """triton_fused's forward takes quantised modules to the same grouped path (same numbers)."""
-    from plugins.triton_fused.forward import triton_fused_experts_forward
+    """triton_fused declares the grouped quantised kernels as its forward for quantised formats (same numbers)."""
+    from selector.dispatch import backend_forward
 
     module = Q.quantize_experts(make_experts(4, 64, 32, device=DEV, seed=25), "fp8_block", "ue8m0", (32, 32))
     idx, w = random_routing(6, 4, 2, device=DEV)
     x = torch.randn(6, 64, device=DEV)
-    out = triton_fused_experts_forward(module, x, idx, w)
+    out = backend_forward("triton_fused", "fp8_block")(module, x, idx, w)
     assert torch.equal(out, _run(module, x, idx, w))
     assert relative_error(out, Q.reference_forward(module, x, idx, w)) < 1e-4
 
@@ -153,7 +153,7 @@ def test_triton_fused_runs_quantised_experts():
 def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypatch):
     """QUANT_X "loop" (decode: no quantize_rows launch; gate_up quantises its A tile per K step) computes the
     same e4m3 operands and scales as "once": the results are identical, and only "once" launches quantize_rows."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     calls = []
     real = ops.quantize_rows
@@ -175,7 +175,7 @@ def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypat
 def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
     """ROUTE "pairs" (decode: no align launch; pair p alone in block p, experts hit twice read twice) gives the
     sorted layout's result exactly, sentinel pairs included; it is the default for one token only."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     aligned = []
     real = ops.plan_align
@@ -200,7 +200,7 @@ def test_split_k_down_matches_one_share(layout, monkeypatch):
     """SPLIT_K on the down projection (decode, long K): shares of K summed by the combine in fp32, the bias
     counted once, sentinel pairs skipped; I = 96 over 32-wide groups leaves an uneven last share. The combine
     launch here (the down kernel's own combine: test_down_kernel_combines_the_slots_itself)."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     monkeypatch.setattr(ops, "FUSED_COMBINE", False)
 
@@ -224,7 +224,7 @@ def test_split_k_down_matches_one_share(layout, monkeypatch):
 
 
 def test_tuned_table_lookup(tmp_path):
-    from plugins.quant_kernels import configs
+    from selector.plugins.quant_kernels import configs
 
     cfg = {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 1}, "down": {"BLOCK_N": 64}}
     key = configs.shape_key(False, 8, 256, 128, 2)
@@ -280,7 +280,7 @@ def test_cached_plan_follows_replaced_weights():
 def test_eager_calls_skip_the_custom_op_with_the_same_result(monkeypatch):
     """Eager calls run the implementation directly (the op's dispatch costs host time); through the op
     (SELECTOR_QUANT_VIA_OP=1, and always under torch.compile) the result is identical, config included."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     module = Q.quantize_experts(make_experts(4, 64, 64, device=DEV, seed=30), "fp8_block", "float32", (32, 32))
     idx, w = random_routing(5, 4, 2, device=DEV)
@@ -301,7 +301,7 @@ def test_eager_calls_skip_the_custom_op_with_the_same_result(monkeypatch):
 def test_split_k_where_torch_runs_between_the_projections(layout, monkeypatch):
     """Layers whose gate or norm is torch code run the projections one by one: with a long K the down projection
     may split (a custom gate), but never before a post-expert norm, which needs each pair's whole output."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     monkeypatch.setattr(ops, "_target_programs", lambda device: 1 << 20)  # every projection looks too small
     splits = []
@@ -332,7 +332,7 @@ def test_autograd_is_not_silently_dropped():
 def test_one_scale_load_per_tile_where_a_tile_lies_in_one_scale_row(layout, fmt, monkeypatch):
     """A weight tile whose width divides the scale block's reads one scale per K step (ONE_SCALE_ROW); wider
     tiles gather one per column. Both give the reference result, for gate and up halves and interleaved pairs."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     flags = []
     real = ops.launch
@@ -362,7 +362,7 @@ def test_split_k_gate_up_finished_by_its_last_share(route, layout, fmt, monkeypa
     as one share up to the order of fp32 sums; uneven shares (K = 7 groups over 2, 3 and 5, one share empty). The
     interpreter runs programs in order, so the last share always arrives last here; the GPU runs order freely.
     Counters start from torch.zeros on every launch (poisoned buffers would not show a stale count here)."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     launched = []
     real = ops.launch
@@ -391,7 +391,7 @@ def test_swapped_tiles_match(layout, fmt, monkeypatch):
     swapped tile is an fp8 wgmma, whose reduced-precision accumulation moves a few requantised intermediates (the
     H200 read up to 6.2e-4 against the reference, 7.7e-5 against the plain tiles where that was reached): 2e-3
     for both there."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     swaps = []
     real = ops.launch
@@ -420,8 +420,8 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
     sentinel slots skipped and a token whose every slot is a sentinel left at zero. Sorted blocks do the same where
     a config says "COMBINE": "kernel". The interpreter runs programs in order, so the last arrival is always the
     last program here; the GPU runs them in any order (the CUDA run of this test)."""
-    from plugins.quant_kernels import ops
-    from plugins.triton_fused import kernels as fused_kernels
+    from selector.plugins.quant_kernels import ops
+    from selector.plugins.triton_fused import kernels as fused_kernels
 
     launched = []
 
@@ -479,7 +479,7 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
 
 def test_quantize_rows_zeroes_what_the_later_kernels_need():
     """The prologue launch clears a tensor shaped like x and an int32 counter buffer that held stale values."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     x = torch.randn(5, 96, device=DEV)
     zero = torch.full((5, 96), 7.0, device=DEV)
@@ -499,8 +499,8 @@ def test_align_rides_on_x_quantisation(monkeypatch):
     its own): the same routing buffers as the fused backend's align, every element written (poisoned buffers), the
     same quantised x, and the layer's output bit for bit as with the separate launch (SELECTOR_QUANT_FUSED_ALIGN=0).
     Above one program's worth of pairs the align keeps its own two launches."""
-    from plugins.quant_kernels import ops
-    from plugins.triton_fused import kernels as fused_kernels
+    from selector.plugins.quant_kernels import ops
+    from selector.plugins.triton_fused import kernels as fused_kernels
 
     monkeypatch.setattr(fused_kernels, "_POISON", True)
     ids = torch.tensor([3, 0, 3, 3, 7, 1, 3, 9, 0, 3, 5, 2], device=DEV)  # 9: an expert-parallel sentinel (E = 8)
@@ -546,7 +546,7 @@ def test_align_rides_on_x_quantisation(monkeypatch):
 def _tma_on(monkeypatch) -> None:
     """The TMA path's tests need it available (sm_90+ or the interpreter, a Triton with host descriptors) and
     switched on whatever SELECTOR_QUANT_TMA says."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     if ops.TensorDescriptor is None or (CUDA and torch.cuda.get_device_capability() < (9, 0)):
         pytest.skip("TMA needs sm_90+ and a Triton with host tensor descriptors")
@@ -556,7 +556,7 @@ def _tma_on(monkeypatch) -> None:
 def test_tma_path_with_k_split_in_shares(monkeypatch):
     """Split K on both TMA projections: gate_up's shares finished by the last to arrive (FINISH) and stored in
     block order, down's shares added by the combine; H = I = 96 over 32-wide groups: 3 K steps in 2 or 3 shares."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     _tma_on(monkeypatch)
     launched = []
@@ -588,7 +588,7 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
     activations and weights through TMA descriptors, the intermediate stays in block order (requantised in block
     order when the gate_up tile is narrower than a group). Same numbers as the pointer loads, and the reference's.
     I = 80 over 32-wide groups leaves a partial last group; skewed routing leaves padding slots and unused blocks."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     _tma_on(monkeypatch)
     launched = []
@@ -620,7 +620,7 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
 def test_quantize_rows_into_block_order():
     """slots + a_div: slot r holds x[sorted[r] // a_div] quantised, padding slots zeros (scale 1); the same rows
     as quantising x and gathering. Without a_div, x already in block order is quantised row for row."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     ids = torch.tensor([2, 0, 2, 2, 1, 2], device=DEV)  # 3 tokens x 2 slots; expert 3 unused
     routing = ops.route("grouped", ids, 4, {"BLOCK_M": 16, "ROUTE": "sorted"})
@@ -647,7 +647,7 @@ def test_quantize_rows_into_block_order():
 def test_tma_only_where_it_can_run(monkeypatch):
     """use_tma: sorted blocks of >= 64 rows, fp8 weights, contiguous with 16-byte rows; off by switch. A projection
     asked for block order without such a layout raises instead of reading the wrong rows."""
-    from plugins.quant_kernels import ops
+    from selector.plugins.quant_kernels import ops
 
     _tma_on(monkeypatch)
     ids = torch.randint(0, 4, (40,), device=DEV)

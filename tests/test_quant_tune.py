@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from selector.model import reset_selection_caches
+from selector.dispatch import reset_selection_caches
 
 
 @pytest.fixture(autouse=True)
@@ -21,8 +21,8 @@ def fresh():
 
 
 def test_tuner_candidates_run_the_layers_launches(monkeypatch):
-    from plugins.quant_kernels import configs, ops, tune
-    from plugins.triton_fused import kernels as fused_kernels
+    from selector.plugins.quant_kernels import configs, ops, tune
+    from selector.plugins.triton_fused import kernels as fused_kernels
 
     launched = []
 

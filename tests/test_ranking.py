@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from probes import collect_environment
+from selector.probes import collect_environment
 from selector.config import ConfigError, SelectorConfig, load_config, read_config_file
 from selector.ranking import rank
 from selector.registry import Registry, build_registry

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from selector.dispatch import last_backend
 from experts_fixtures import TOLERANCE, Layout, make_experts, random_routing, reference_experts, relative_error
 
 import selector
@@ -34,7 +36,7 @@ def _unsupported(backend: str, layout: Layout) -> bool:
 def _run(backend: str, module: torch.nn.Module, x, idx, w) -> torch.Tensor:
     selector.set_experts_implementation(module, backend)
     out = module(x, idx, w)
-    assert module.__dict__["_selector_last_backend"] == backend
+    assert last_backend(module) == backend
     return out
 
 
@@ -117,7 +119,7 @@ def test_results_are_deterministic(backend: str) -> None:
 
 
 def test_grouped_mm_loop_fallback_matches_native() -> None:
-    from plugins.grouped_mm.forward import grouped_mm_loop
+    from selector.plugins.grouped_mm.forward import grouped_mm_loop
 
     x = torch.randn(10, 8)
     weight = torch.randn(3, 8, 5)

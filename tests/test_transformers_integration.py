@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import selector  # noqa: E402
 import selector.hf as hf  # noqa: E402
-from selector.model import LAST_ATTR, reset_selection_caches  # noqa: E402
+from selector.dispatch import clear_last_backend, last_backend, reset_selection_caches  # noqa: E402
 from selector.registry import register_plugin, unregister_plugin  # noqa: E402
 from selector.types import Status  # noqa: E402
 
@@ -103,7 +103,7 @@ def _prompt(batch: int = 2, length: int = 6) -> torch.Tensor:
 
 def _runnable_here(model: torch.nn.Module) -> tuple[set[str], dict[str, Status]]:
     entry = hf.selection_report(model).entries[0]
-    ranking = selector.model.explain_module(_experts(model)[0], top_k=entry.problem.top_k)
+    ranking = selector.explain_module(_experts(model)[0], top_k=entry.problem.top_k)
     return {c.name for c in ranking.candidates}, {n: a.status for n, a in ranking.excluded.items()}
 
 
@@ -164,15 +164,15 @@ def test_backends_match_eager_logits_and_greedy_tokens(models, kind):
     assert {"eager", "batched_mm", "grouped_mm"} <= runnable
     scope = MOE_SCOPE.get(kind, "")
     for m in _experts(model):
-        m.__dict__.pop(LAST_ATTR, None)
+        clear_last_backend(m)
     with torch.no_grad():
         ref_logits = model(ids).logits
         ref_tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert all(LAST_ATTR not in m.__dict__ for m in _experts(model)), "'eager' is the module's own loop"
+    assert all(last_backend(m) is None for m in _experts(model)), "'eager' is the module's own loop"
     names = ["auto"] + [hf.PREFIX + n for n in sorted(runnable)] + ["grouped_mm", "batched_mm"]
     for name in names:
         for m in _experts(model):
-            m.__dict__.pop(LAST_ATTR, None)
+            clear_last_backend(m)
         model.set_experts_implementation(name)
         assert hf.get_experts_implementation(model)[scope] == name
         with torch.no_grad():
@@ -180,7 +180,7 @@ def test_backends_match_eager_logits_and_greedy_tokens(models, kind):
             tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"{kind} {name}: {m}")
         assert torch.equal(tokens, ref_tokens), f"{kind} {name}: greedy tokens differ"
-        ran = {m.__dict__.get(LAST_ATTR) for m in _experts(model)}
+        ran = {last_backend(m) for m in _experts(model)}
         if name.startswith(hf.PREFIX):
             assert ran == {name[len(hf.PREFIX):]}, f"{kind} {name} ran {ran}"
         elif name == "auto":
@@ -271,8 +271,8 @@ class _TokenCountPlugin:
     @staticmethod
     @selector.hookimpl
     def selector_backends():
-        from plugins.batched_mm.forward import batched_mm_experts_forward
-        from plugins.grouped_mm.forward import grouped_mm_experts_forward
+        from selector.plugins.batched_mm.forward import batched_mm_experts_forward
+        from selector.plugins.grouped_mm.forward import grouped_mm_experts_forward
 
         def cost(small: bool):
             # cheaper than every built-in (their estimates are microseconds or more)
@@ -301,10 +301,10 @@ def _spy(model: torch.nn.Module) -> tuple[list[tuple[int, str | None]], list]:
     calls: list[tuple[int, str | None]] = []
 
     def pre_hook(module, args):
-        module.__dict__.pop(LAST_ATTR, None)
+        clear_last_backend(module)
 
     def hook(module, args, output):
-        calls.append((args[0].shape[0], module.__dict__.get(LAST_ATTR)))
+        calls.append((args[0].shape[0], last_backend(module)))
 
     handles = [m.register_forward_pre_hook(pre_hook) for m in _experts(model)]
     handles += [m.register_forward_hook(hook) for m in _experts(model)]
@@ -322,7 +322,7 @@ def test_third_party_backends_registered_and_auto_switches_per_call_in_generate(
         model.set_experts_implementation("many_tokens")  # a third-party name, bare
         with torch.no_grad():
             model(ids)
-        assert {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"many_tokens"}
+        assert {last_backend(m) for m in _experts(model)} == {"many_tokens"}
 
         model.set_experts_implementation("auto")
         calls, handles = _spy(model)
@@ -353,7 +353,7 @@ def test_dict_per_sub_config(models):
     assert current["text_config"] == "selector:grouped_mm" and current["vision_config"] == "eager"
     with torch.no_grad():
         model(_prompt())
-    assert {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"grouped_mm"}
+    assert {last_backend(m) for m in _experts(model)} == {"grouped_mm"}
     assert hf.selection_report(model)["text_config"].chosen == "grouped_mm"
     model.set_experts_implementation("eager")
 
@@ -378,7 +378,7 @@ def test_from_config_with_dict(models):
     assert hf.get_experts_implementation(model)["text_config"] == "selector:batched_mm"
     with torch.no_grad():
         model(_prompt())
-    assert {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"batched_mm"}
+    assert {last_backend(m) for m in _experts(model)} == {"batched_mm"}
 
 
 def test_from_pretrained_local_directory(tmp_path, models):
@@ -389,7 +389,7 @@ def test_from_pretrained_local_directory(tmp_path, models):
     ids = _prompt()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, source(ids).logits, rtol=1e-4, atol=1e-4)
-    assert {m.__dict__[LAST_ATTR] for m in _experts(model)} <= _runnable_here(model)[0]
+    assert {last_backend(m) for m in _experts(model)} <= _runnable_here(model)[0]
     with pytest.raises(ValueError, match="match no sub-config"):
         selector.from_pretrained(AutoModelForCausalLM, tmp_path, experts_implementation={"vision_config": "auto"})
     with pytest.raises(ValueError, match="unknown experts implementation 'nope'"):
@@ -605,7 +605,7 @@ def _check_fp8_fallback(model, calls):
     with torch.no_grad():
         model.generate(ids, max_new_tokens=3, do_sample=False)
     assert calls == [("grouped_mm", 10)] * layers + [("batched_mm", 2)] * (2 * layers)
-    assert {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"transformers:batched_mm"}
+    assert {last_backend(m) for m in _experts(model)} == {"transformers:batched_mm"}
 
 
 
@@ -613,7 +613,7 @@ def test_quantized_explicit_name_runs_or_fails_loudly(monkeypatch):
     model, calls = _fp8_model(monkeypatch)
     model.set_experts_implementation("selector:grouped_mm")
     hf.selection_report(model)  # marks the FP8Experts modules with their format, as the first forward does
-    ranking = selector.model.explain_module(_experts(model)[0])
+    ranking = selector.explain_module(_experts(model)[0])
     assert ranking.problem.weight_format == "fp8_block"
     if "grouped_mm" in ranking.excluded:  # explicit: fails loudly, naming why
         why = ranking.excluded["grouped_mm"]
@@ -623,7 +623,7 @@ def test_quantized_explicit_name_runs_or_fails_loudly(monkeypatch):
     else:  # selector's grouped_mm reads this format here
         with torch.no_grad():
             model(_prompt())
-        assert calls == [] and {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"grouped_mm"}
+        assert calls == [] and {last_backend(m) for m in _experts(model)} == {"grouped_mm"}
 
 
 class _Fp8Plugin:
@@ -648,7 +648,7 @@ def test_quantized_auto_takes_a_selector_backend_for_the_format(monkeypatch):
         assert hf.selection_report(model)[""].chosen == "fake_fp8"
         with torch.no_grad():
             model(_prompt())
-        assert calls == [] and {m.__dict__[LAST_ATTR] for m in _experts(model)} == {"fake_fp8"}
+        assert calls == [] and {last_backend(m) for m in _experts(model)} == {"fake_fp8"}
     finally:
         unregister_plugin("fp8_test_plugin")
         reset_selection_caches()

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_replays_see_fresh_inputs_each_call() -> None:
-    from plugins.triton_fused import forward
+    from selector.plugins.triton_fused import forward
 
     module = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):  # same shape: one graph, replayed with new values
@@ -30,7 +30,7 @@ def test_replays_see_fresh_inputs_each_call() -> None:
 
 
 def test_new_weights_record_a_new_graph_and_the_cache_is_bounded() -> None:
-    from plugins.triton_fused import forward
+    from selector.plugins.triton_fused import forward
 
     module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
     idx, w = random_routing(2, 4, 2, device="cuda")
@@ -46,7 +46,7 @@ def test_new_weights_record_a_new_graph_and_the_cache_is_bounded() -> None:
 
 
 def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from plugins.triton_fused import forward
+    from selector.plugins.triton_fused import forward
 
     monkeypatch.setenv("SELECTOR_TRITON_FUSED_GRAPHS", "0")
     module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
@@ -60,7 +60,7 @@ def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_larger_calls_are_recorded_when_their_shape_comes_back() -> None:
     """Above graphs.DECODE_TOKENS a shape's first call runs directly (a one-off prefill size records nothing);
     its second call records, later ones replay; up to REPEAT_TOKENS."""
-    from plugins.triton_fused import forward
+    from selector.plugins.triton_fused import forward
 
     module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
     t = graphs.DECODE_TOKENS + 1

@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-from plugins.triton_fused import configs as C
-from plugins.triton_fused import kernels as K
+from selector.plugins.triton_fused import configs as C
+from selector.plugins.triton_fused import kernels as K
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

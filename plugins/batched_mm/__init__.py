@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized
-from probes import Environment
+from selector.plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized, quantised_forwards
+from selector.probes import Environment
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import ceilings, floor_seconds, tokens, weight_bytes_per_expert
 
 
 def _load():  # noqa: ANN202
-    from plugins.batched_mm.forward import batched_mm_experts_forward
+    from selector.plugins.batched_mm.forward import batched_mm_experts_forward
 
     return batched_mm_experts_forward
 
@@ -32,6 +32,7 @@ def selector_backends() -> Sequence[BackendSpec]:
         BackendSpec(
             name="batched_mm",
             load=_load,
+            format_loads=quantised_forwards("batched"),
             # fp8_block / fp4 experts run through plugins/quant_kernels (one pair per program, no weight copies)
             requirements=Requirements(
                 weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS, activation_quant=QUANT_ACTIVATION_QUANT

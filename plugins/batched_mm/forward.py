@@ -22,10 +22,6 @@ def batched_mm_experts_forward(
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, H]
-    if getattr(module, "selector_weight_format", "dense") != "dense":  # fp8_block / fp4
-        from plugins.quant_kernels.forward import quant_experts_forward
-
-        return quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode="batched")
     num_tokens, top_k = top_k_index.shape
     transposed = getattr(module, "is_transposed", False)
     up_w = layers.up_weight(module)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from probes import Environment
+from selector.probes import Environment
 from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl
 from selector import hub
 from selector.costmodel import floor_seconds
@@ -118,7 +118,7 @@ def _estimate(problem: Problem, env: Environment) -> float:
 
 
 def _load():  # noqa: ANN202
-    from plugins.deepgemm.forward import deepgemm_experts_forward
+    from selector.plugins.deepgemm.forward import deepgemm_experts_forward
 
     return deepgemm_experts_forward
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from probes import Environment
+from selector.probes import Environment
 from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl
 from selector import hub
 
-from plugins.deepgemm import KERNEL
+from selector.plugins.deepgemm import KERNEL
 
 BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 9), family="Blackwell")
 
@@ -63,7 +63,7 @@ def process_group_check(problem: Problem, env: Environment) -> Availability | No
 
 
 def _load():  # noqa: ANN202
-    from plugins.deepgemm_megamoe.forward import megamoe_experts_forward
+    from selector.plugins.deepgemm_megamoe.forward import megamoe_experts_forward
 
     return megamoe_experts_forward
 

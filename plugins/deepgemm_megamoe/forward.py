@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.deepgemm.forward import load_deepgemm
+from selector.plugins.deepgemm.forward import load_deepgemm
 from selector import layers
 
 MEGA_SYMBOLS = (

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from probes import Environment
+from selector.probes import Environment
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import experts_hit, floor_seconds
 
 
 def _load():  # noqa: ANN202 - returns the forward function
-    from plugins.eager.forward import eager_experts_forward
+    from selector.plugins.eager.forward import eager_experts_forward
 
     return eager_experts_forward
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized
-from probes import Environment
+from selector.plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized, quantised_forwards
+from selector.probes import Environment
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
 
 
 def _load():  # noqa: ANN202
-    from plugins.grouped_mm.forward import grouped_mm_experts_forward
+    from selector.plugins.grouped_mm.forward import grouped_mm_experts_forward
 
     return grouped_mm_experts_forward
 
@@ -33,6 +33,7 @@ def selector_backends() -> Sequence[BackendSpec]:
         BackendSpec(
             name="grouped_mm",
             load=_load,
+            format_loads=quantised_forwards("grouped"),
             # fp8_block / fp4 experts run through plugins/quant_kernels (expert-sorted grouped Triton GEMM)
             requirements=Requirements(
                 packages={"torch": "2.9"},

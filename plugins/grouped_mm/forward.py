@@ -66,10 +66,6 @@ def grouped_mm_experts_forward(
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, H]
-    if getattr(module, "selector_weight_format", "dense") != "dense":  # fp8_block / fp4
-        from plugins.quant_kernels.forward import quant_experts_forward
-
-        return quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode="grouped")
     num_tokens, top_k = top_k_index.shape
     num_experts = module.num_experts
     transposed = getattr(module, "is_transposed", False)

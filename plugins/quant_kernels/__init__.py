@@ -9,14 +9,29 @@ from __future__ import annotations
 
 import os
 
-from probes import Environment
+from collections.abc import Callable, Mapping
+
+from selector.probes import Environment
 from selector.requirements import version_tuple
-from selector.types import Availability, Problem, Status
+from selector.types import Availability, ExpertsForward, Problem, Status
 
 QUANT_WEIGHT_FORMATS = frozenset({"fp8_block", "fp4"})
 QUANT_ACTIVATION_QUANT = frozenset({"dynamic", "static"})
 MIN_TRITON = "3.0"
 MIN_COMPUTE_CAPABILITY = (8, 9)  # e4m3 conversions and tensor-core dots: Ada, Hopper and newer
+
+
+def quantised_forwards(mode: str) -> Mapping[str, Callable[[], ExpertsForward]]:
+    """A backend's `format_loads`: every quantised format runs these kernels in `mode` ("batched" / "grouped")."""
+
+    def load() -> ExpertsForward:
+        from functools import partial
+
+        from selector.plugins.quant_kernels.forward import quant_experts_forward
+
+        return partial(quant_experts_forward, mode=mode)
+
+    return {fmt: load for fmt in QUANT_WEIGHT_FORMATS}
 
 
 def interpreter_on() -> bool:
@@ -79,4 +94,10 @@ def check_quantized(problem: Problem, env: Environment) -> Availability | None:
     return None
 
 
-__all__ = ["QUANT_ACTIVATION_QUANT", "QUANT_WEIGHT_FORMATS", "check_quantized", "interpreter_on"]
+__all__ = [
+    "QUANT_ACTIVATION_QUANT",
+    "QUANT_WEIGHT_FORMATS",
+    "check_quantized",
+    "interpreter_on",
+    "quantised_forwards",
+]

@@ -13,7 +13,7 @@ the default for pair blocks; never on the TMA path), or a combine launch does (t
 (``kernels._mma``; on sm_90 a native fp8 wgmma for 16-row blocks, which the H200's decode entries use). BLOCK_K
 is not a knob: it is the activation group (the K tile that one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
 triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..`` (fp4 likewise) and then by token count; the entry
-nearest to T in log scale is used. Written by ``python -m plugins.quant_kernels.tune``.
+nearest to T in log scale is used. Written by ``python -m selector.plugins.quant_kernels.tune``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from plugins.tile_tables import read_table
+from selector.plugins.tile_tables import read_table
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 # SPLIT_K: ops.split_k / finish_split; SWAP: 1 = weights on the MMA's M side (kernels._mma; grouped mode)

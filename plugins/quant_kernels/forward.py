@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.quant_kernels import ops
+from selector.plugins.quant_kernels import ops
 from selector import graphs, layers
 from selector.problem import activation_name, has_custom_gate
 from selector.quant import QuantFormat, is_ue8m0_tensor, quant_format

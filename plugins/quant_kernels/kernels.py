@@ -39,7 +39,7 @@ import os
 import triton
 import triton.language as tl
 
-from plugins.triton_fused.kernels import align_program
+from selector.plugins.triton_fused.kernels import align_program
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ACT_CODE = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}

@@ -17,10 +17,10 @@ import os
 import torch
 import triton.language as tl
 
-from plugins.quant_kernels import configs as _configs
-from plugins.quant_kernels import kernels as K
-from plugins.triton_fused.kernels import _TensorDescriptor as TensorDescriptor  # None: a Triton without TMA
-from plugins.triton_fused.kernels import (AlignPlan, _next_pow2, cdiv, combine, launch, max_blocks_for, plan_align,
+from selector.plugins.quant_kernels import configs as _configs
+from selector.plugins.quant_kernels import kernels as K
+from selector.plugins.triton_fused.kernels import _TensorDescriptor as TensorDescriptor  # None: a Triton without TMA
+from selector.plugins.triton_fused.kernels import (AlignPlan, _next_pow2, cdiv, combine, launch, max_blocks_for, plan_align,
                                           run_align)
 
 MODES = ("grouped", "batched")

@@ -1,6 +1,6 @@
 """Tune the quantised grouped path's tiles on this GPU and write them as JSON (see configs.py).
 
-    python -m plugins.quant_kernels.tune --out plugins/quant_kernels/configs/NVIDIA_H200.json --budget-s 150
+    python -m selector.plugins.quant_kernels.tune --out plugins/quant_kernels/configs/NVIDIA_H200.json --budget-s 150
 
 Per (format, shape, token count) and candidate layout (pairs sorted into BLOCK_M blocks, or one block per pair
 for a few pairs): times align (unless, as at decode, it rides on x's quantisation: ``quantize_rows(align=)``),
@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.testing
 
-from plugins.quant_kernels import configs as C
-from plugins.quant_kernels import ops
-from plugins.triton_fused.kernels import run_align
+from selector.plugins.quant_kernels import configs as C
+from selector.plugins.quant_kernels import ops
+from selector.plugins.triton_fused.kernels import run_align
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048, 8),
           "mixtral-8x7b": (8, 4096, 14336, 2), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # (E, H, I, k); fmt: skip

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from probes import Environment, probe_packages
+from selector.probes import Environment, probe_packages
 from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
 from selector import hub
 from selector.costmodel import floor_seconds, tokens
@@ -65,7 +65,7 @@ PAD_VARIABLE = "SELECTOR_SONICMOE_PAD_TOKENS"
 FIRST_CALL_COST = (
     f"downloads {KERNEL} on first use unless cached or local; JIT-compiles 25-144 s on the first call of a "
     "layer shape and ~2 s per new token bucket (token counts padded to quarter-octave buckets); auto spreads "
-    f"that over {AMORTIZE_VARIABLE} (1000) calls, so it waits for a warm shape (plugins.sonicmoe.warm_up)"
+    f"that over {AMORTIZE_VARIABLE} (1000) calls, so it waits for a warm shape (selector.plugins.sonicmoe.warm_up)"
 )
 
 # Compiled in this process: shape keys, and (shape key, padded token count) pairs. Filled by the forward.
@@ -168,14 +168,14 @@ def _activation(problem: Problem, env: Environment) -> Availability | None:
 
 
 def _load():  # noqa: ANN202
-    from plugins.sonicmoe.forward import sonicmoe_experts_forward
+    from selector.plugins.sonicmoe.forward import sonicmoe_experts_forward
 
     return sonicmoe_experts_forward
 
 
 def warm_up(module: object, token_counts: Sequence[int], top_k: int) -> None:
     """Compile SonicMoE for `module`'s shape and these token counts now (zeros in, nothing kept)."""
-    from plugins.sonicmoe.forward import warm_up as _warm_up
+    from selector.plugins.sonicmoe.forward import warm_up as _warm_up
 
     _warm_up(module, token_counts, top_k)
 

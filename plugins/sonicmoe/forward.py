@@ -9,7 +9,7 @@ while the weights need gradients). Gate/up rows
 are interleaved by default; concatenated [gate | up] is the kernel's `concat_layout` flag, or, on a kernel
 without that flag, an interleaved copy. Expert-parallel sentinel slots go to expert 0 with weight 0 (no host
 sync, whatever the kernel does with out-of-range ids), and the token count is padded to the bucket of
-`plugins.sonicmoe.padded_tokens` with zero rows of weight 0 to bound JIT compiles.
+`selector.plugins.sonicmoe.padded_tokens` with zero rows of weight 0 to bound JIT compiles.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized
-from probes import Environment
+from selector.plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized, quantised_forwards
+from selector.probes import Environment
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
 
@@ -18,7 +18,7 @@ ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
 
 
 def _load():  # noqa: ANN202
-    from plugins.triton_fused.forward import triton_fused_experts_forward
+    from selector.plugins.triton_fused.forward import triton_fused_experts_forward
 
     return triton_fused_experts_forward
 
@@ -38,6 +38,7 @@ def selector_backends() -> Sequence[BackendSpec]:
         BackendSpec(
             name="triton_fused",
             load=_load,
+            format_loads=quantised_forwards("grouped"),
             requirements=Requirements(
                 devices=frozenset({"cuda"}),
                 min_compute_capability=(8, 0),  # fp8 / fp4: 8.9, which check_quantized enforces

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from plugins.tile_tables import read_table
+from selector.plugins.tile_tables import read_table
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")

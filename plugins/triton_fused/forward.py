@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from plugins.triton_fused.kernels import fused_experts
+from selector.plugins.triton_fused.kernels import fused_experts
 from selector import graphs, layers
 from selector.problem import activation_name
-from selector.quant import is_quantised
 
 GRAPH_MAX_TOKENS = graphs.REPEAT_TOKENS  # recorded on first use up to graphs.DECODE_TOKENS, above when repeated
 
@@ -49,10 +48,6 @@ def triton_fused_experts_forward(
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, H]
-    if is_quantised(module):
-        from plugins.quant_kernels.forward import quant_experts_forward
-
-        return quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode="grouped")
     if not graphs.graphs_enabled(hidden_states, GRAPH_MAX_TOKENS, "SELECTOR_TRITON_FUSED_GRAPHS"):
         return _direct(module, hidden_states, top_k_index, top_k_weights)
     key = _graph_key(module, hidden_states, top_k_index, top_k_weights)

@@ -1,6 +1,6 @@
 """Tune the fused experts kernels' tile configs on this GPU and write them as JSON (see configs.py).
 
-    python -m plugins.triton_fused.tune --preset grid --out plugins/triton_fused/configs/NVIDIA_H200.json
+    python -m selector.plugins.triton_fused.tune --preset grid --out plugins/triton_fused/configs/NVIDIA_H200.json
 
 For every (shape, token count) it tries each candidate BLOCK_M; for each, it times the gate_up GEMM and the
 down GEMM separately over their candidate tiles (triton.testing.do_bench, median), and keeps the BLOCK_M whose

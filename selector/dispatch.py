@@ -1,0 +1,397 @@
+"""The dispatch core: which backend runs an experts module's call, and running it.
+
+Everything that runs experts goes through here: the decorator API (`selector.model`), the Transformers
+adapter (`selector.hf`), `selector bench` and the tests. Its public functions are the only way in; the
+per-module state it keeps (the request, the choice per token bucket, the backend that ran last) lives in
+the module's `__dict__` under names nobody else reads.
+
+- `run_experts(module, hidden_states, top_k_index, top_k_weights)`: validate, choose, run.
+- `choose_backend(...)`: the backend for one call (a name the module asked for, or "auto"'s pick per
+  token-count bucket). A named backend that cannot run raises ImportError / ValueError naming the fix.
+- `backend_forward(name, weight_format)`: the forward a backend declared for that weight format, loaded
+  once. The format is read off the module once per set of weights, so no backend branches on it per call.
+- `last_backend(module)`, `requested_implementation(module)`, `set_requested_implementation(...)`.
+- `problem_of(module, top_k)`, `rank_problem(problem)`, `explain_module(module, ...)`: what the choice saw.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from selector import layers
+from selector.config import SelectorConfig, load_config
+from selector.environment import current_environment
+from selector.errors import unavailable_error
+from selector.problem import problem_from_module
+from selector.ranking import rank
+from selector.registry import Registry, get_registry
+from selector.requirements import evaluate
+from selector.tuning import measured_for
+from selector.types import ExpertsForward, Problem, Ranking
+from selector.validation import validate_inputs
+
+AUTO = "auto"
+
+# Per-module state, in the module's __dict__ (plain attributes would be registered as submodule state).
+_REQUEST = "_selector_implementation"  # what the user asked for this module
+_LAST = "_selector_last_backend"  # the backend that ran the last forward
+_TOP_K = "_selector_top_k"  # k of the last eager forward: what a choice made under torch.compile uses
+_UID = "_selector_uid"
+_PROBLEM = "_selector_problem"
+_FACTS = "_selector_facts"
+_CHOICES = "_selector_choices"
+_CHECKED = "_selector_checked"
+# caches keyed partly on the weights, forgotten when a module's weights change format (selector.quant)
+_WEIGHT_CACHES = (_PROBLEM, _CHOICES, _FACTS, "_selector_quant_plan")
+
+
+class _Resolver:
+    """What resolution caches: registry, config, loaded forwards, verdicts, auto picks."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.registry: Registry | None = None
+        self.config: SelectorConfig | None = None
+        self.forwards: dict[tuple[str, str], ExpertsForward] = {}
+        self.auto: dict[tuple[Problem, int | None], str] = {}
+        self.verdicts: dict[tuple[str, Problem], Any] = {}
+        self.generation += 1  # invalidates the per-module choice caches
+
+    def get_registry(self) -> Registry:
+        if self.registry is None:
+            self.registry = get_registry()
+        return self.registry
+
+    def get_config(self) -> SelectorConfig:
+        if self.config is None:
+            self.config = load_config()
+        return self.config
+
+    def forward_of(self, name: str, weight_format: str = "dense") -> ExpertsForward:
+        key = (name, weight_format)
+        if key not in self.forwards:
+            self.forwards[key] = self.get_registry().get(name).loader(weight_format)()
+        return self.forwards[key]
+
+    def rank(self, problem: Problem) -> Ranking:
+        env = current_environment()
+        return rank(problem, env, self.get_registry(), self.get_config(), measured=measured_for(problem, env))
+
+
+_RESOLVER = _Resolver()
+
+
+def get_backend_registry() -> Registry:
+    """The registry the dispatch core resolves names against (built once, until `reset_selection_caches`)."""
+    return _RESOLVER.get_registry()
+
+
+def reset_selection_caches() -> None:
+    """Forget cached registry, config, verdicts and auto picks (after installing a plugin, editing config)."""
+    _RESOLVER.reset()
+
+
+def token_bucket(num_tokens: int) -> int:
+    """Round the token count up to a power of two: auto re-ranks per bucket, not per exact count."""
+    return 1 << max(0, int(num_tokens) - 1).bit_length()
+
+
+def check_backend_name(name: object) -> str:
+    """`name` if it is "auto" or a registered backend; ValueError listing the names otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"an experts implementation must be a backend name, got {name!r}")
+    if name != AUTO:
+        get_backend_registry().get(name)
+    return name
+
+
+def backend_forward(name: str, weight_format: str = "dense") -> ExpertsForward:
+    """The forward backend `name` declared for `weight_format`, imported on first use."""
+    return _RESOLVER.forward_of(name, weight_format)
+
+
+def problem_of(module: torch.nn.Module, top_k: int) -> Problem:
+    """The module as the ranking sees it (token count unknown), cached per weight layout and k."""
+    weight = layers.up_weight(module)
+    key = (weight.dtype, weight.device, tuple(weight.shape), top_k, layers.is_expert_parallel(module))
+    cached = module.__dict__.get(_PROBLEM)
+    if cached is None or cached[0] != key:
+        cached = (key, problem_from_module(module, top_k=top_k))
+        module.__dict__[_PROBLEM] = cached
+    return cached[1]
+
+
+def rank_problem(problem: Problem) -> Ranking:
+    """The ranking for one problem on this machine, measured times included where the tuning store has them."""
+    return _RESOLVER.rank(problem)
+
+
+def declared_top_k(module: torch.nn.Module) -> int:
+    """k as the module or its config declares it, else 1."""
+    config = getattr(module, "config", None)
+    return int(getattr(module, "top_k", 0) or getattr(config, "num_experts_per_tok", 0) or 1)
+
+
+def traced_top_k(module: torch.nn.Module) -> int:
+    """k for a choice made while tracing: that of the module's last eager call, else as the module declares it.
+
+    Not the index's width: it may be symbolic (dynamic=True), and only constants cross into the choice.
+    The eager call stores it; read back while tracing it costs one C++ guard, where reading `top_k` / the
+    config's `num_experts_per_tok` costs a NO_HASATTR guard per layer (see PINNED_DEFAULTS).
+    """
+    k = getattr(module, _TOP_K, None)
+    return declared_top_k(module) if k is None else k
+
+
+def explain_module(module: torch.nn.Module, num_tokens: int | None = None, top_k: int | None = None) -> Ranking:
+    """The ranking "auto" uses for one experts module (decorated, or a Transformers experts module)."""
+    problem = problem_of(module, declared_top_k(module) if top_k is None else top_k)
+    return rank_problem(problem.with_tokens(None if num_tokens is None else token_bucket(num_tokens)))
+
+
+def requested_implementation(module: torch.nn.Module) -> str:
+    """What the user asked this module to run: a backend name, or "auto" (the default)."""
+    return module.__dict__.get(_REQUEST, AUTO)
+
+
+def set_requested_implementation(module: torch.nn.Module, name: str) -> None:
+    """Ask this module to run `name` (checked against the registry) or "auto" from its next call on."""
+    module.__dict__[_REQUEST] = check_backend_name(name)
+    track(module)
+
+
+def last_backend(module: torch.nn.Module) -> str | None:
+    """The backend that ran the module's last eager call through selector (None before the first)."""
+    return module.__dict__.get(_LAST)
+
+
+def note_backend(module: torch.nn.Module, name: str) -> None:
+    """Record that `name` ran the module's call (for adapters that decide a call themselves)."""
+    module.__dict__[_LAST] = name
+
+
+def clear_last_backend(module: torch.nn.Module) -> None:
+    """Forget which backend ran last, so the next call's record stands alone."""
+    module.__dict__.pop(_LAST, None)
+
+
+def forget_module(module: torch.nn.Module) -> None:
+    """Drop what the core cached about the module's weights (after they change format or layout)."""
+    for key in _WEIGHT_CACHES:
+        module.__dict__.pop(key, None)
+
+
+def choose_backend(
+    module: torch.nn.Module,
+    num_tokens: int | None,
+    top_k: int,
+    requested: str | None = None,
+    capturing: bool = False,
+) -> str:
+    """The backend for one call: `requested` (default: the module's request) if it can run, else raises."""
+    if requested is None:
+        requested = requested_implementation(module)
+    # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph
+    problem = replace(problem_of(module, top_k), compile=torch.compiler.is_compiling(), cuda_graph=capturing)
+    if requested == AUTO:
+        return _auto_pick(problem, None if num_tokens is None else token_bucket(num_tokens))
+    # an explicit name may graph-break under torch.compile (the user's call); only auto avoids that
+    problem = replace(problem, compile=False)
+    key = (requested, problem)
+    if key not in _RESOLVER.verdicts:
+        spec = _RESOLVER.get_registry().get(requested)
+        _RESOLVER.verdicts[key] = evaluate(spec, problem, current_environment())
+    verdict = _RESOLVER.verdicts[key]
+    if not verdict.ok:
+        raise unavailable_error(requested, verdict)
+    return requested
+
+
+def _auto_pick(problem: Problem, bucket: int | None) -> str:
+    key = (problem, bucket)
+    if key not in _RESOLVER.auto:
+        ranking = _RESOLVER.rank(problem.with_tokens(bucket))
+        failed = [f"{n}: {a.reason}" for n, a in ranking.excluded.items()]
+        for candidate in ranking.candidates:
+            try:  # a backend whose implementation fails to load is skipped, as auto promises
+                _RESOLVER.forward_of(candidate.name, problem.weight_format)
+            except Exception as exc:
+                failed.append(f"{candidate.name}: load failed ({type(exc).__name__}: {exc})")
+                continue
+            _RESOLVER.auto[key] = candidate.name
+            break
+        else:
+            raise ImportError(f"no experts backend can run this layer here ({'; '.join(failed)})")
+    return _RESOLVER.auto[key]
+
+
+_TRACKED: weakref.WeakValueDictionary[str, torch.nn.Module] = weakref.WeakValueDictionary()
+_NEXT_UID = itertools.count()
+
+
+def track(module: torch.nn.Module) -> str:
+    """Give a module a string id that torch.compile can pass as a constant (call it outside tracing)."""
+    uid = module.__dict__.get(_UID)
+    if uid is None or _TRACKED.get(uid) is not module:  # new, or a deep copy that kept its original's id
+        uid = f"experts-{next(_NEXT_UID)}"
+        module.__dict__[_UID] = uid
+        _TRACKED[uid] = module
+    return uid
+
+
+def tracked_id(module: torch.nn.Module) -> str | None:
+    """The id `track` gave the module (None if never tracked); readable while torch.compile traces."""
+    return getattr(module, _UID, None)
+
+
+def tracked_module(uid: str) -> torch.nn.Module | None:
+    return _TRACKED.get(uid)
+
+
+# Attributes that selector and the backends read as getattr(module, name, default). Under torch.compile an
+# absent one becomes a NO_HASATTR guard per layer, checked on every call of the compiled model through
+# nn.Module.__getattr__ raising AttributeError (~1 us each on a CPU, Python code); a present one is a C++
+# dict lookup and compare. Set eagerly, to the value every reader assumes when it is absent.
+PINNED_DEFAULTS: tuple[tuple[str, object], ...] = (("selector_weight_format", "dense"),)
+
+
+def _pin_defaults(module: torch.nn.Module) -> None:
+    for name, value in PINNED_DEFAULTS:
+        if name not in module.__dict__ and not hasattr(type(module), name):
+            module.__dict__[name] = value
+
+
+def weight_format(module: torch.nn.Module) -> str:
+    """'dense', 'fp8_block' or 'fp4': how the module's expert weights are stored (selector.quant)."""
+    return getattr(module, "selector_weight_format", None) or "dense"
+
+
+@torch.compiler.assume_constant_result
+def _choose_constant(uid: str, top_k: int, requested: str) -> str:
+    # Runs eagerly while torch.compile traces, its result a constant: one choice per compiled layer.
+    module = _TRACKED.get(uid)
+    if module is None:
+        raise RuntimeError("an experts module reached torch.compile before selector saw it: run it once first")
+    return choose_backend(module, None, top_k, None if requested == "" else requested)
+
+
+def run_experts(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    implementation: str | None = None,
+) -> torch.Tensor:
+    """Validate the inputs, pick the backend for this module and token count, run it.
+
+    `implementation`: a backend name or "auto" that overrides the module's own request (the Transformers
+    adapter passes the name the model's config holds).
+    """
+    if torch.compiler.is_compiling():
+        return _run_traced(module, hidden_states, top_k_index, top_k_weights, implementation)
+    weight = layers.up_weight(module)
+    weight_key = (weight.dtype, weight.device, weight.shape)
+    facts = module.__dict__.get(_FACTS)
+    if facts is None or facts[0] != weight_key:  # (E, H, format) read off the weights once per weight layout
+        _pin_defaults(module)
+        facts = (weight_key, *layers.dims(module)[:2], weight_format(module))
+        module.__dict__[_FACTS] = facts
+    expert_parallel = layers.is_expert_parallel(module)
+    validate_inputs(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        num_experts=facts[1],
+        hidden_size=facts[2],
+        expert_parallel=expert_parallel,
+        seen=module.__dict__.setdefault(_CHECKED, set()),
+    )
+    num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
+    track(module)
+    if module.__dict__.get(_TOP_K) != top_k:
+        module.__dict__[_TOP_K] = top_k
+    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    requested = implementation or module.__dict__.get(_REQUEST, AUTO)
+    bucket = token_bucket(num_tokens) if requested == AUTO else 0
+    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, _RESOLVER.generation)
+    choices = module.__dict__.setdefault(_CHOICES, {})
+    chosen = choices.get(key)
+    if chosen is None:  # decided once per key; a request that cannot run raises here every time
+        name = choose_backend(module, num_tokens, top_k, implementation, capturing)
+        chosen = (name, _RESOLVER.forward_of(name, facts[3]))
+        if len(choices) > 64:
+            choices.clear()
+        choices[key] = chosen
+    module.__dict__[_LAST] = chosen[0]
+    return chosen[1](module, hidden_states, top_k_index, top_k_weights)
+
+
+def _run_traced(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    implementation: str | None,
+) -> torch.Tensor:
+    """run_experts while torch.compile traces: shape checks, one constant choice per layer, the backend.
+
+    Nothing here reads or writes the module's __dict__ or caches: Dynamo (torch 2.11) cannot trace calls on a
+    module's __dict__ (`setdefault` broke the graph at every layer), and every write would be a side effect
+    replayed after the graph. Attribute reads are plain getattr, which Dynamo guards like any other.
+    """
+    num_experts, hidden_size, _ = layers.dims(module)
+    validate_inputs(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        num_experts=num_experts,
+        hidden_size=hidden_size,
+        expert_parallel=layers.is_expert_parallel(module),
+    )
+    # Shapes may be symbolic while tracing and only constants can cross into the choice: under torch.compile
+    # auto chooses once per layer, for a typical token count and the k of the last eager call (else the
+    # declared k).
+    uid = tracked_id(module)
+    if uid is None:
+        raise RuntimeError(
+            "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
+            "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
+        )
+    name = _choose_constant(uid, traced_top_k(module), implementation or "")
+    return _RESOLVER.forward_of(name, weight_format(module))(module, hidden_states, top_k_index, top_k_weights)
+
+
+__all__ = [
+    "AUTO",
+    "PINNED_DEFAULTS",
+    "backend_forward",
+    "check_backend_name",
+    "choose_backend",
+    "clear_last_backend",
+    "declared_top_k",
+    "explain_module",
+    "forget_module",
+    "get_backend_registry",
+    "last_backend",
+    "note_backend",
+    "problem_of",
+    "rank_problem",
+    "requested_implementation",
+    "reset_selection_caches",
+    "run_experts",
+    "set_requested_implementation",
+    "token_bucket",
+    "traced_top_k",
+    "track",
+    "tracked_id",
+    "tracked_module",
+    "weight_format",
+]
