@@ -96,9 +96,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from selector.probes import OVERRIDE_VARIABLES
+    from selector.settings import help_table
 
-    overrides = "\n".join(f"  {k:<28} {v}" for k, v in OVERRIDE_VARIABLES.items())
     parser = argparse.ArgumentParser(prog="selector", description="Pick and explain Mixture-of-Experts experts backends.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -108,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Checks GPU/driver, CUDA toolkit, packages and plugins, then says which backends can run "
         "here and why not.\nExit 0: usable; 1: something requested or required is broken; 2: usage error.",
-        epilog=f"probe override variables (an empty value means 'absent'):\n{overrides}",
+        epilog=help_table(),
     )
     out = doctor.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="machine-readable report (schema selector.doctor/1)")

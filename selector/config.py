@@ -7,13 +7,14 @@ then the file that `SELECTOR_CONFIG` names. A file that does not parse is an err
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from selector import settings
 
 CONFIG_VARIABLE = "SELECTOR_CONFIG"
 PROJECT_FILE = "selector.yaml"
@@ -79,10 +80,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def config_paths(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> list[Path]:
-    environ = os.environ if environ is None else environ
     paths = [user_config_path(), (cwd or Path.cwd()) / PROJECT_FILE]
-    if environ.get(CONFIG_VARIABLE):
-        explicit = Path(environ[CONFIG_VARIABLE])
+    explicit = settings.get(CONFIG_VARIABLE, environ)
+    if explicit is not None:
         if not explicit.is_file():
             raise ConfigError(f"{CONFIG_VARIABLE}={explicit}: no such file")
         paths.append(explicit)

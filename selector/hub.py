@@ -33,6 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from selector import settings
 from selector.types import Availability, Problem, Status
 
 if TYPE_CHECKING:
@@ -133,9 +134,8 @@ LOCK_VARIABLE = "SELECTOR_KERNELS_LOCK"  # a kernels.lock (from `kernels lock`):
 
 def lock_commit(kernel: HubKernel, environ: Mapping[str, str] | None = None) -> str | None:
     """The commit a kernels.lock named by SELECTOR_KERNELS_LOCK gives this pin, or None."""
-    env = os.environ if environ is None else environ
-    path = env.get(LOCK_VARIABLE)
-    if not path:
+    path = settings.get(LOCK_VARIABLE, environ)
+    if path is None:
         return None
     try:
         entries = json.loads(Path(path).read_text())
@@ -448,18 +448,14 @@ def kernel_check(
 # --- first-call cost in the ranking ------------------------------------------------------------------------
 
 AMORTIZE_VARIABLE = "SELECTOR_JIT_AMORTIZE_CALLS"
-DEFAULT_AMORTIZE_CALLS = 1000.0
+DEFAULT_AMORTIZE_CALLS: float = settings.SETTINGS[AMORTIZE_VARIABLE].default
 DOWNLOAD_SECONDS = 30.0  # a guess for fetching one kernel variant from the Hub (tens to hundreds of MB)
 
 
 def amortize_calls(environ: Mapping[str, str] | None = None) -> float:
-    """Over how many calls a one-time cost (download, JIT compile) is spread in an estimate."""
-    env = os.environ if environ is None else environ
-    try:
-        calls = float(env.get(AMORTIZE_VARIABLE, DEFAULT_AMORTIZE_CALLS))
-    except ValueError:
-        return DEFAULT_AMORTIZE_CALLS
-    return calls if calls > 0 else DEFAULT_AMORTIZE_CALLS
+    """Over how many calls a one-time cost (download, JIT compile) is spread in an estimate (bad value: the
+    default, as an estimate that raised would only hide the backend)."""
+    return float(settings.get(AMORTIZE_VARIABLE, environ))
 
 
 def pending_download_seconds(kernel: HubKernel, env: Environment) -> float:

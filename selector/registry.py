@@ -6,7 +6,6 @@ import, raises from its hook or returns something malformed is recorded and skip
 
 from __future__ import annotations
 
-import os
 import re
 import traceback
 from collections.abc import Iterable, Mapping
@@ -16,11 +15,11 @@ from typing import Any
 
 import pluggy
 
-from selector import hookspecs
+from selector import hookspecs, settings
 from selector.types import BackendSpec
 
-ALLOW_VARIABLE = "SELECTOR_PLUGINS_ALLOW"  # comma list of plugin or backend names; others are skipped
-BLOCK_VARIABLE = "SELECTOR_PLUGINS_BLOCK"  # comma list of plugin or backend names to skip
+ALLOW_VARIABLE = "SELECTOR_PLUGINS_ALLOW"  # declared in selector.settings
+BLOCK_VARIABLE = "SELECTOR_PLUGINS_BLOCK"
 _NAME = re.compile(r"^[a-z0-9_]+$")
 RESERVED_NAMES = frozenset({"auto"})
 
@@ -72,10 +71,6 @@ class Registry:
             ) from None
 
 
-def _split(value: str | None) -> set[str]:
-    return {part.strip() for part in (value or "").split(",") if part.strip()}
-
-
 def _distribution_of(ep: metadata.EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     if dist is None:
@@ -105,8 +100,7 @@ def build_registry(
     environ: Mapping[str, str] | None = None,
 ) -> Registry:
     """Load every plugin and collect its backends. Never raises for a plugin's fault."""
-    environ = os.environ if environ is None else environ
-    allow, block = _split(environ.get(ALLOW_VARIABLE)), _split(environ.get(BLOCK_VARIABLE))
+    allow, block = settings.get(ALLOW_VARIABLE, environ), settings.get(BLOCK_VARIABLE, environ)
     if entry_points is None:
         entry_points = metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
 

@@ -11,14 +11,13 @@ torch.compile traces or a CUDA graph captures, where reading values is impossibl
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from selector import settings
 from selector.errors import ExpertsInputError
 
 LEVEL_VARIABLE = "SELECTOR_VALIDATE"
-LEVELS = ("full", "first", "shapes", "off")
+LEVELS = settings.SETTINGS[LEVEL_VARIABLE].choices
 
 
 # A constant under torch.compile: run once while tracing, the result baked in. Read in traced code, the
@@ -26,10 +25,8 @@ LEVELS = ("full", "first", "shapes", "off")
 # traced checks is the one set when the model was compiled (values are never checked there).
 @torch.compiler.assume_constant_result
 def validation_level(on_gpu: bool = False) -> str:
-    level = os.environ.get(LEVEL_VARIABLE) or ("first" if on_gpu else "full")
-    if level not in LEVELS:
-        raise ValueError(f"{LEVEL_VARIABLE}={level!r}: expected one of {', '.join(LEVELS)}")
-    return level
+    level = settings.get(LEVEL_VARIABLE)  # a ValueError naming the variable for a value outside LEVELS
+    return level or ("first" if on_gpu else "full")
 
 
 def _capturing(t: torch.Tensor) -> bool:

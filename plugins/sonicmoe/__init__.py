@@ -25,12 +25,11 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from selector.probes import Environment, probe_packages
 from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
-from selector import hub
+from selector import hub, settings
 from selector.costmodel import floor_seconds, tokens
 
 KERNEL = hub.PINS["sonic-moe"]
@@ -75,7 +74,7 @@ _WARM_TOKENS: set[tuple] = set()
 
 def padded_tokens(num_tokens: int) -> int:
     """The token bucket the kernel sees: quarter-octave steps above 4 (<= 25 % padding), exact when disabled."""
-    if num_tokens <= 4 or os.environ.get(PAD_VARIABLE, "1") in ("0", "false", "no", "off"):
+    if num_tokens <= 4 or not settings.get(PAD_VARIABLE):
         return num_tokens
     step = 1 << (num_tokens.bit_length() - 3)
     return -(-num_tokens // step) * step

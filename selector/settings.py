@@ -1,0 +1,222 @@
+"""Every `SELECTOR_*` environment variable, declared once: name, kind, default and one line of doc.
+
+Values are read when used (`get`), never when a module is imported, so a changed environment (a test's
+monkeypatch, a launcher that sets variables late) counts. For selector's own settings an empty value counts as
+unset. The probe overrides (declared beside the probes, in `selector.probes.overrides`, which may not import
+this module) differ: there a variable that is set but empty means "absent" (no GPU, no toolkit, not installed).
+
+A bad value is a `ValueError` naming the variable and what it expects, except where a setting says it falls
+back to its default (`on_bad="default"`: read inside cost estimates, where an error would only hide a backend).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from selector.probes.overrides import OVERRIDE_VARIABLES
+
+KINDS = ("bool", "int", "float", "str", "path", "choice", "names")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+PACKAGE_PATTERN = "SELECTOR_PACKAGE_<NAME>"
+_PACKAGE_NAME = re.compile(r"SELECTOR_PACKAGE_[A-Z0-9_]+")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: how its text is parsed, what it is when unset, and what it does."""
+
+    name: str
+    kind: str  # one of KINDS
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()  # kind "choice"
+    minimum: float | None = None  # kinds "int" / "float": smallest accepted value
+    positive: bool = False  # kinds "int" / "float": the value must be > 0
+    on_bad: str = "error"  # "error": ValueError naming the variable; "default": the default instead
+    empty_is_unset: bool = True  # False for the probe overrides, where "" means "absent"
+    default_text: str = ""  # how the table shows a default that depends on the machine
+    probe: bool = False  # read by the probes (selector.probes.overrides), through read_override
+
+    def expects(self) -> str:
+        """What a good value looks like, for error messages."""
+        if self.kind == "bool":
+            return "1/true/yes/on or 0/false/no/off"
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.kind in ("int", "float"):
+            what = "an integer" if self.kind == "int" else "a number"
+            if self.positive:
+                return f"{what} > 0"
+            return what if self.minimum is None else f"{what} >= {self.minimum:g}"
+        if self.kind == "names":
+            return "a comma-separated list of names"
+        return "a " + ("path" if self.kind == "path" else "string")
+
+    def parse(self, raw: str) -> Any:
+        """The typed value of `raw`; ValueError naming the variable when it is not one."""
+        text = raw.strip()
+        if self.kind in ("str", "names", "path"):
+            if self.kind == "names":
+                return frozenset(part.strip() for part in text.split(",") if part.strip())
+            return Path(raw) if self.kind == "path" else text
+        value: Any = None
+        if self.kind == "bool":
+            low = text.lower()
+            value = True if low in _TRUE else False if low in _FALSE else None
+        elif self.kind == "choice":
+            value = text if text in self.choices else None
+        else:
+            try:
+                value = int(text) if self.kind == "int" else float(text)
+            except ValueError:
+                value = None
+            if value is not None and (
+                (self.positive and not value > 0) or (self.minimum is not None and value < self.minimum)
+            ):
+                value = None
+        if value is None:
+            raise ValueError(f"{self.name}={raw!r}: expected {self.expects()}")
+        return value
+
+    def shown_default(self) -> str:
+        if self.default_text:
+            return self.default_text
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        if isinstance(self.default, frozenset):
+            return ", ".join(sorted(self.default)) or "empty"
+        if isinstance(self.default, float) and self.default.is_integer():
+            return str(int(self.default))
+        return str(self.default)
+
+
+def _probe_settings() -> list[Setting]:
+    """The probes' override variables: strings (trimmed), None when unset, "" meaning absent."""
+    return [
+        Setting(name, "str", None, doc, empty_is_unset=False, probe=True) for name, doc in OVERRIDE_VARIABLES.items()
+    ]
+
+
+_DECLARED = [
+    # --- selection and loading ---------------------------------------------------------------------------
+    Setting("SELECTOR_CONFIG", "path", None,
+            "a YAML file read after the user and project files (prefer / deny / pin); it must exist"),
+    Setting("SELECTOR_PLUGINS_ALLOW", "names", frozenset(),
+            "comma list of plugin or backend names to load; every other plugin is skipped (empty: all)"),
+    Setting("SELECTOR_PLUGINS_BLOCK", "names", frozenset(), "comma list of plugin or backend names to skip"),
+    Setting("SELECTOR_VALIDATE", "choice", None,
+            "input checks at the experts boundary: full (values every call), first (values on the first call "
+            "of each module and shape), shapes, off",
+            choices=("full", "first", "shapes", "off"), default_text="full on CPU, first on GPU"),
+    Setting("SELECTOR_JIT_AMORTIZE_CALLS", "float", 1000.0,
+            "over how many calls auto spreads a backend's one-time cost (download, JIT compile) in its estimate; "
+            "a bad value means the default",
+            positive=True, on_bad="default"),
+    # --- hub kernels --------------------------------------------------------------------------------------
+    Setting("SELECTOR_KERNELS_LOCK", "path", None,
+            "a kernels.lock (from `kernels lock`): hub kernel pins resolve to its commits"),
+    Setting("SELECTOR_SONICMOE_PAD_TOKENS", "bool", True,
+            "sonicmoe pads token counts up to quarter-octave buckets, so fewer token counts JIT-compile"),
+    # --- node daemon --------------------------------------------------------------------------------------
+    Setting("SELECTOR_DAEMON_SOCKET", "path", None, "the node daemon's Unix socket",
+            default_text="selector.sock in the runtime dir"),
+    # --- triton_fused backend (read in plugins/triton_fused) ----------------------------------------------
+    Setting("SELECTOR_TRITON_FUSED_CONFIG_DIR", "path", None,
+            "folder of tuned tile-configuration files (`<GPU>.json`) for triton_fused",
+            default_text="the shipped configs folder"),
+    Setting("SELECTOR_TRITON_FUSED_GRAPHS", "bool", True,
+            "triton_fused records and replays CUDA graphs for small eager calls"),
+    # Experiment-only (a launch-path A/B switch): candidate for removal with the plugin's clean-up.
+    Setting("SELECTOR_TRITON_FUSED_FAST_LAUNCH", "bool", True,
+            "A/B switch: triton_fused launches compiled kernels from its own cache instead of `kernel[grid](...)`"),
+    # Experiment-only (a diagnostic of the custom-op path): candidate for removal.
+    Setting("SELECTOR_TRITON_FUSED_VIA_OP", "bool", False,
+            "diagnostic: eager triton_fused calls go through the torch custom op, as under torch.compile"),
+    # --- quantised kernels (read in plugins/quant_kernels) ------------------------------------------------
+    Setting("SELECTOR_QUANT_GRAPHS", "bool", True,
+            "the quantised grouped path records and replays CUDA graphs for small eager calls"),
+    # Experiment-only (a diagnostic of the custom-op path): candidate for removal.
+    Setting("SELECTOR_QUANT_VIA_OP", "bool", False,
+            "diagnostic: eager quantised calls go through the torch custom op, as under torch.compile"),
+    # Experiment-only (a precision diagnostic): candidate for removal.
+    Setting("SELECTOR_FP8_MAX_IMPRECISE_ACC", "int", 0,
+            "diagnostic: fp8 dots of the grouped kernel promote their sum to fp32 every N inputs (0: off)",
+            minimum=0),
+    # Experiment-only (kernel A/B switches whose winners are the defaults): candidates for removal.
+    Setting("SELECTOR_QUANT_ONE_SCALE_ROW", "bool", True,
+            "A/B switch: a tile lying in one weight-scale row loads one scale instead of one per column"),
+    Setting("SELECTOR_QUANT_FUSED_COMBINE", "bool", True,
+            "A/B switch: with one block per routed pair the down GEMM adds the k slots (no combine launch)"),
+    Setting("SELECTOR_QUANT_TMA", "bool", True,
+            "A/B switch: large sorted blocks on sm_90+ read activations and weights through TMA descriptors"),
+    Setting("SELECTOR_QUANT_FUSED_ALIGN", "bool", True,
+            "A/B switch: decode blocks are routed inside x's quantisation launch instead of an align launch"),
+    *_probe_settings(),
+]
+
+SETTINGS: Mapping[str, Setting] = MappingProxyType({s.name: s for s in _DECLARED})
+
+
+def setting(name: str) -> Setting:
+    """The declaration of `name` (a concrete SELECTOR_PACKAGE_X resolves to the pattern); KeyError if undeclared."""
+    found = SETTINGS.get(name)
+    if found is None and _PACKAGE_NAME.fullmatch(name):
+        found = SETTINGS[PACKAGE_PATTERN]
+    if found is None:
+        raise KeyError(f"{name} is not a declared selector setting (see selector.settings.SETTINGS)")
+    return found
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The current typed value of setting `name`, read from `environ` (default: os.environ) now."""
+    declared = setting(name)
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or (declared.empty_is_unset and not raw.strip()):
+        return declared.default
+    try:
+        return declared.parse(raw)
+    except ValueError:
+        if declared.on_bad == "default":
+            return declared.default
+        raise
+
+
+def help_table(width: int = 36) -> str:
+    """Plain-text table of every setting, for `selector doctor --help`: selector's own, then the probe overrides."""
+    lines = ["environment variables (an empty value means unset):"]
+    for s in SETTINGS.values():
+        if not s.probe:
+            lines.append(f"  {s.name:<{width}} {s.doc}")
+            lines.append(f"  {'':<{width}} ({s.kind}, default: {s.shown_default()})")
+    lines += ["", "probe override variables (an empty value means 'absent'):"]
+    lines += [f"  {s.name:<{width}} {s.doc}" for s in SETTINGS.values() if s.probe]
+    return "\n".join(lines)
+
+
+def markdown_rows() -> list[str]:
+    """One markdown table row per setting, as README's Configuration section lists them."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    return [
+        f"| `{s.name}` | {s.kind} | {cell('probed' if s.probe else s.shown_default())} | {cell(s.doc)} |"
+        for s in SETTINGS.values()
+    ]
+
+
+def markdown_table() -> str:
+    return "\n".join(["| variable | kind | default | meaning |", "|---|---|---|---|", *markdown_rows()])
+
+
+if __name__ == "__main__":
+    print(markdown_table())
