@@ -13,7 +13,6 @@ from selector.probes import Environment
 from selector.config import ConfigError, SelectorConfig, load_config
 from selector.ranking import rank
 from selector.registry import Registry
-from selector.requirements import evaluate
 from selector.types import Availability, Problem, Ranking, Status
 
 SCHEMA = "selector.doctor/1"  # bump on any incompatible change to the JSON layout
@@ -162,7 +161,10 @@ def build_report(
     required: Sequence[str] = (),
     config: SelectorConfig | None = None,
 ) -> DoctorReport:
-    """Everything doctor shows, computed once. `problem` adds a ranking; `required` backends must run here."""
+    """Everything doctor shows, computed once. `problem` adds a ranking; `required` backends must run here.
+
+    The backend lines are the ranking's verdicts on the judged problem (one judgement, the one `auto` makes).
+    """
     broken: list[str] = []
     if config is None:
         try:
@@ -176,13 +178,14 @@ def build_report(
     judged = problem or default_problem(env)
     if problem is None and not env.gpu.devices:
         judged = replace(judged, device="cpu")
+    ranking = rank(judged, env, registry, config)
     backends = []
     for name in registry.names:
         spec = registry.specs[name]
         provider = registry.providers[name]
         dist = next((p.distribution for p in registry.plugins if p.name == provider), "")
         backends.append(
-            BackendLine(name, provider, dist, spec.description, evaluate(spec, judged, env), spec.first_call_cost)
+            BackendLine(name, provider, dist, spec.description, ranking.verdicts[name], spec.first_call_cost)
         )
     for name in required:
         line = next((b for b in backends if b.name == name), None)
@@ -190,7 +193,6 @@ def build_report(
             broken.append(f"required backend {name!r} is not registered (registered: {', '.join(registry.names)})")
         elif not line.verdict.ok:
             broken.append(f"required backend {name!r} cannot run here: {line.verdict.reason}")
-    ranking = rank(problem, env, registry, config) if problem is not None else None
     if not any(b.verdict.ok for b in backends):
         broken.append("no experts backend can run here")
     return DoctorReport(
@@ -201,7 +203,7 @@ def build_report(
         plugins=[p.to_dict() for p in registry.plugins],
         registry_problems=list(registry.problems),
         config=config.to_dict(),
-        ranking=ranking,
+        ranking=ranking if problem is not None else None,
         required=list(required),
         broken=broken,
     )

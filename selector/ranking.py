@@ -32,13 +32,15 @@ def rank(
 ) -> Ranking:
     """Order the backends that can run `problem` here, fastest first, and say why each other one cannot.
 
-    Order: a pinned backend first, then preferred ones in the config's order, then by measured time
+    Every backend is judged once (`Ranking.verdicts`), denied ones too. Order: a pinned backend first, then preferred ones in the config's order, then by measured time
     (`measured`: backend -> seconds for this problem, e.g. from tuning) or else by the plugin's estimate.
     """
     config = config or SelectorConfig()
     excluded: dict[str, Availability] = {}
+    verdicts: dict[str, Availability] = {}
     runnable: list[Candidate] = []
     for name in registry.names:
+        verdict = verdicts[name] = evaluate(registry.specs[name], problem, env)
         if name in config.deny:
             excluded[name] = Availability(
                 Status.DENIED_BY_CONFIG,
@@ -46,7 +48,6 @@ def rank(
                 f"remove it from 'deny' in {', '.join(config.files) or 'the config'}",
             )
             continue
-        verdict = evaluate(registry.specs[name], problem, env)
         if not verdict.ok:
             excluded[name] = verdict
             continue
@@ -64,4 +65,4 @@ def rank(
         preference = config.prefer.index(c.name) if c.preferred else len(config.prefer)
         return (0 if c.pinned else 1, preference, c.estimate, c.name)
 
-    return Ranking(problem=problem, candidates=tuple(sorted(runnable, key=order)), excluded=excluded)
+    return Ranking(problem=problem, candidates=tuple(sorted(runnable, key=order)), excluded=excluded, verdicts=verdicts)

@@ -183,11 +183,16 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Ranking:
-    """The ordered candidates for one problem, and every backend left out with its reason."""
+    """The ordered candidates for one problem, and every backend left out with its reason.
+
+    `verdicts`: every registered backend's verdict on this machine, config aside (what an explicit request of
+    it gets, and what `selector doctor` shows); `excluded` adds what the config denies.
+    """
 
     problem: Problem
     candidates: tuple[Candidate, ...]
     excluded: Mapping[str, Availability]
+    verdicts: Mapping[str, Availability] = field(default_factory=dict)
 
     @property
     def best(self) -> str | None:
