@@ -32,8 +32,9 @@ def rank(
 ) -> Ranking:
     """Order the backends that can run `problem` here, fastest first, and say why each other one cannot.
 
-    Every backend is judged once (`Ranking.verdicts`), denied ones too. Order: a pinned backend first, then preferred ones in the config's order, then by measured time
-    (`measured`: backend -> seconds for this problem, e.g. from tuning) or else by the plugin's estimate.
+    Every backend is judged once (`Ranking.verdicts`), denied ones too. Order: a pinned backend first, then
+    preferred ones in the config's order, then by measured time (`measured`: backend -> seconds for this
+    problem, e.g. from tuning) or else by the plugin's estimate.
     """
     config = config or SelectorConfig()
     excluded: dict[str, Availability] = {}

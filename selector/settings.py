@@ -17,11 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal, get_args
 
 from selector.probes.overrides import OVERRIDE_VARIABLES
 
-KINDS = ("bool", "int", "float", "str", "path", "choice", "names")
+Kind = Literal["bool", "int", "float", "str", "path", "choice", "names"]
+KINDS: tuple[str, ...] = get_args(Kind)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 PACKAGE_PATTERN = "SELECTOR_PACKAGE_<NAME>"
@@ -33,13 +34,13 @@ class Setting:
     """One environment variable: how its text is parsed, what it is when unset, and what it does."""
 
     name: str
-    kind: str  # one of KINDS
+    kind: Kind
     default: Any
     doc: str
     choices: tuple[str, ...] = ()  # kind "choice"
     minimum: float | None = None  # kinds "int" / "float": smallest accepted value
     positive: bool = False  # kinds "int" / "float": the value must be > 0
-    on_bad: str = "error"  # "error": ValueError naming the variable; "default": the default instead
+    on_bad: Literal["error", "default"] = "error"  # "error": ValueError naming the variable; "default": the default
     empty_is_unset: bool = True  # False for the probe overrides, where "" means "absent"
     default_text: str = ""  # how the table shows a default that depends on the machine
     probe: bool = False  # read by the probes (selector.probes.overrides), through read_override

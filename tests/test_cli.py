@@ -97,3 +97,22 @@ def test_doctor_does_not_import_torch() -> None:
     code = "import sys; from selector.cli import main; main(['doctor', '--json']); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **NO_GPU})
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_doctor_lines_are_the_rankings_verdicts() -> None:
+    """One judgement: the backend lines are Ranking.verdicts; a denied backend keeps its machine verdict."""
+    from selector.config import SelectorConfig
+    from selector.doctor import build_report
+    from selector.probes import collect_environment
+    from selector.ranking import rank
+    from selector.registry import build_registry
+    from selector.types import Status
+
+    env, registry = collect_environment({**NO_GPU, "PATH": ""}), build_registry(environ={})
+    config = SelectorConfig(deny=frozenset({"eager"}))
+    report = build_report(env, registry, config=config, required=["eager"])
+    assert report.ranking is None and report.exit_code == 0  # no problem given: no ranking section
+    lines = {b.name: b.verdict for b in report.backends}
+    assert lines["eager"].ok and not lines["triton_fused"].ok
+    ranking = rank(report.backend_problem, env, registry, config)
+    assert ranking.verdicts == lines and ranking.excluded["eager"].status is Status.DENIED_BY_CONFIG
