@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from selector.presets import PRESETS
 from selector.probes import Environment
 from selector.types import Problem
 
@@ -24,8 +25,6 @@ FIELDS = ("gpu", "E", "H", "I", "k", "dtype", "tokens", "backend", "time_s")  # 
 
 def records_from_bench(bench: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Turn `selector bench` JSON into tuning records (selector backends only; eager and graph modes)."""
-    from selector.presets import PRESETS
-
     out = []
     for cell in bench["cells"]:
         if cell["mode"] not in MODES or not cell.get("time_s") or cell["backend"].startswith(("hf:", "auto")):
@@ -102,7 +101,9 @@ class TuningTable:
         return dict(by_tokens[nearest])
 
 
-def measured_for(problem: Problem, env: Environment, records: TuningTable | Iterable[Record]) -> dict[str, float] | None:
+def measured_for(
+    problem: Problem, env: Environment, records: TuningTable | Iterable[Record]
+) -> dict[str, float] | None:
     """{backend: seconds} for `problem` on `env`'s GPU from `records` (a table, or records to index), if any."""
     table = records if isinstance(records, TuningTable) else TuningTable.from_records(records)
     return table.lookup(problem, env)
