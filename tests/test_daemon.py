@@ -135,7 +135,8 @@ def test_the_tuning_lookup_is_pure() -> None:
     tree = ast.parse(Path(tuning.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    allowed = {"__future__", "math", "collections.abc", "typing", "selector.probes", "selector.types", "selector.presets"}
+    allowed = {"__future__", "math", "collections.abc", "typing", "selector.probes", "selector.types",
+               "selector.presets"}
     assert imported <= allowed  # no sockets, files, environment variables or torch of its own
     loaded = _imports_after("selector.tuning")
     assert "torch" not in loaded
