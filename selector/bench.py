@@ -603,14 +603,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         formats=args.formats,
     )
     paths = write_outputs(result, Path(args.out))
-    from selector.tuning import records_from_bench, user_tuning_path, write_records
+    from selector.tuning import records_from_bench
+    from selector.tuning_store import user_tuning_path, write_records
 
     records = records_from_bench(result.to_dict())
     write_records(Path(args.out) / "tuning.json", records)
     if args.save_tuning:
         write_records(user_tuning_path(), records)
         paths.append(user_tuning_path())
-        from selector.daemon import ping, request, socket_path
+        from selector.daemon.client import ping, request, socket_path
 
         if ping(socket_path()):  # share with the other processes of this node at once
             request(socket_path(), {"op": "tuning_put", "records": records})

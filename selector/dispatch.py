@@ -32,6 +32,7 @@ from selector.ranking import rank
 from selector.registry import Registry, get_registry
 from selector.requirements import evaluate
 from selector.tuning import measured_for
+from selector.tuning_store import tuning_table
 from selector.types import ExpertsForward, Problem, Ranking
 from selector.validation import validate_inputs
 
@@ -83,7 +84,8 @@ class _Resolver:
 
     def rank(self, problem: Problem) -> Ranking:
         env = current_environment()
-        return rank(problem, env, self.get_registry(), self.get_config(), measured=measured_for(problem, env))
+        measured = measured_for(problem, env, tuning_table())
+        return rank(problem, env, self.get_registry(), self.get_config(), measured=measured)
 
 
 _RESOLVER = _Resolver()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from selector.daemon.client import environment_from_daemon
 from selector.probes import Environment, collect_environment
 
 _CURRENT: Environment | None = None
@@ -11,8 +12,6 @@ def current_environment() -> Environment:
     """Facts from the node daemon when one answers (probed once per node), else probed here."""
     global _CURRENT
     if _CURRENT is None:
-        from selector.daemon import environment_from_daemon
-
         _CURRENT = environment_from_daemon() or collect_environment()
     return _CURRENT
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from selector.probes import collect_environment
-from selector import tuning
+from selector import tuning_store as tuning
 from selector.bench import BenchResult, Cell, _fill_peer_ratios, markdown_table, run_bench, write_outputs
 from selector.presets import preset
 from selector.ranking import rank

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from selector.daemon import client, wire
+from selector.daemon.server import DaemonServer
 from selector.probes import collect_environment
-from selector import daemon
 
 
 @pytest.fixture
 def server(tmp_path: Path):
     env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0:141", "PATH": ""})
-    srv = daemon.DaemonServer(tmp_path / "d.sock", env=env)
+    srv = DaemonServer(tmp_path / "d.sock", env=env)
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield srv
@@ -26,37 +27,37 @@ def server(tmp_path: Path):
     thread.join(timeout=5)
 
 
-def test_clients_share_probe_facts(server: daemon.DaemonServer) -> None:
-    env = daemon.environment_from_daemon({daemon.SOCKET_VARIABLE: str(server.path)})
+def test_clients_share_probe_facts(server: DaemonServer) -> None:
+    env = client.environment_from_daemon({wire.SOCKET_VARIABLE: str(server.path)})
     assert env is not None and env.gpu.devices[0].name == "NVIDIA H200"
     assert env.fingerprint() == server.state.env.fingerprint()
-    status = daemon.status_path(server.path).read_text()
+    status = wire.status_path(server.path).read_text()
     assert str(os.getpid()) in status and server.state.env.fingerprint() in status
 
 
-def test_tuning_results_put_by_one_client_are_read_by_another(server: daemon.DaemonServer) -> None:
+def test_tuning_results_put_by_one_client_are_read_by_another(server: DaemonServer) -> None:
     record = {"gpu": "NVIDIA H200", "E": 8, "H": 16, "I": 8, "k": 2, "dtype": "bfloat16", "tokens": 4,
               "backend": "grouped_mm", "time_s": 1e-4}
-    assert daemon.request(server.path, {"op": "tuning_put", "records": [record]}) == {"ok": True, "stored": 1}
+    assert client.request(server.path, {"op": "tuning_put", "records": [record]}) == {"ok": True, "stored": 1}
     faster = {**record, "time_s": 5e-5}
-    daemon.request(server.path, {"op": "tuning_put", "records": [faster]})
-    got = daemon.request(server.path, {"op": "tuning_get"})["records"]
+    client.request(server.path, {"op": "tuning_put", "records": [faster]})
+    got = client.request(server.path, {"op": "tuning_get"})["records"]
     assert got == [faster]
 
 
-def test_bad_requests_get_errors_not_crashes(server: daemon.DaemonServer) -> None:
-    assert daemon.request(server.path, {"op": "dance"}) == {"ok": False, "error": "unknown op 'dance'"}
-    assert daemon.request(server.path, {"nop": 1})["ok"] is False
-    assert daemon.ping(server.path)
+def test_bad_requests_get_errors_not_crashes(server: DaemonServer) -> None:
+    assert client.request(server.path, {"op": "dance"}) == {"ok": False, "error": "unknown op 'dance'"}
+    assert client.request(server.path, {"nop": 1})["ok"] is False
+    assert client.ping(server.path)
 
 
 def test_no_daemon_means_none_and_stale_socket_is_replaced(tmp_path: Path) -> None:
     path = tmp_path / "stale.sock"
-    assert daemon.environment_from_daemon({daemon.SOCKET_VARIABLE: str(path)}) is None
+    assert client.environment_from_daemon({wire.SOCKET_VARIABLE: str(path)}) is None
     path.write_text("")  # a leftover from a daemon that died
-    srv = daemon.DaemonServer(path, env=collect_environment({"SELECTOR_GPUS": "", "PATH": ""}))
+    srv = DaemonServer(path, env=collect_environment({"SELECTOR_GPUS": "", "PATH": ""}))
     try:
-        assert path.exists() and daemon.status_path(path).exists()
+        assert path.exists() and wire.status_path(path).exists()
     finally:
         srv.server_close()
     assert not path.exists()
@@ -80,12 +81,94 @@ def test_cli_start_status_stop(tmp_path: Path) -> None:
         assert cli("stop").returncode == 0
 
 
-def test_current_environment_asks_the_daemon_first(server: daemon.DaemonServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_current_environment_asks_the_daemon_first(server: DaemonServer, monkeypatch: pytest.MonkeyPatch) -> None:
     from selector import environment
 
-    monkeypatch.setenv(daemon.SOCKET_VARIABLE, str(server.path))
+    monkeypatch.setenv(wire.SOCKET_VARIABLE, str(server.path))
     environment.set_environment(None)
     try:
         assert environment.current_environment().gpu.devices[0].name == "NVIDIA H200"  # the daemon's facts
     finally:
         environment.set_environment(None)
+
+
+def test_shared_timings_reach_the_tuning_store(server: DaemonServer, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from selector import tuning_store
+
+    record = {"gpu": "NVIDIA H200", "E": 8, "H": 16, "I": 8, "k": 2, "dtype": "bfloat16", "tokens": 4,
+              "backend": "grouped_mm", "time_s": 1e-4}
+    environ = {wire.SOCKET_VARIABLE: str(server.path)}
+    assert client.share_tuning_records([record], environ) == 1
+    assert client.shared_tuning_records(environ) == [record]
+    assert client.shared_tuning_records({wire.SOCKET_VARIABLE: str(tmp_path / "none.sock")}) == []
+    monkeypatch.setenv(wire.SOCKET_VARIABLE, str(server.path))
+    monkeypatch.setattr(tuning_store, "DATA_DIR", tmp_path / "none")
+    monkeypatch.setattr(tuning_store, "user_tuning_path", lambda: tmp_path / "tuning.json")
+    assert tuning_store.known_records() == [record]
+
+
+def test_wire_frames_one_message_per_line() -> None:
+    frame = wire.encode({"op": wire.PING})
+    assert frame == b'{"op": "ping"}\n' and wire.decode(frame) == {"op": "ping"}
+    with pytest.raises(ValueError):
+        wire.decode(b"")  # the peer closed before replying
+
+
+def _imports_after(module: str) -> set[str]:
+    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    return set(out.stdout.split())
+
+
+def test_the_client_loads_nothing_of_the_server() -> None:
+    loaded = _imports_after("selector.daemon.client")
+    assert "selector.daemon.server" not in loaded and "socketserver" not in loaded
+    assert "selector.tuning" not in loaded
+
+
+def test_the_tuning_lookup_is_pure() -> None:
+    import ast
+
+    from selector import tuning
+
+    tree = ast.parse(Path(tuning.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    allowed = {"__future__", "math", "collections.abc", "typing", "selector.probes", "selector.types",
+               "selector.presets"}
+    assert imported <= allowed  # no sockets, files, environment variables or torch of its own
+    loaded = _imports_after("selector.tuning")
+    assert "torch" not in loaded
+    above = ("selector.daemon", "selector.environment", "selector.tuning_store", "selector.dispatch")
+    assert not {m for m in loaded if m.startswith(above)}
+
+
+H200_RECORD = {"gpu": "NVIDIA H200", "E": 128, "H": 2048, "I": 768, "k": 8, "dtype": "bfloat16", "tokens": 1,
+               "backend": "grouped_mm", "mode": "eager", "time_s": 3e-4}
+
+
+def test_the_lookup_uses_the_records_it_is_handed() -> None:
+    from selector import tuning
+    from selector.presets import preset
+
+    env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0", "PATH": ""})
+    problem = preset("qwen3-30b-a3b").with_tokens(2)
+    faster = {**H200_RECORD, "backend": "triton_fused", "time_s": 3e-5}
+    later = {**H200_RECORD, "time_s": 1e-5}
+    assert tuning.measured_for(problem, env, []) is None
+    assert tuning.measured_for(problem, env, [H200_RECORD, faster, later]) == {"grouped_mm": 1e-5, "triton_fused": 3e-5}
+    table = tuning.TuningTable.from_records([H200_RECORD, {**H200_RECORD, "tokens": 64, "time_s": 9e-4}])
+    assert len(table) == 2 and table.lookup(problem, env) == {"grouped_mm": 3e-4}  # nearest count: 1
+
+
+def test_a_malformed_record_is_a_miss_not_an_error() -> None:
+    from selector import tuning
+    from selector.presets import preset
+
+    env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0", "PATH": ""})
+    problem = preset("qwen3-30b-a3b").with_tokens(1)
+    broken = [{"gpu": "NVIDIA H200"}, {**H200_RECORD, "time_s": None}, {**H200_RECORD, "tokens": "many"},
+              {**H200_RECORD, "time_s": float("nan")}, ["not", "a", "record"]]
+    assert not any(tuning.is_valid_record(r) for r in broken) and tuning.is_valid_record(H200_RECORD)
+    assert tuning.measured_for(problem, env, [*broken, H200_RECORD]) == {"grouped_mm": 3e-4}
