@@ -17,10 +17,10 @@ transformers = pytest.importorskip("transformers")
 
 import selector  # noqa: E402
 import selector.hf as hf  # noqa: E402
-from selector.hf import decode as hf_decode  # noqa: E402
-from selector.hf import quantized as hf_quantized  # noqa: E402
-from selector.hf import registration as hf_registration  # noqa: E402
 from selector.dispatch import clear_last_backend, last_backend, reset_selection_caches  # noqa: E402
+from selector.hf import decode as hf_decode
+from selector.hf import quantized as hf_quantized
+from selector.hf import registration as hf_registration
 from selector.registry import register_plugin, unregister_plugin  # noqa: E402
 from selector.types import Status  # noqa: E402
 

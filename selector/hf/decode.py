@@ -19,12 +19,11 @@ from typing import Any
 import torch
 
 from selector.hf.modules import experts_modules
-from selector.hf.names import DECODE_SWAPS
+from selector.hf.names import DECODE_SWAPS, HOOK_WRAPS_ATTR
 
 logger = logging.getLogger("selector.hf")
 
 _DECODING: contextvars.ContextVar[bool] = contextvars.ContextVar("selector_hf_decoding", default=False)
-_WRAPS = "_selector_wraps"  # on our hook: the function of Transformers it wraps
 
 
 def _default_accelerator_check(device: torch.device) -> bool:
@@ -115,13 +114,13 @@ def install_decode_hook() -> None:
             "selector's grouped_mm is not swapped for batched_mm during decode ('auto' still adapts per call)"
         )
         return
-    if getattr(original, _WRAPS, None) is not None:
+    if getattr(original, HOOK_WRAPS_ATTR, None) is not None:
         return
 
     def _optimize_model_for_decode(self: Any) -> Any:
         return _composed_decode(self, original)
 
-    setattr(_optimize_model_for_decode, _WRAPS, original)
+    setattr(_optimize_model_for_decode, HOOK_WRAPS_ATTR, original)
     _optimize_model_for_decode.__doc__ = getattr(original, "__doc__", None)
     GenerationMixin._optimize_model_for_decode = _optimize_model_for_decode  # type: ignore[assignment]
 

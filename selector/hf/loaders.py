@@ -75,7 +75,11 @@ def from_config(
 
 
 def compile_config(
-    mode: str = "reduce-overhead", *, fullgraph: bool = True, skip_module_guards: bool = False, backend: str = "inductor"
+    mode: str = "reduce-overhead",
+    *,
+    fullgraph: bool = True,
+    skip_module_guards: bool = False,
+    backend: str = "inductor",
 ) -> Any:
     """A Transformers CompileConfig for generate()'s compiled decode step (pass it as `compile_config=`).
 

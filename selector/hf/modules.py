@@ -58,9 +58,17 @@ def describe_problem(problem: Problem) -> str:
         problem.device,
         problem.activation,
     ]
-    flags += [name for name, on in (("bias", problem.has_bias), ("transposed", problem.is_transposed),
-                                    ("interleaved", problem.interleaved), ("custom-gate", problem.custom_gate),
-                                    ("post-norm", problem.post_expert_norm)) if on]
+    flags += [
+        name
+        for name, on in (
+            ("bias", problem.has_bias),
+            ("transposed", problem.is_transposed),
+            ("interleaved", problem.interleaved),
+            ("custom-gate", problem.custom_gate),
+            ("post-norm", problem.post_expert_norm),
+        )
+        if on
+    ]
     if problem.weight_format != "dense":
         flags.append(f"{problem.weight_format}/{problem.scale_format}")
     return " ".join(flags)

@@ -24,13 +24,12 @@ import torch
 from selector import dispatch
 from selector.hf.decode import install_decode_hook
 from selector.hf.modules import describe_problem
-from selector.hf.names import AUTO, EAGER, PREFIX
+from selector.hf.names import AUTO, EAGER, FORWARD_REQUEST_ATTR, PREFIX
 from selector.hf.quantized import adopt_quantized, quantized_auto
 from selector.hf.version import check_transformers
 
 logger = logging.getLogger("selector.hf")
 
-_REQUEST = "_selector_request"  # on each function we register: the selector request it runs
 _LOCK = threading.RLock()
 _FORWARDS: dict[tuple[bool, str], Callable[..., torch.Tensor]] = {}  # (fp8 interface?, name) -> our function
 _LOGGED: set[tuple[Any, ...]] = set()  # (problem, token bucket, backend) that "auto" already logged
@@ -63,7 +62,7 @@ def _make_forward(request: str, quantized: bool = False) -> Callable[..., torch.
     selector_experts_forward.__qualname__ = selector_experts_forward.__name__ = (
         f"selector_experts_forward[{kind}{request}]"
     )
-    setattr(selector_experts_forward, _REQUEST, request)
+    setattr(selector_experts_forward, FORWARD_REQUEST_ATTR, request)
     return selector_experts_forward
 
 
@@ -85,7 +84,7 @@ def _log_auto_choice(module: torch.nn.Module, num_tokens: int, top_k: int) -> No
 
 
 def _ours(fn: object) -> str | None:
-    return getattr(fn, _REQUEST, None)
+    return getattr(fn, FORWARD_REQUEST_ATTR, None)
 
 
 def _interfaces(moe: Any) -> list[tuple[Any, bool]]:
