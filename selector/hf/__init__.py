@@ -23,6 +23,8 @@ One job per module, each importing only those above it:
 
 from __future__ import annotations
 
+import logging
+
 from selector.hf.decode import decode_phase, decode_request, set_accelerator_check
 from selector.hf.loaders import compile_config, from_config, from_pretrained
 from selector.hf.modules import experts_modules, is_transformers_experts, sub_config_keys
@@ -37,6 +39,8 @@ from selector.hf.requests import (
     validate_request,
 )
 from selector.hf.version import MIN_TRANSFORMERS, check_transformers
+
+logger = logging.getLogger("selector.hf")  # every module of the package logs here
 
 register_on_import()
 
