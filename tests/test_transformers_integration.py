@@ -18,6 +18,9 @@ transformers = pytest.importorskip("transformers")
 import selector  # noqa: E402
 import selector.hf as hf  # noqa: E402
 from selector.dispatch import clear_last_backend, last_backend, reset_selection_caches  # noqa: E402
+from selector.hf import decode as hf_decode
+from selector.hf import quantized as hf_quantized
+from selector.hf import registration as hf_registration
 from selector.registry import register_plugin, unregister_plugin  # noqa: E402
 from selector.types import Status  # noqa: E402
 
@@ -245,7 +248,7 @@ def test_auto_logs_its_choice(models, caplog):
     with caplog.at_level(logging.INFO, logger="selector.hf"):
         hf.log_selection(model)
         model.set_experts_implementation("auto")
-        hf._LOGGED.clear()
+        hf_registration._LOGGED.clear()
         with torch.no_grad():
             model(_prompt())
     text = caplog.text
@@ -520,7 +523,7 @@ def test_composes_with_transformers_own_decode_swap(models):
         finally:
             m.set_experts_implementation(current)
 
-    with hf._composed_decode(model, transformers_hook):
+    with hf_decode._composed_decode(model, transformers_hook):
         inside = hf.get_experts_implementation(model)
     assert seen_by_transformers[0]["text_config"] == "selector:batched_mm"  # ours already swapped
     assert seen_by_transformers[0][""] == "grouped_mm"  # Transformers' own name left to Transformers
@@ -573,13 +576,13 @@ def _deny_all_backends(tmp_path, monkeypatch):
     path.write_text("deny: [" + ", ".join(selector.get_registry().names) + "]\n")
     monkeypatch.setenv("SELECTOR_CONFIG", str(path))
     reset_selection_caches()
-    hf._QUANT_PLANS.clear()
+    hf_quantized._QUANT_PLANS.clear()
     try:
         yield
     finally:
         monkeypatch.delenv("SELECTOR_CONFIG")
         reset_selection_caches()
-        hf._QUANT_PLANS.clear()
+        hf_quantized._QUANT_PLANS.clear()
 
 
 def test_quantized_auto_falls_back_to_transformers_fp8_with_its_decode_rule(monkeypatch, tmp_path):
@@ -643,7 +646,7 @@ def test_quantized_auto_takes_a_selector_backend_for_the_format(monkeypatch):
     model, calls = _fp8_model(monkeypatch)
     register_plugin(_Fp8Plugin, "fp8_test_plugin")
     reset_selection_caches()
-    hf._QUANT_PLANS.clear()
+    hf_quantized._QUANT_PLANS.clear()
     try:
         assert hf.selection_report(model)[""].chosen == "fake_fp8"
         with torch.no_grad():
@@ -652,7 +655,7 @@ def test_quantized_auto_takes_a_selector_backend_for_the_format(monkeypatch):
     finally:
         unregister_plugin("fp8_test_plugin")
         reset_selection_caches()
-        hf._QUANT_PLANS.clear()
+        hf_quantized._QUANT_PLANS.clear()
         hf.register_with_transformers()
 
 
@@ -692,7 +695,7 @@ def test_quantized_auto_compiles_as_one_graph(monkeypatch: pytest.MonkeyPatch, w
     model, _ = _fp8_model(monkeypatch)
     register_plugin(_Fp8Plugin, "fp8_test_plugin")
     reset_selection_caches()
-    hf._QUANT_PLANS.clear()
+    hf_quantized._QUANT_PLANS.clear()
     torch._dynamo.reset()
     try:
         ids = _prompt()
@@ -707,6 +710,6 @@ def test_quantized_auto_compiles_as_one_graph(monkeypatch: pytest.MonkeyPatch, w
     finally:
         unregister_plugin("fp8_test_plugin")
         reset_selection_caches()
-        hf._QUANT_PLANS.clear()
+        hf_quantized._QUANT_PLANS.clear()
         hf.register_with_transformers()
         torch._dynamo.reset()
