@@ -1,4 +1,4 @@
-"""The bench's bookkeeping on CPU (timing itself needs a GPU: see benchmarks/), and tuning data use."""
+"""The bench's bookkeeping on CPU (timing itself needs a GPU: `selector bench` there), and tuning data use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from selector.probes import collect_environment
 from selector import tuning
-from selector.bench import BenchResult, Cell, _fill_peer_ratios, markdown_table, run_bench, write_outputs
+from selector.bench import BenchResult, Cell, fill_peer_ratios, markdown_table, run_bench, write_outputs
 from selector.presets import preset
 from selector.ranking import rank
 from selector.registry import build_registry
@@ -31,7 +31,7 @@ def _result() -> BenchResult:
 
 def test_peer_ratio_and_table() -> None:
     result = _result()
-    _fill_peer_ratios(result.cells)
+    fill_peer_ratios(result.cells)
     auto = next(c for c in result.cells if c.backend == "auto")
     assert auto.vs_best_peer == pytest.approx(200e-6 / 40e-6)
     table = markdown_table(result)
@@ -169,6 +169,6 @@ def test_quantised_floors_use_the_fp8_matmul_rate_and_peers_compare_like_with_li
     assert compute_ceiling(with_fp8, dense) == 782e12 and compute_ceiling(with_fp8, fp8) == 1500e12
     assert compute_ceiling(CEILINGS, fp8) == 782e12  # not measured (no fp8 matmul there): bf16's
     cells = _quant_cells() + [Cell("qwen3-30b-a3b", 1, "bfloat16", "hf:batched_mm", "graph", time_s=80e-6)]
-    _fill_peer_ratios(cells)
+    fill_peer_ratios(cells)
     assert cells[0].vs_best_peer == pytest.approx(80 / 34)  # dense against the dense peer
     assert cells[2].vs_best_peer is None  # fp8: Transformers' backends ran no fp8 cell
