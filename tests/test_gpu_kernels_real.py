@@ -166,7 +166,7 @@ def test_sonicmoe_kernel_dir_loads_through_kernels(tmp_path: Path) -> None:
         "m = kernels.get_local_kernel(d); assert m.moe_general_routing_inputs() == 'fake'; "
         "assert m.enums.ActivationType.SWIGLU.value == 'swiglu'; print(json.dumps(sorted(p.name for p in d.rglob('*'))))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     names = json.loads(done.stdout.strip().splitlines()[-1])
     assert "metadata.json" in names and "__init__.py" in names

@@ -18,8 +18,8 @@ from typing import Any
 from selector.bench.cells import FORMATS, PEER_PREFIX, BenchResult, Cell
 from selector.bench.layer import (
     bytes_moved,
-    flops_of,
     floor_seconds,
+    flops_of,
     format_layer,
     make_layer,
     random_routing,
@@ -242,10 +242,10 @@ class _Grid:
             if out.mode == "graph" and out.backend.endswith("eager"):
                 out.skipped = "reads expert ids on the host: cannot be captured"
                 return
-            runner: Callable[[], Any] = lambda: cell.call(fn)  # noqa: E731
+            runner: Callable[[], Any] = lambda: cell.call(fn)
             if out.mode == "compile":
                 compiled = torch.compile(fn, dynamic=False)
-                runner = lambda: cell.call(compiled)  # noqa: E731
+                runner = lambda: cell.call(compiled)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

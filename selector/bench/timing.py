@@ -29,7 +29,7 @@ def measure_ceilings(torch: Any, device: Any, fp8: bool = False) -> dict[str, fl
         try:
             a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm: b column-major
             one = torch.ones((), device=device)
-            mm8 = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+            mm8 = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
             ceilings["fp8_flops"] = 2 * n**3 / (do_bench(mm8, warmup=50, rep=300, return_mode="median") * 1e-3)
         except (RuntimeError, AttributeError, TypeError):  # no fp8 matmul here: quantised floors use bf16's
             pass
