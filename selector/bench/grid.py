@@ -2,7 +2,7 @@
 selector backend, `auto` as a user runs it and Transformers' own backends as peers, each timed in every mode.
 
 It reaches the dispatch core only through its public API (`set_experts_implementation`, `last_backend`,
-`rank`, a backend spec's `loader(weight_format)`).
+`backend_forward`, `rank`).
 """
 
 from __future__ import annotations
@@ -187,13 +187,13 @@ class _Grid:
         """Every backend to time for this cell (None: excluded, its reason already recorded), the peers, and
         "auto" as a user runs it: the module's own forward (dispatch, shape checks, the picked backend)."""
         import selector
-        from selector.dispatch import AUTO
+        from selector.dispatch import AUTO, backend_forward
 
         found: dict[str, Forward | None] = {}
         ranking = selector.rank(cell.problem, self.env, self.registry)
         for name in self.backends or self.registry.names:
             verdict = ranking.excluded.get(name)
-            found[name] = None if verdict else self.registry.get(name).loader(cell.problem.weight_format)()
+            found[name] = None if verdict else backend_forward(name, cell.problem.weight_format)
             if verdict:
                 self.result.cells.extend(self.new_cell(cell, name, mode, skipped=verdict.reason) for mode in self.modes)
         if cell.fmt == "dense":  # Transformers' backends run dense weights only
