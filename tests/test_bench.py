@@ -172,3 +172,41 @@ def test_quantised_floors_use_the_fp8_matmul_rate_and_peers_compare_like_with_li
     fill_peer_ratios(cells)
     assert cells[0].vs_best_peer == pytest.approx(80 / 34)  # dense against the dense peer
     assert cells[2].vs_best_peer is None  # fp8: Transformers' backends ran no fp8 cell
+
+
+def test_bench_formats_runs_on_the_cpu_through_the_interpreter(tmp_path: Path) -> None:
+    """`selector bench --formats` end to end on a tiny layer on the CPU (the quantised Triton kernels under the
+    interpreter): every format timed on each path, every checked cell within 1e-2 of float64 (quantised: from
+    the dequantised weights), quantised floors at the e4m3 rate (below the bf16-rate floor), the tables written.
+    The times mean nothing here; the harness is what is checked."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from selector.bench import run_bench
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run is tests/test_gpu_kernels_real.py::test_bench_formats_end_to_end")
+    tiny = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=256, intermediate_size=128, top_k=2)
+    ceilings = {**CEILINGS, "fp8_flops": 1500e12}
+    result = run_bench({"tiny": tiny}, [3], dtype_name="float32", backends=["grouped_mm", "batched_mm"],
+                       modes=["eager", "graph"], with_peers=False, formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"],
+                       device="cpu", ceilings=ceilings)  # fmt: skip
+    timed = {(c.format, c.backend) for c in result.cells if c.time_s}
+    assert {("dense", "grouped_mm"), ("fp8-f32", "grouped_mm"), ("fp8-ue8m0", "batched_mm"), ("fp4", "grouped_mm"),
+            ("fp8-f32", "auto")} <= timed, sorted(timed)  # fmt: skip
+    checked = [c for c in result.cells if c.rel_error is not None]
+    assert checked and all(c.rel_error < 1e-2 for c in checked)
+    assert all(c.skipped == "graph mode needs CUDA" for c in result.cells if c.mode == "graph")
+    dense = next(c for c in result.cells if c.format == "dense" and c.floor_s)
+    for fmt in ("fp8-f32", "fp4"):  # fewer bytes and the e4m3 rate: a lower floor than dense's
+        quantised = next(c for c in result.cells if c.format == fmt and c.floor_s)
+        assert quantised.floor_s < dense.floor_s
+    write_outputs(result, tmp_path)
+    table = (tmp_path / "bench.md").read_text()
+    assert "| tiny | 3 | eager | fp8-f32 |" in table and "Quantised against dense" in table
+
+
+def test_a_cpu_bench_run_needs_its_ceilings() -> None:
+    with pytest.raises(ValueError, match="pass the ceilings"):
+        run_bench(["qwen3-30b-a3b"], [1], device="cpu")

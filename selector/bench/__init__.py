@@ -34,7 +34,14 @@ from selector.bench.layer import (
     temp_bytes_estimate,
 )
 from selector.bench.render import fmt_time, formats_table, markdown_table, plot, summarise, write_outputs
-from selector.bench.timing import calls_for, measure_ceilings, time_back_to_back, time_first_call, time_graph
+from selector.bench.timing import (
+    calls_for,
+    measure_ceilings,
+    time_back_to_back,
+    time_first_call,
+    time_graph,
+    time_host,
+)
 
 __all__ = [
     "DEFAULT_PRESETS",
@@ -68,5 +75,6 @@ __all__ = [
     "time_back_to_back",
     "time_first_call",
     "time_graph",
+    "time_host",
     "write_outputs",
 ]

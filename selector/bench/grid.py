@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,7 +26,7 @@ from selector.bench.layer import (
     reference,
     temp_bytes_estimate,
 )
-from selector.bench.timing import calls_for, measure_ceilings, time_back_to_back, time_graph
+from selector.bench.timing import calls_for, measure_ceilings, time_back_to_back, time_graph, time_host
 
 Forward = Callable[..., Any]  # Transformers' experts signature: fn(module, hidden_states, top_k_index, top_k_weights)
 
@@ -46,7 +46,7 @@ def peer_functions() -> dict[str, Forward]:
 
 
 def run_bench(
-    presets: Sequence[str],
+    presets: Sequence[str] | Mapping[str, Any],
     tokens: Sequence[int],
     dtype_name: str = "bfloat16",
     backends: Sequence[str] | None = None,
@@ -56,18 +56,26 @@ def run_bench(
     with_peers: bool = True,
     progress: Callable[[str], None] | None = None,
     formats: Sequence[str] = ("dense",),
+    device: str = "cuda",
+    ceilings: dict[str, float] | None = None,
 ) -> BenchResult:
     """Time the grid, with the per-call value checks off (`SELECTOR_VALIDATE=shapes` unless set): the layer is
-    timed, not them. Raises ValueError for an unknown format, RuntimeError without a CUDA GPU."""
+    timed, not them. `presets`: preset names, or shape names mapped to their `Problem`.
+
+    `device="cpu"` (with `ceilings` given) runs the same grid on the CPU to check the harness, e.g. the Triton
+    kernels under the interpreter: one call per cell on the host clock, no graph mode; its times mean nothing.
+    Raises ValueError for an unknown format or a CPU run without ceilings, RuntimeError without a CUDA GPU."""
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"unknown format(s) {unknown}: expected some of {', '.join(FORMATS)}")
     before = os.environ.get("SELECTOR_VALIDATE")
     os.environ["SELECTOR_VALIDATE"] = before or "shapes"
     try:
-        grid = _Grid(dtype_name, backends, modes, graph_max_tokens, memory_cap_gb, with_peers, progress, formats)
-        for shape in presets:
-            grid.run_shape(shape, tokens)
+        grid = _Grid(dtype_name, backends, modes, graph_max_tokens, memory_cap_gb, with_peers, progress, formats,
+                     device, ceilings)  # fmt: skip
+        shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
+        for shape, problem in shapes.items():
+            grid.run_shape(shape, tokens, problem)
         fill_peer_ratios(grid.result.cells)
         return grid.result
     finally:
@@ -114,16 +122,19 @@ class _Grid:
 
     def __init__(self, dtype_name: str, backends: Sequence[str] | None, modes: Sequence[str], graph_max_tokens: int,
                  memory_cap_gb: float, with_peers: bool, progress: Callable[[str], None] | None,
-                 formats: Sequence[str]) -> None:  # fmt: skip
+                 formats: Sequence[str], device: str = "cuda", ceilings: dict[str, float] | None = None) -> None:  # fmt: skip
         import torch
 
         from selector.environment import current_environment
         from selector.registry import get_registry
 
-        if not torch.cuda.is_available():
+        self.cuda = device == "cuda"
+        if self.cuda and not torch.cuda.is_available():
             raise RuntimeError("selector bench needs a CUDA GPU (it times kernels against the GPU's floor)")
+        if not self.cuda and ceilings is None:
+            raise ValueError(f"selector bench on {device}: pass the ceilings (they are measured on a GPU only)")
         self.torch = torch
-        self.device = torch.device("cuda")
+        self.device = torch.device(device)
         self.dtype_name, self.dtype = dtype_name, getattr(torch, dtype_name)
         self.backends, self.modes, self.formats = backends, tuple(modes), tuple(formats)
         self.graph_max_tokens, self.memory_cap_gb = graph_max_tokens, memory_cap_gb
@@ -131,9 +142,11 @@ class _Grid:
         self.registry = get_registry()
         self.peers = peer_functions() if with_peers else {}
         self.say = progress or (lambda _msg: None)
+        if ceilings is None:
+            ceilings = measure_ceilings(torch, self.device, fp8=any(FORMATS[f] for f in formats))
         self.result = BenchResult(
-            device=torch.cuda.get_device_name(),
-            ceilings=measure_ceilings(torch, self.device, fp8=any(FORMATS[f] for f in formats)),
+            device=torch.cuda.get_device_name() if self.cuda else device,
+            ceilings=dict(ceilings),
             command="selector " + " ".join(sys.argv[1:]) if sys.argv and "selector" in sys.argv[0] else "",
             environment=self.env.to_dict(),
         )
@@ -145,12 +158,21 @@ class _Grid:
         self.result.cells.extend(Cell(shape, t, self.dtype_name, AUTO, mode, format=fmt, skipped=reason)
                                  for t in token_counts for mode in self.modes)  # fmt: skip
 
-    def run_shape(self, shape: str, tokens: Sequence[int]) -> None:
-        """Every format and token count of one preset; one quantised copy alive at a time."""
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def release(self) -> None:
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def run_shape(self, shape: str, tokens: Sequence[int], problem: Any = None) -> None:
+        """Every format and token count of one shape (a preset's unless `problem` is given); one quantised copy
+        alive at a time."""
         from selector.presets import preset
 
         torch = self.torch
-        base = replace(preset(shape), dtype=self.dtype_name, device="cuda")
+        base = replace(problem or preset(shape), dtype=self.dtype_name, device=self.device.type)
         dense = make_layer(torch, base, self.dtype, self.device, seed=0)
         for fmt in self.formats:
             try:
@@ -164,9 +186,9 @@ class _Grid:
                 except Exception as exc:  # the reference or auto's own call failed: record it, go on
                     self.failed(shape, fmt, [t], "failed", exc)
             del layer
-            torch.cuda.empty_cache()
+            self.release()
         del dense
-        torch.cuda.empty_cache()
+        self.release()
 
     def inputs(self, shape: str, fmt: str, base: Any, layer: Any, t: int) -> _Inputs:
         """The same routing and hidden states for every format of a token count."""
@@ -229,7 +251,7 @@ class _Grid:
                 self.say(f"{cell.shape} T={t} {cell.fmt} {name} {mode}")
                 self.time_cell(out, cell, fn)
                 self.result.cells.append(out)
-                self.torch.cuda.empty_cache()
+                self.release()
 
     def time_cell(self, out: Cell, cell: _Inputs, fn: Forward) -> None:
         """One backend in one mode: peak extra memory and error on the first call, then the time; a failure is
@@ -242,25 +264,33 @@ class _Grid:
             if out.mode == "graph" and out.backend.endswith("eager"):
                 out.skipped = "reads expert ids on the host: cannot be captured"
                 return
+            if out.mode == "graph" and not self.cuda:
+                out.skipped = "graph mode needs CUDA"
+                return
             runner: Callable[[], Any] = lambda: cell.call(fn)
             if out.mode == "compile":
                 compiled = torch.compile(fn, dynamic=False)
                 runner = lambda: cell.call(compiled)
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            self.sync()
+            base = torch.cuda.memory_allocated() if self.cuda else 0
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
             result = runner()
-            torch.cuda.synchronize()
-            out.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
+            self.sync()
+            if self.cuda:
+                out.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
             if cell.sample:
                 diff = (result[: cell.sample].double() - cell.ref).norm() / cell.ref.norm().clamp_min(1e-30)
                 out.rel_error = float(diff)
-            first = time.perf_counter()
-            runner()
-            torch.cuda.synchronize()
-            n = calls_for(time.perf_counter() - first)
-            timer = time_graph if out.mode == "graph" else time_back_to_back
-            out.time_s = timer(torch, runner, n)
+            if self.cuda:
+                first = time.perf_counter()
+                runner()
+                self.sync()
+                n = calls_for(time.perf_counter() - first)
+                timer = time_graph if out.mode == "graph" else time_back_to_back
+                out.time_s = timer(torch, runner, n)
+            else:
+                out.time_s = time_host(runner, calls=1, repeats=1)
             out.tflops = cell.flops / out.time_s / 1e12
             out.gbps = cell.moved / out.time_s / 1e9
         except Exception as exc:

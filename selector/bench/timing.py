@@ -77,6 +77,17 @@ def time_graph(torch: Any, fn: Callable[[], Any], calls: int, repeats: int = 5) 
     return time_back_to_back(torch, graph.replay, calls, repeats)
 
 
+def time_host(fn: Callable[[], Any], calls: int, repeats: int = 1) -> float:
+    """Median over `repeats` of the host clock around `calls` calls, per call: for a CPU run of the harness."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
 def calls_for(estimate_s: float) -> int:
     """Enough back-to-back calls for ~50 ms per sample, at least 3, at most 200."""
     return max(3, min(200, int(0.05 / max(estimate_s, 1e-6))))
