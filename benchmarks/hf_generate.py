@@ -1,8 +1,8 @@
 """generate() on a randomly initialised, full-size Qwen1.5-MoE-A2.7B-shaped model: selector's "auto" beside
 Transformers' own experts backends (eager, batched_mm, grouped_mm), in one run, no download.
 
-    cd <repo> && python benchmarks/hf_generate.py --out DIR            # on the GPU machine (~3 minutes)
-    python benchmarks/hf_generate.py --out /tmp/hf --tiny --device cpu # smoke test of the script itself
+    python benchmarks/hf_generate.py --out out/hf                          # on a GPU (~3 minutes)
+    python benchmarks/hf_generate.py --out out/hf-tiny --tiny --device cpu # smoke test of the script itself
 
 For each setting (batch x prompt length: 1x16, 4x128, 16x512) and backend:
 - prefill ms: one generate() call with max_new_tokens=1 (time to first token, as a user sees it);
@@ -23,27 +23,9 @@ of a device copy measured in the same run. Cells run in priority order under a t
 counted from the start); what does not fit is recorded as skipped. JSON is rewritten after every cell, so
 a run cut short keeps what it measured. Prints a short markdown table last.
 
-Diagnostics of the compiled decode step (issue 4: is it the experts, the rest of the model, or generate()?):
-- backend "null" (this script's only, registered into Transformers' experts interface for the run, never into
-  selector): returns zeros of the right shape and dtype without reading a weight, so its output is wrong by
-  design. Its cell is what the rest of the model and generate() cost: the lower bound for any experts
-  backend. The zeros are selected by a test of the routing weights, so that Inductor keeps the router, which
-  every real backend consumes, in the graph (one small pointwise kernel per layer is the price);
-- forward-only ms/step (compiled cells): in one more generate() call, the compiled decode step Transformers
-  calls (model._compiled_call) is wrapped; at one decode step the wrapper makes that same call, with the
-  same arguments, --forward-steps times back to back with no host sync between (device events around the
-  loop, one sync after), then returns as usual. That is the step without generate()'s per-step host work and
-  sync: max(GPU time, host time of the compiled call). Reported beside it: the host time per call of that
-  loop, and what generate() adds (decode ms/token - forward-only). After each call one foreach op moves the
-  static cache's write position (kept on the device by recent Transformers) back a step, so every call
-  rewrites the same KV slot with the same values and reads the context of a real step;
-- --guard-filter inbuilt|all: compile with torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe or
-  skip_guard_on_all_nn_modules_unsafe, passed through CompileConfig.options (torch.compile takes a mode or
-  options, not both, so the mode goes in as its Inductor options); unsafe by design, so each compiled cell
-  then starts from torch._dynamo.reset() and never finds another backend's graph;
-- --defer-stop: Transformers' DeferredStopCheck (the stop flag read one step late, so the host queues the
-  next step before the device finishes this one) is enabled only on MPS; this lets it run on this device too;
-- --cells: an explicit, ordered list of cells (MODE:BACKEND:BxL), e.g. compiled cells first.
+--skip-module-guards compiles through selector.hf.compile_config(skip_module_guards=True): Dynamo stops
+guarding torch's own nn modules (unsafe where modules change between calls); each compiled cell then starts
+from torch._dynamo.reset(), so no cell finds another backend's graph.
 """
 
 from __future__ import annotations
@@ -57,7 +39,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,11 +48,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 TRANSFORMERS_BACKENDS = ("eager", "batched_mm", "grouped_mm")
-NULL = "null"  # this script's diagnostic experts backend: zeros, weights never read
-NULL_NOTE = "null: zeros, output wrong by design (rest of model + generate(): bound for any experts backend)"
-# --guard-filter: torch.compiler's unsafe guard filters (torch >= 2.7)
-GUARD_FILTERS = {"off": None, "inbuilt": "skip_guard_on_inbuilt_nn_modules_unsafe",
-                 "all": "skip_guard_on_all_nn_modules_unsafe"}
 DEFAULT_SETTINGS = "1x16,4x128,16x512"
 
 # Qwen/Qwen1.5-MoE-A2.7B config.json (the shape only; weights are random)
@@ -107,22 +84,11 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for hf_generate.json and hf_generate.md")
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help="batch x prompt length, comma separated")
-    p.add_argument("--backends", default="auto,eager,batched_mm,grouped_mm",
-                   help=f"uncompiled cells; '{NULL}' is the diagnostic zeros backend (see above)")
+    p.add_argument("--backends", default="auto,eager,batched_mm,grouped_mm", help="uncompiled cells")
     p.add_argument("--compiled-backends", default="auto,batched_mm,grouped_mm,eager",
                    help="in priority order; cells that do not fit the budget are skipped")
-    p.add_argument("--cells", default="",
-                   help="explicit cells in run order, MODE:BACKEND:BxL comma separated (MODE: compiled or "
-                        "uncompiled), instead of --settings x --backends / --compiled-backends")
-    p.add_argument("--forward-steps", type=int, default=64,
-                   help="compiled cells: back-to-back calls of the decode step per round for forward-only ms/step "
-                        "(0: not measured)")
-    p.add_argument("--guard-filter", choices=tuple(GUARD_FILTERS), default="off",
-                   help="compiled cells: drop Dynamo's guards on built-in nn modules (inbuilt) or on all nn "
-                        "modules (all), torch.compiler's unsafe guard filters")
-    p.add_argument("--defer-stop", action="store_true",
-                   help="let Transformers' DeferredStopCheck (stop flag read a step late, no per-step wait on the "
-                        "device) run on this device; Transformers enables it only on MPS")
+    p.add_argument("--skip-module-guards", action="store_true",
+                   help="compiled cells: selector.hf.compile_config(skip_module_guards=True) (see above)")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed, uncompiled")
     p.add_argument("--compiled-new-tokens", type=int, default=32, help="decode steps timed, compiled")
     p.add_argument("--repeats", type=int, default=3,
@@ -133,14 +99,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--fullgraph", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the decode step as one graph (a graph break is then an error, recorded)")
-    p.add_argument("--fresh-cache", action="store_true",
-                   help="compiled cells: a new static cache per generate() call (Transformers' default)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled cells")
     p.add_argument("--compile-on-cpu", action="store_true",
                    help="compiled cells on a CPU too (smoke test; Transformers compiles only on accelerators)")
-    p.add_argument("--profile-settings", default="",
-                   help="settings (e.g. 1x16) whose cells are also profiled: GPU-busy ms per decode step, top ops "
-                        "(written to profiles.txt beside the JSON)")
     p.add_argument("--skip-steps", type=int, default=2, help="decode steps left out of the per-step median")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -164,7 +125,7 @@ def ensure_backends() -> list[str]:
 
         for name in ("eager", "batched_mm", "grouped_mm", "triton_fused"):
             try:
-                selector.register_plugin(importlib.import_module(f"plugins.{name}"), name)
+                selector.register_plugin(importlib.import_module(f"selector.plugins.{name}"), name)
             except Exception as exc:  # noqa: BLE001
                 log(f"built-in plugin {name} not registered: {exc}")
         reset_selection_caches()
@@ -173,50 +134,11 @@ def ensure_backends() -> list[str]:
     return names
 
 
-def null_experts(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The "null" experts function: zeros of the output's shape and dtype; no weight is read. The zeros are
-    selected by a test of the routing weights that a working router never passes (an infinite sum): Inductor
-    cannot fold it, so the router stays in the graph (it drops plain zeros' inputs, and 0 x weights too)."""
-    broken = top_k_weights.sum(dim=-1, keepdim=True).isinf()
-    return torch.where(broken, hidden_states, 0.0)
-
-
-def register_null_backend() -> None:
-    """Register "null" into Transformers' experts interface, for this process only (not into selector)."""
-    from transformers.integrations import moe
-
-    type(moe.ALL_EXPERTS_FUNCTIONS).register(NULL, null_experts)
-
-
-def allow_deferred_stop(device: torch.device) -> str | None:
-    """--defer-stop: let Transformers' DeferredStopCheck run on `device` (its own rules otherwise kept, by
-    asking them as for MPS). Returns why it cannot, or None."""
-    from transformers.generation import utils as gen
-
-    if device.type != "cuda":
-        return f"not on {device.type}: DeferredStopCheck records device events"
-    check = getattr(gen, "DeferredStopCheck", None)
-    if check is None or not hasattr(check, "is_supported"):
-        return f"transformers {_version('transformers')} has no DeferredStopCheck.is_supported"
-    original = check.is_supported
-
-    def is_supported(dev: torch.device, *args: Any, **kwargs: Any) -> bool:
-        return original(torch.device("mps") if dev.type == device.type else dev, *args, **kwargs)
-
-    check.is_supported = staticmethod(is_supported)
-    return None
-
-
-def make_compile_config(backend: str, mode: str, fullgraph: bool, guard_filter: str) -> Any:
-    """selector.hf.compile_config; "all" swaps in Dynamo's filter for every nn module (the library offers only the
-    one for torch's own modules)."""
+def make_compile_config(backend: str, mode: str, fullgraph: bool, skip_module_guards: bool) -> Any:
+    """generate()'s CompileConfig for a compiled cell: selector.hf.compile_config."""
     from selector.hf import compile_config
 
-    config = compile_config(mode, fullgraph=fullgraph, skip_module_guards=guard_filter != "off", backend=backend)
-    if guard_filter == "all":
-        config.options["guard_filter_fn"] = getattr(torch.compiler, GUARD_FILTERS["all"])
-    return config
+    return compile_config(mode, fullgraph=fullgraph, skip_module_guards=skip_module_guards, backend=backend)
 
 
 def measure_bandwidth(device: torch.device) -> float | None:
@@ -306,60 +228,6 @@ class StepClock:
             torch.cuda.synchronize(self.device)
             return [a.elapsed_time(b) for a, b in zip(self.stamps, self.stamps[1:])]
         return [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
-
-
-class ForwardTimer:
-    """Stands in for the compiled decode step generate() calls (model._compiled_call). At call `at_call` it
-    makes that same call `steps` times back to back, `rounds` times, then returns as usual: the step without
-    generate()'s per-step host work and sync."""
-
-    def __init__(self, compiled: Callable[..., Any], at_call: int, steps: int, rounds: int,
-                 device: torch.device) -> None:
-        self.compiled, self.at_call, self.steps, self.rounds, self.device = compiled, at_call, steps, rounds, device
-        self.calls = 0
-        self.step_ms: list[float] = []  # per round: device time per call (host time off CUDA)
-        self.host_ms: list[float] = []  # per round: host time to issue one call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls == self.at_call:
-            positions = cache_positions(kwargs)
-            self._again(args, kwargs, positions)  # settle: the first call after another one's arguments
-            for _ in range(self.rounds):
-                self._round(args, kwargs, positions)
-        return self.compiled(*args, **kwargs)
-
-    def _again(self, args: tuple, kwargs: dict, positions: list[torch.Tensor]) -> None:
-        """The call, then the static cache's write position moved back: the next call redoes the same step."""
-        self.compiled(*args, **kwargs)  # outputs dropped: no host read, so no sync
-        if positions:
-            torch._foreach_sub_(positions, 1)  # one launch for every layer (outside the compiled step)
-
-    def _round(self, args: tuple, kwargs: dict, positions: list[torch.Tensor]) -> None:
-        cuda = self.device.type == "cuda"
-        sync(self.device)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        for _ in range(self.steps):
-            self._again(args, kwargs, positions)
-        host = time.perf_counter() - t0
-        if cuda:
-            end.record()
-            end.synchronize()
-            self.step_ms.append(start.elapsed_time(end) / self.steps)
-        else:
-            self.step_ms.append(host * 1e3 / self.steps)
-        self.host_ms.append(host * 1e3 / self.steps)
-
-
-def cache_positions(kwargs: dict) -> list[torch.Tensor]:
-    """The write positions a static cache keeps on the device (StaticLayer.cumulative_length, which the
-    compiled step advances in place, in recent Transformers); empty where the position comes as an input."""
-    caches = [v for v in kwargs.values() if hasattr(v, "layers")]
-    layers = [layer for cache in caches for layer in cache.layers]
-    return [t for t in (getattr(layer, "cumulative_length", None) for layer in layers) if isinstance(t, torch.Tensor)]
 
 
 def timed_generate(model, ids, mask, new_tokens: int, device, extra: dict, clock: StepClock | None = None) -> float:
@@ -482,26 +350,6 @@ def compile_mode_for(backend: str, model) -> str:
     return "reduce-overhead" if spec is not None and spec.cuda_graph_safe else "default"
 
 
-def gpu_busy_ms(events) -> float:
-    """Milliseconds the GPU ran kernels or copies: the union of their intervals. Summing the profiler's device
-    times instead counts graph replays twice (under the compiled step's annotation and per kernel) and adds
-    the profiler's own buffer events."""
-    from torch.autograd import DeviceType
-
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in events
-        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-        and not e.name.startswith(("## ", "Activity Buffer", "Buffer Flush", "Torch-Compiled"))
-    )
-    total, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total / 1e3  # microseconds -> ms
-
-
 class CellRun:
     """One (mode, backend, setting) cell: warm-up, then timed rounds (uncompiled cells of one setting take
     their rounds in turn, so a drift in host speed hits every backend alike), then the summary."""
@@ -519,8 +367,6 @@ class CellRun:
         self.extra: dict[str, Any] = {}
         if backend == "grouped_mm" and device.type == "cuda":
             self.cell["note"] = "Transformers swaps grouped_mm for batched_mm during decode on GPU"
-        if backend == NULL:
-            self.cell["note"] = NULL_NOTE
 
     @property
     def ok(self) -> bool:
@@ -530,14 +376,11 @@ class CellRun:
         from transformers import StaticCache
 
         args, cell = self.args, self.cell
-        config = make_compile_config(args.compile_backend, cell["compile_mode"], fullgraph, args.guard_filter)
-        cell["guard_filter"] = args.guard_filter
+        config = make_compile_config(args.compile_backend, cell["compile_mode"], fullgraph, args.skip_module_guards)
+        cell["skip_module_guards"] = args.skip_module_guards
         if self.device.type == "cpu":
             config._compile_all_devices = True  # Transformers' own switch for compiling on a CPU (tests)
         cell["fullgraph"] = fullgraph
-        if args.fresh_cache:
-            cell["cache"] = "fresh static cache per call"
-            return {"compile_config": config, "cache_implementation": "static"}
         cell["cache"] = "one static cache, reset per call"
         cache = StaticCache(config=self.model.config, max_cache_len=self.ids.shape[1] + 1 + self.n)
         return {"compile_config": config, cache_kwarg(self.model): cache}
@@ -562,7 +405,7 @@ class CellRun:
 
     def warm(self) -> None:
         def step() -> None:
-            if self.cell["mode"] == "compiled" and self.args.guard_filter != "off":
+            if self.cell["mode"] == "compiled" and self.args.skip_module_guards:
                 torch._dynamo.reset()  # guards dropped: another backend's graph could pass them
             self.before = compile_stats()
             t0 = time.perf_counter()
@@ -596,66 +439,6 @@ class CellRun:
         if self.ok:
             self._guard(step)
 
-    def forward_only(self) -> None:
-        """Compiled cells: forward-only ms/step through a ForwardTimer in one more generate() call. A failure
-        is recorded beside the cell's numbers, not instead of them."""
-        if not self.ok or self.cell["mode"] != "compiled" or self.args.forward_steps <= 0:
-            return
-        t0 = time.perf_counter()
-        try:
-            self.model.set_experts_implementation(self.cell["backend"])
-            timer = self._time_forward()
-            self.cell["forward_ms_per_step"] = median(timer.step_ms)
-            self.cell["forward_host_ms_per_call"] = median(timer.host_ms)
-            self.cell["forward_steps"] = f"{timer.rounds} x {timer.steps} calls at decode step {timer.at_call}"
-        except Exception as exc:  # noqa: BLE001 - the cell's generate() numbers stand without it
-            self.cell["forward_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            traceback.print_exc()
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def _time_forward(self) -> ForwardTimer:
-        compiled = self.model.__dict__.get("_compiled_call")
-        if compiled is None:
-            raise RuntimeError("generate() left no model._compiled_call to time")
-        timer = ForwardTimer(compiled, self.n, self.args.forward_steps, self.args.repeats, self.device)
-        self.model._compiled_call = timer  # generate() takes it as long as the CompileConfig is unchanged
-        try:
-            self._generate(1 + self.n)
-        finally:
-            self.model._compiled_call = compiled
-        if not timer.step_ms:
-            raise RuntimeError(f"generate() made {timer.calls} compiled call(s), fewer than {self.n}")
-        return timer
-
-    def profile(self, path: Path) -> None:
-        """GPU-busy time per decode step (device time of a 1+N-token call minus a 1-token call, over N) and
-        the top ops, appended to `path`: says whether a decode step waits on the GPU or on the host."""
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-
-        def busy(new_tokens: int):
-            with profile(activities=activities) as prof:
-                wall = self._generate(new_tokens)
-            return wall, gpu_busy_ms(prof.events()), prof.key_averages()
-
-        def step() -> None:
-            wall1, device1, _ = busy(1)
-            walln, devicen, events = busy(1 + self.n)
-            if self.device.type == "cuda":
-                self.cell["profiled_gpu_busy_ms_per_step"] = round((devicen - device1) / self.n, 3)
-            self.cell["profiled_wall_ms_per_step"] = round((walln - wall1) * 1e3 / self.n, 3)
-            c = self.cell
-            head = f"== {c['mode']} {c['backend']} {c['batch']}x{c['prompt']}: generate() of 1 + {self.n} tokens"
-            with path.open("a") as f:
-                f.write(head + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=15) + "\n")
-                if self.device.type == "cuda":
-                    f.write(events.table(sort_by="self_cuda_time_total", row_limit=12) + "\n")
-
-        if self.ok:
-            self._guard(step)
-
     def finish(self, bw: float | None) -> dict[str, Any]:
         import selector.hf as hf
 
@@ -668,11 +451,6 @@ class CellRun:
             cell["decode_wall_ms_per_token"] = max(tn - t1, 0.0) / n * 1e3
             cell["decode_ms_per_token"] = median(steps) or cell["decode_wall_ms_per_token"]
             cell["step_ms"] = [[round(v, 3) for v in run] for _, run in self.runs]
-            decode = cell["decode_ms_per_token"]
-            if cell.get("forward_ms_per_step") is not None:
-                cell["generate_adds_ms_per_step"] = decode - cell["forward_ms_per_step"]
-            if cell.get("profiled_gpu_busy_ms_per_step") is not None:
-                cell["host_gap_ms_per_step"] = decode - cell["profiled_gpu_busy_ms_per_step"]
             cell["decode_tokens"] = n
             after = compile_stats()
             cell["warmup_counts"] = {k: self.warm_stats[k] - self.before[k] for k in self.before}
@@ -720,14 +498,11 @@ def ratio(v: float | None) -> str:
 
 
 def markdown(result: dict) -> str:
-    options = result.get("options", {})
-    on = [f"guard filter {options['guard_filter']}"] if options.get("guard_filter") else []
-    on += ["deferred stop check"] if options.get("defer_stop") else []
-    lines = [f"Run with: {', '.join(on)}.", ""] if on else []
+    """One row per cell, then auto against the best Transformers backend of each setting."""
+    lines = ["Run with: skip_module_guards.", ""] if result.get("options", {}).get("skip_module_guards") else []
     lines += [
-        "| mode | bs x len | backend | prefill ms | decode ms/token | decode / floor | fwd-only ms/step "
-        "| decode wall ms/token | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | bs x len | backend | prefill ms | decode ms/token | decode / floor | decode wall ms/token | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in result["cells"]:
         note = c.get("status", "")
@@ -739,14 +514,6 @@ def markdown(result: dict) -> str:
                 note = f"ran: prefill {prefill}, decode {'/'.join(map(str, ran['decode']))}"
             elif "auto_picks" in c:
                 note = "picks: " + ", ".join(f"T={t}: {p}" for t, p in c["auto_picks"].items())
-            if c.get("profiled_gpu_busy_ms_per_step") is not None:
-                note = (note + "; " if note else "") + (f"GPU busy {c['profiled_gpu_busy_ms_per_step']:.2f} ms/step, "
-                                                        f"host gap {c['host_gap_ms_per_step']:.2f}")
-            if c.get("generate_adds_ms_per_step") is not None:
-                note = (note + "; " if note else "") + (f"generate() adds {c['generate_adds_ms_per_step']:.2f} "
-                                                        f"ms/step (fwd host {c['forward_host_ms_per_call']:.2f})")
-            elif c.get("forward_error"):
-                note = (note + "; " if note else "") + f"fwd-only: {c['forward_error'][:60]}"
             if c.get("compile_mode"):
                 counts = c.get("warmup_counts", {})
                 what = (f"{c['compile_mode']}, {counts.get('dynamo_graphs', '?')} graph(s), "
@@ -761,32 +528,26 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {c['mode']} | {c['batch']}x{c['prompt']} | {c['backend']} | {fmt(c.get('prefill_ms'))} | "
             f"{fmt(c.get('decode_ms_per_token'))} | {ratio(c.get('decode_vs_floor'))} | "
-            f"{fmt(c.get('forward_ms_per_step'))} | {fmt(c.get('decode_wall_ms_per_token'))} | {note} |"
+            f"{fmt(c.get('decode_wall_ms_per_token'))} | {note} |"
         )
-    lines.append("")
-    lines.append("auto vs the best Transformers backend in the same setting (lower is better for auto); "
-                 f"{NULL}: the bound for any experts backend:")
-    lines.append("")
-    lines.append("| mode | bs x len | prefill auto / best (best) | decode auto / best (best) "
-                 f"| decode wall auto / best | decode {NULL} (/ floor) |")
-    lines.append("|---|---|---|---|---|---|")
+    lines += ["", "auto vs the best Transformers backend in the same setting (lower is better for auto):", "",
+              "| mode | bs x len | prefill auto / best (best) | decode auto / best (best) | decode wall auto / best |",
+              "|---|---|---|---|---|"]
     for key, row in comparisons(result).items():
-        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {row['prefill']} | {row['decode']} | {row['decode_wall']} "
-                     f"| {row['null']} |")
+        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {row['prefill']} | {row['decode']} | {row['decode_wall']} |")
     return "\n".join(lines) + "\n"
 
 
 def comparisons(result: dict) -> dict[tuple, dict[str, str]]:
+    """Per (mode, batch, prompt): auto's time over the best Transformers backend's, for each metric."""
     out: dict[tuple, dict[str, str]] = {}
     groups: dict[tuple, list[dict]] = {}
     for c in result["cells"]:
         groups.setdefault((c["mode"], c["batch"], c["prompt"]), []).append(c)
     for key, cells in groups.items():
         auto = next((c for c in cells if c["backend"] == "auto" and c.get("status") == "ok"), None)
-        null = next((c for c in cells if c["backend"] == NULL and c.get("decode_ms_per_token")), None)
-        peers = [c for c in cells if c["backend"] not in ("auto", NULL) and c.get("status") == "ok"]
-        row = {"null": "-" if null is None else
-               f"{null['decode_ms_per_token']:.2f} ms ({ratio(null.get('decode_vs_floor'))})"}
+        peers = [c for c in cells if c["backend"] != "auto" and c.get("status") == "ok"]
+        row: dict[str, str] = {}
         for metric, field in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"),
                               ("decode_wall", "decode_wall_ms_per_token")):
             usable = [c for c in peers if c.get(field)]
@@ -800,32 +561,17 @@ def comparisons(result: dict) -> dict[tuple, dict[str, str]]:
 
 
 def build_plan(args: argparse.Namespace, settings: list[tuple[int, ...]]) -> list[tuple[str, str, int, int]]:
-    """Cells in run order: --cells as given, else uncompiled backends x settings, then compiled ones."""
-    if args.cells:
-        return [parse_cell(item) for item in args.cells.split(",") if item]
+    """Cells in run order: uncompiled backends x settings, then compiled ones (auto and the first peer over every
+    setting first, bs=1 first: the compiled decode target, then the rest)."""
     backends = [b for b in args.backends.split(",") if b]
     compiled = [b for b in args.compiled_backends.split(",") if b]
     plan: list[tuple[str, str, int, int]] = []
     for batch, length in settings:
         plan += [("uncompiled", b, batch, length) for b in backends]
-    # auto and the first peer over every setting (bs=1 first: the compiled decode target), then the rest
     for tier in (compiled[:2], compiled[2:]):
         for batch, length in settings:
             plan += [("compiled", b, batch, length) for b in tier]
     return plan
-
-
-def parse_cell(item: str) -> tuple[str, str, int, int]:
-    """MODE:BACKEND:BxL; the backend may hold a colon (selector's "selector:NAME" names)."""
-    try:
-        mode, rest = item.split(":", 1)
-        backend, setting = rest.rsplit(":", 1)
-        batch, length = (int(x) for x in setting.split("x"))
-    except ValueError:
-        raise SystemExit(f"--cells: {item!r} is not MODE:BACKEND:BxL") from None
-    if mode not in ("compiled", "uncompiled"):
-        raise SystemExit(f"--cells: mode {mode!r} in {item!r} is neither compiled nor uncompiled")
-    return mode, backend, batch, length
 
 
 def write(result: dict, out: Path) -> None:
@@ -853,13 +599,7 @@ def main() -> int:
 
     names = ensure_backends()
     hf.register_with_transformers()
-    register_null_backend()
     count_cudagraph_tree_recordings()
-    filter_name = GUARD_FILTERS[args.guard_filter]
-    if filter_name is not None and not hasattr(torch.compiler, filter_name):
-        raise SystemExit(f"--guard-filter {args.guard_filter}: torch {torch.__version__} has no "
-                         f"torch.compiler.{filter_name}")
-    defer_stop = allow_deferred_stop(device) if args.defer_stop else None
     settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",") if s]
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -875,14 +615,11 @@ def main() -> int:
         },
         "model": "random Qwen1.5-MoE-A2.7B shape" if not args.tiny else "tiny Qwen2-MoE (smoke test)",
         "dtype": args.dtype,
-        "options": {"guard_filter": filter_name, "defer_stop": args.defer_stop and defer_stop is None,
-                    "forward_steps": args.forward_steps, "fullgraph": args.fullgraph,
+        "options": {"skip_module_guards": args.skip_module_guards, "fullgraph": args.fullgraph,
                     "compile_backend": args.compile_backend},
         "cells": [],
         "skipped": [],
     }
-    if defer_stop:
-        result["skipped"].append(f"--defer-stop: {defer_stop}")
     log(f"building the model on {device} ({result['model']}, {args.dtype})")
     model, cfg = build_model(args, device, dtype)
     result["config"] = cfg
@@ -903,7 +640,6 @@ def main() -> int:
         result["skipped"].append(f"compiled cells: {why}")
         plan = [item for item in plan if item[0] != "compiled"]
 
-    profiled = {x for x in args.profile_settings.split(",") if x}
     # uncompiled cells of one setting are one group (their rounds interleave); each compiled cell is its own
     groups: list[list[tuple[str, str, int, int]]] = []
     for item in plan:
@@ -931,9 +667,6 @@ def main() -> int:
             for run in runs:
                 run.round()
         for run in runs:
-            run.forward_only()
-            if f"{run.cell['batch']}x{run.cell['prompt']}" in profiled:
-                run.profile(out / "profiles.txt")
             cell = run.finish(bw)
             log(f"  {cell['mode']} {cell['backend']} {cell['batch']}x{cell['prompt']} -> {cell.get('status')} prefill "
                 f"{fmt(cell.get('prefill_ms'))} ms, decode {fmt(cell.get('decode_ms_per_token'))} ms/token "

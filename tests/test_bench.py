@@ -1,4 +1,4 @@
-"""The bench's bookkeeping on CPU (timing itself needs a GPU: see benchmarks/), and tuning data use."""
+"""The bench's bookkeeping on CPU (timing itself needs a GPU: `selector bench` there), and tuning data use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from selector.probes import collect_environment
 from selector import tuning_store as tuning
-from selector.bench import BenchResult, Cell, _fill_peer_ratios, markdown_table, run_bench, write_outputs
+from selector.bench import BenchResult, Cell, fill_peer_ratios, markdown_table, run_bench, write_outputs
 from selector.presets import preset
 from selector.ranking import rank
 from selector.registry import build_registry
@@ -31,7 +31,7 @@ def _result() -> BenchResult:
 
 def test_peer_ratio_and_table() -> None:
     result = _result()
-    _fill_peer_ratios(result.cells)
+    fill_peer_ratios(result.cells)
     auto = next(c for c in result.cells if c.backend == "auto")
     assert auto.vs_best_peer == pytest.approx(200e-6 / 40e-6)
     table = markdown_table(result)
@@ -169,6 +169,44 @@ def test_quantised_floors_use_the_fp8_matmul_rate_and_peers_compare_like_with_li
     assert compute_ceiling(with_fp8, dense) == 782e12 and compute_ceiling(with_fp8, fp8) == 1500e12
     assert compute_ceiling(CEILINGS, fp8) == 782e12  # not measured (no fp8 matmul there): bf16's
     cells = _quant_cells() + [Cell("qwen3-30b-a3b", 1, "bfloat16", "hf:batched_mm", "graph", time_s=80e-6)]
-    _fill_peer_ratios(cells)
+    fill_peer_ratios(cells)
     assert cells[0].vs_best_peer == pytest.approx(80 / 34)  # dense against the dense peer
     assert cells[2].vs_best_peer is None  # fp8: Transformers' backends ran no fp8 cell
+
+
+def test_bench_formats_runs_on_the_cpu_through_the_interpreter(tmp_path: Path) -> None:
+    """`selector bench --formats` end to end on a tiny layer on the CPU (the quantised Triton kernels under the
+    interpreter): every format timed on each path, every checked cell within 1e-2 of float64 (quantised: from
+    the dequantised weights), quantised floors at the e4m3 rate (below the bf16-rate floor), the tables written.
+    The times mean nothing here; the harness is what is checked."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from selector.bench import run_bench
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run is tests/test_gpu_kernels_real.py::test_bench_formats_end_to_end")
+    tiny = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=256, intermediate_size=128, top_k=2)
+    ceilings = {**CEILINGS, "fp8_flops": 1500e12}
+    result = run_bench({"tiny": tiny}, [3], dtype_name="float32", backends=["grouped_mm", "batched_mm"],
+                       modes=["eager", "graph"], with_peers=False, formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"],
+                       device="cpu", ceilings=ceilings)  # fmt: skip
+    timed = {(c.format, c.backend) for c in result.cells if c.time_s}
+    assert {("dense", "grouped_mm"), ("fp8-f32", "grouped_mm"), ("fp8-ue8m0", "batched_mm"), ("fp4", "grouped_mm"),
+            ("fp8-f32", "auto")} <= timed, sorted(timed)  # fmt: skip
+    checked = [c for c in result.cells if c.rel_error is not None]
+    assert checked and all(c.rel_error < 1e-2 for c in checked)
+    assert all(c.skipped == "graph mode needs CUDA" for c in result.cells if c.mode == "graph")
+    dense = next(c for c in result.cells if c.format == "dense" and c.floor_s)
+    for fmt in ("fp8-f32", "fp4"):  # fewer bytes and the e4m3 rate: a lower floor than dense's
+        quantised = next(c for c in result.cells if c.format == fmt and c.floor_s)
+        assert quantised.floor_s < dense.floor_s
+    write_outputs(result, tmp_path)
+    table = (tmp_path / "bench.md").read_text()
+    assert "| tiny | 3 | eager | fp8-f32 |" in table and "Quantised against dense" in table
+
+
+def test_a_cpu_bench_run_needs_its_ceilings() -> None:
+    with pytest.raises(ValueError, match="pass the ceilings"):
+        run_bench(["qwen3-30b-a3b"], [1], device="cpu")

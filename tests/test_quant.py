@@ -606,28 +606,6 @@ def test_gpu_torch_compile(mode):
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU runs the real script")
-def test_benchmark_script_smoke(tmp_path, monkeypatch):
-    """benchmarks/quant_gpu.py end to end on tiny layers through the interpreter (its --cpu-smoke mode)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quant_gpu.py"
-    spec = importlib.util.spec_from_file_location("quant_gpu_smoke", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
-    spec.loader.exec_module(bench)
-    bench.main(["--cpu-smoke", "--tokens", "1,20", "--out", str(tmp_path)])
-    data = json.loads((tmp_path / "quant_gpu.json").read_text())
-    timed = {(c["format"], c["backend"]) for c in data["cells"] if c["time_s"]}
-    assert {("bf16", "grouped_mm"), ("fp8-f32", "triton_fused"), ("fp8-ue8m0", "batched_mm"), ("fp4", "triton_fused")} <= timed
-    assert all(c["rel_error"] < 1e-2 for c in data["cells"] if c["rel_error"] is not None)
-    assert "| tiny | 1 | eager |" in (tmp_path / "quant_gpu.md").read_text()
-    # quantised cells also carry a floor at the e4m3 matmul rate (never above perf.md's, which uses bf16's)
-    quantised = [c for c in data["cells"] if c["format"] != "bf16" and c["floor_s"]]
-    assert quantised and all(0 < c["floor_fp8_mma_s"] <= c["floor_s"] for c in quantised)
-    assert all(c["floor_fp8_mma_s"] is None for c in data["cells"] if c["format"] == "bf16")
-
-
 def test_interpreter_is_on_without_gpu():
     if not CUDA:
         assert os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,92 @@
+"""The `selector bench` command: arguments, the run, its files, and the tuning records it can save."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _formats(text: str) -> list[str]:
+    names = _names(text)
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(FORMATS)}")
+    return names
+
+
+def _progress() -> Callable[[str], None]:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda msg: print(msg, file=sys.stderr, flush=True)
+    bar = tqdm(unit="cell", file=sys.stderr)
+
+    def step(msg: str) -> None:
+        bar.set_description(msg)
+        bar.update(1)
+
+    return step
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from selector.bench.grid import run_bench
+    from selector.bench.render import markdown_table, write_outputs
+
+    result = run_bench(
+        presets=args.preset or list(DEFAULT_PRESETS),
+        tokens=args.tokens,
+        dtype_name=args.dtype,
+        backends=args.backends,
+        modes=args.modes,
+        graph_max_tokens=args.graph_max_tokens,
+        memory_cap_gb=args.memory_cap_gb,
+        with_peers=not args.no_peers,
+        progress=_progress(),
+        formats=args.formats,
+    )
+    paths = write_outputs(result, Path(args.out))
+    from selector.tuning import records_from_bench
+    from selector.tuning_store import user_tuning_path, write_records
+
+    records = records_from_bench(result.to_dict())
+    write_records(Path(args.out) / "tuning.json", records)
+    if args.save_tuning:
+        write_records(user_tuning_path(), records)
+        paths.append(user_tuning_path())
+        from selector.daemon.client import share_tuning_records
+
+        share_tuning_records(records)  # with the other processes of this node at once, where a daemon runs
+    print(markdown_table(result))
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the `bench` subcommand to the CLI's subparsers."""
+    bench = sub.add_parser("bench", help="time every backend per cell against the floor and Transformers' backends")
+    bench.add_argument("--preset", action="append", help=f"shape preset (repeatable); default: {', '.join(DEFAULT_PRESETS)}")
+    bench.add_argument("--tokens", type=_ints, default=list(DEFAULT_TOKENS), help="comma list of token counts")
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bench.add_argument("--backends", type=_names, help="comma list of selector backends (default: all registered)")
+    bench.add_argument("--modes", type=_names, default=["eager", "graph"], help="comma list of eager,graph,compile")
+    bench.add_argument("--graph-max-tokens", type=int, default=4096)
+    bench.add_argument("--memory-cap-gb", type=float, default=40.0, help="skip cells needing more temporaries")
+    bench.add_argument("--no-peers", action="store_true", help="leave out Transformers' backends")
+    bench.add_argument("--formats", type=_formats, default=["dense"],
+                       help=f"comma list of weight formats to time side by side: {', '.join(FORMATS)}")  # fmt: skip
+    bench.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png, tuning.json")
+    bench.add_argument("--save-tuning", action="store_true", help="let auto use these timings on this machine")
+    bench.set_defaults(func=_cmd_bench)

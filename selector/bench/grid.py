@@ -1,0 +1,297 @@
+"""The grid runner of `selector bench`: for every shape, weight format and token count, one layer, then every
+selector backend, `auto` as a user runs it and Transformers' own backends as peers, each timed in every mode.
+
+It reaches the dispatch core only through its public API (`set_experts_implementation`, `last_backend`,
+`backend_forward`, `rank`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from selector.bench.cells import FORMATS, PEER_PREFIX, BenchResult, Cell
+from selector.bench.layer import (
+    bytes_moved,
+    floor_seconds,
+    flops_of,
+    format_layer,
+    make_layer,
+    random_routing,
+    reference,
+    temp_bytes_estimate,
+)
+from selector.bench.timing import calls_for, measure_ceilings, time_back_to_back, time_graph, time_host
+
+Forward = Callable[..., Any]  # Transformers' experts signature: fn(module, hidden_states, top_k_index, top_k_weights)
+
+
+def peer_functions() -> dict[str, Forward]:
+    """Transformers' built-in experts functions, when transformers is installed."""
+    try:
+        from transformers.integrations import moe
+        from transformers.models.qwen2_moe import modeling_qwen2_moe
+    except Exception:
+        return {}
+    eager = getattr(modeling_qwen2_moe.Qwen2MoeExperts.forward, "__wrapped__", None)
+    peers = {"hf:batched_mm": moe.batched_mm_experts_forward, "hf:grouped_mm": moe.grouped_mm_experts_forward}
+    if eager is not None:
+        peers["hf:eager"] = eager
+    return peers
+
+
+def run_bench(
+    presets: Sequence[str] | Mapping[str, Any],
+    tokens: Sequence[int],
+    dtype_name: str = "bfloat16",
+    backends: Sequence[str] | None = None,
+    modes: Sequence[str] = ("eager", "graph"),
+    graph_max_tokens: int = 4096,
+    memory_cap_gb: float = 40.0,
+    with_peers: bool = True,
+    progress: Callable[[str], None] | None = None,
+    formats: Sequence[str] = ("dense",),
+    device: str = "cuda",
+    ceilings: dict[str, float] | None = None,
+) -> BenchResult:
+    """Time the grid, with the per-call value checks off (`SELECTOR_VALIDATE=shapes` unless set): the layer is
+    timed, not them. `presets`: preset names, or shape names mapped to their `Problem`.
+
+    `device="cpu"` (with `ceilings` given) runs the same grid on the CPU to check the harness, e.g. the Triton
+    kernels under the interpreter: one call per cell on the host clock, no graph mode; its times mean nothing.
+    Raises ValueError for an unknown format or a CPU run without ceilings, RuntimeError without a CUDA GPU."""
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown format(s) {unknown}: expected some of {', '.join(FORMATS)}")
+    before = os.environ.get("SELECTOR_VALIDATE")
+    os.environ["SELECTOR_VALIDATE"] = before or "shapes"
+    try:
+        grid = _Grid(dtype_name, backends, modes, graph_max_tokens, memory_cap_gb, with_peers, progress, formats,
+                     device, ceilings)  # fmt: skip
+        shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
+        for shape, problem in shapes.items():
+            grid.run_shape(shape, tokens, problem)
+        fill_peer_ratios(grid.result.cells)
+        return grid.result
+    finally:
+        if before is None:
+            del os.environ["SELECTOR_VALIDATE"]
+
+
+def fill_peer_ratios(cells: list[Cell]) -> None:
+    """vs_best_peer against Transformers' best of the same cell and weight format (peers run dense cells only)."""
+    best: dict[tuple[str, int, str, str, str], float] = {}
+    for c in cells:
+        if c.backend.startswith(PEER_PREFIX) and c.time_s:
+            key = (c.shape, c.tokens, c.dtype, c.mode, c.format)
+            best[key] = min(best.get(key, math.inf), c.time_s)
+    for c in cells:
+        peer = best.get((c.shape, c.tokens, c.dtype, c.mode, c.format))
+        if peer and c.time_s:
+            c.vs_best_peer = peer / c.time_s
+
+
+@dataclass
+class _Inputs:
+    """One cell's layer and inputs, its floor and its float64 reference on the first `sample` tokens."""
+
+    shape: str
+    fmt: str
+    problem: Any
+    layer: Any
+    x: Any
+    index: Any
+    weights: Any
+    floor_s: float
+    flops: float
+    moved: float
+    sample: int
+    ref: Any
+
+    def call(self, fn: Forward) -> Any:
+        return fn(self.layer, self.x, self.index, self.weights)
+
+
+class _Grid:
+    """The state of one run: options, the environment, the registry, the peers and the result so far."""
+
+    def __init__(self, dtype_name: str, backends: Sequence[str] | None, modes: Sequence[str], graph_max_tokens: int,
+                 memory_cap_gb: float, with_peers: bool, progress: Callable[[str], None] | None,
+                 formats: Sequence[str], device: str = "cuda", ceilings: dict[str, float] | None = None) -> None:  # fmt: skip
+        import torch
+
+        from selector.environment import current_environment
+        from selector.registry import get_registry
+
+        self.cuda = device == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            raise RuntimeError("selector bench needs a CUDA GPU (it times kernels against the GPU's floor)")
+        if not self.cuda and ceilings is None:
+            raise ValueError(f"selector bench on {device}: pass the ceilings (they are measured on a GPU only)")
+        self.torch = torch
+        self.device = torch.device(device)
+        self.dtype_name, self.dtype = dtype_name, getattr(torch, dtype_name)
+        self.backends, self.modes, self.formats = backends, tuple(modes), tuple(formats)
+        self.graph_max_tokens, self.memory_cap_gb = graph_max_tokens, memory_cap_gb
+        self.env = current_environment()
+        self.registry = get_registry()
+        self.peers = peer_functions() if with_peers else {}
+        self.say = progress or (lambda _msg: None)
+        if ceilings is None:
+            ceilings = measure_ceilings(torch, self.device, fp8=any(FORMATS[f] for f in formats))
+        self.result = BenchResult(
+            device=torch.cuda.get_device_name() if self.cuda else device,
+            ceilings=dict(ceilings),
+            command="selector " + " ".join(sys.argv[1:]) if sys.argv and "selector" in sys.argv[0] else "",
+            environment=self.env.to_dict(),
+        )
+
+    def failed(self, shape: str, fmt: str, token_counts: Sequence[int], what: str, exc: Exception) -> None:
+        from selector.dispatch import AUTO
+
+        reason = f"{what}: {type(exc).__name__}: {str(exc)[:160]}"
+        self.result.cells.extend(Cell(shape, t, self.dtype_name, AUTO, mode, format=fmt, skipped=reason)
+                                 for t in token_counts for mode in self.modes)  # fmt: skip
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def release(self) -> None:
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def run_shape(self, shape: str, tokens: Sequence[int], problem: Any = None) -> None:
+        """Every format and token count of one shape (a preset's unless `problem` is given); one quantised copy
+        alive at a time."""
+        from selector.presets import preset
+
+        torch = self.torch
+        base = replace(problem or preset(shape), dtype=self.dtype_name, device=self.device.type)
+        dense = make_layer(torch, base, self.dtype, self.device, seed=0)
+        for fmt in self.formats:
+            try:
+                layer = format_layer(torch, dense, base, fmt)
+            except Exception as exc:  # e.g. out of memory: the other formats still run
+                self.failed(shape, fmt, tokens, "failed to quantise", exc)
+                continue
+            for t in tokens:
+                try:
+                    self.run_cells(self.inputs(shape, fmt, base, layer, t))
+                except Exception as exc:  # the reference or auto's own call failed: record it, go on
+                    self.failed(shape, fmt, [t], "failed", exc)
+            del layer
+            self.release()
+        del dense
+        self.release()
+
+    def inputs(self, shape: str, fmt: str, base: Any, layer: Any, t: int) -> _Inputs:
+        """The same routing and hidden states for every format of a token count."""
+        torch = self.torch
+        wf, sf = FORMATS[fmt] or ("dense", None)
+        index, weights = random_routing(torch, t, base.num_experts, base.top_k, self.device, seed=t)
+        gen = torch.Generator(device=self.device).manual_seed(1000 + t)
+        x = torch.randn(t, base.hidden_size, device=self.device, dtype=self.dtype, generator=gen)
+        problem = replace(base.with_tokens(t), weight_format=wf, scale_format=sf)
+        moved = bytes_moved(layer, problem, int(index.unique().numel()), t, x.element_size())
+        flops = flops_of(problem, t)
+        sample = min(t, 32)
+        ref = reference(torch, layer, x, index, weights, sample)
+        floor = floor_seconds(self.result.ceilings, problem, moved, flops)
+        return _Inputs(shape, fmt, problem, layer, x, index, weights, floor, flops, moved, sample, ref)
+
+    def candidates(self, cell: _Inputs) -> dict[str, Forward | None]:
+        """Every backend to time for this cell (None: excluded, its reason already recorded), the peers, and
+        "auto" as a user runs it: the module's own forward (dispatch, shape checks, the picked backend)."""
+        import selector
+        from selector.dispatch import AUTO, backend_forward
+
+        found: dict[str, Forward | None] = {}
+        ranking = selector.rank(cell.problem, self.env, self.registry)
+        for name in self.backends or self.registry.names:
+            verdict = ranking.excluded.get(name)
+            found[name] = None if verdict else backend_forward(name, cell.problem.weight_format)
+            if verdict:
+                self.result.cells.extend(self.new_cell(cell, name, mode, skipped=verdict.reason) for mode in self.modes)
+        if cell.fmt == "dense":  # Transformers' backends run dense weights only
+            found.update(self.peers)
+        found[AUTO] = lambda module, hs, idx, w: module(hs, idx, w)
+        return found
+
+    def new_cell(self, cell: _Inputs, name: str, mode: str, **kw: Any) -> Cell:
+        return Cell(cell.shape, cell.x.shape[0], self.dtype_name, name, mode, format=cell.fmt, **kw)
+
+    def run_cells(self, cell: _Inputs) -> None:
+        """Every backend's cells for one layer (one weight format) and one token count, appended to the result."""
+        import selector
+        from selector.dispatch import AUTO, last_backend
+
+        # what "auto" picks for this cell, through the model API itself
+        selector.set_experts_implementation(cell.layer, AUTO)
+        cell.layer(cell.x, cell.index, cell.weights)
+        auto_name = last_backend(cell.layer)
+        t, elem = cell.x.shape[0], cell.x.element_size()
+        for name, fn in self.candidates(cell).items():
+            if fn is None:
+                continue
+            if temp_bytes_estimate(name, t, cell.problem, elem) > self.memory_cap_gb * 2**30:
+                self.result.cells.extend(
+                    self.new_cell(cell, name, mode, skipped=f"needs more than {self.memory_cap_gb:g} GB of temporaries")
+                    for mode in self.modes)  # fmt: skip
+                continue
+            for mode in self.modes:
+                out = self.new_cell(cell, name, mode, floor_s=cell.floor_s, auto_pick=name == auto_name)
+                if name == AUTO:
+                    out.picked = auto_name
+                self.say(f"{cell.shape} T={t} {cell.fmt} {name} {mode}")
+                self.time_cell(out, cell, fn)
+                self.result.cells.append(out)
+                self.release()
+
+    def time_cell(self, out: Cell, cell: _Inputs, fn: Forward) -> None:
+        """One backend in one mode: peak extra memory and error on the first call, then the time; a failure is
+        recorded in the cell, never raised (one failing cell must not lose the run)."""
+        torch, t = self.torch, out.tokens
+        try:
+            if out.mode == "graph" and t > self.graph_max_tokens:
+                out.skipped = f"graph mode only up to T={self.graph_max_tokens}"
+                return
+            if out.mode == "graph" and out.backend.endswith("eager"):
+                out.skipped = "reads expert ids on the host: cannot be captured"
+                return
+            if out.mode == "graph" and not self.cuda:
+                out.skipped = "graph mode needs CUDA"
+                return
+            runner: Callable[[], Any] = lambda: cell.call(fn)
+            if out.mode == "compile":
+                compiled = torch.compile(fn, dynamic=False)
+                runner = lambda: cell.call(compiled)
+            self.sync()
+            base = torch.cuda.memory_allocated() if self.cuda else 0
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            result = runner()
+            self.sync()
+            if self.cuda:
+                out.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
+            if cell.sample:
+                diff = (result[: cell.sample].double() - cell.ref).norm() / cell.ref.norm().clamp_min(1e-30)
+                out.rel_error = float(diff)
+            if self.cuda:
+                first = time.perf_counter()
+                runner()
+                self.sync()
+                n = calls_for(time.perf_counter() - first)
+                timer = time_graph if out.mode == "graph" else time_back_to_back
+                out.time_s = timer(torch, runner, n)
+            else:
+                out.time_s = time_host(runner, calls=1, repeats=1)
+            out.tflops = cell.flops / out.time_s / 1e12
+            out.gbps = cell.moved / out.time_s / 1e9
+        except Exception as exc:
+            out.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"

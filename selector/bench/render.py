@@ -1,0 +1,132 @@
+"""Rendering a `selector bench` run: the markdown tables, the plot, the files, a summary count."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from selector.bench.cells import FORMATS, PEER_PREFIX, BenchResult, Cell
+
+
+def fmt_time(s: float | None) -> str:
+    """µs below a millisecond, ms above; "-" for no time."""
+    if s is None:
+        return "-"
+    return f"{s * 1e6:.0f}µs" if s < 1e-3 else f"{s * 1e3:.2f}ms"
+
+
+def markdown_table(result: BenchResult) -> str:
+    """One row per (shape, T, mode, format); per backend: time (time/floor); then the best and auto's standing.
+    With quantised formats in the run, a second table sets each format's best beside the dense best."""
+    backends = sorted({c.backend for c in result.cells}, key=lambda b: (b != "auto", b.startswith(PEER_PREFIX), b))
+    order = {f: i for i, f in enumerate(FORMATS)}
+    rows = sorted({(c.shape, c.tokens, c.mode, c.format) for c in result.cells},
+                  key=lambda r: (r[0], r[2], r[1], order.get(r[3], len(order))))  # fmt: skip
+    by_key = {(c.shape, c.tokens, c.mode, c.format, c.backend): c for c in result.cells}
+    c = result.ceilings
+    lines = [
+        f"Device: {result.device}. Ceilings measured in this run: copy {c['bandwidth_Bps'] / 1e12:.2f} TB/s, "
+        f"bf16 matmul {c['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: time (time / floor); `*` marks auto's pick, [name] what the auto row ran.",
+        "",
+        "| shape | T | mode | format | " + " | ".join(backends) + " | best | auto vs best hf |",
+        "|---|---|---|---|" + "---|" * (len(backends) + 2),
+    ]
+    for shape, t, mode, fmt in rows:
+        cells = [by_key.get((shape, t, mode, fmt, b)) for b in backends]
+        if not any(cell and cell.time_s for cell in cells):
+            continue  # e.g. graph mode above --graph-max-tokens
+        texts = []
+        for cell in cells:
+            if cell is None or cell.time_s is None:
+                texts.append("-")
+            else:
+                mark = f" [{cell.picked}]" if cell.picked else "*" if cell.auto_pick else ""
+                texts.append(f"{fmt_time(cell.time_s)} ({cell.ratio:.2f}x){mark}")
+        timed = [x for x in cells if x and x.time_s]
+        best = min((x for x in timed if x.backend != "auto"), key=lambda x: x.time_s, default=None)
+        best_name = best.backend if best else "-"
+        auto = next((x for x in timed if x.backend == "auto"), None)
+        standing = f"{auto.vs_best_peer:.2f}x faster" if auto and auto.vs_best_peer else "-"
+        lines.append(f"| {shape} | {t} | {mode} | {fmt} | " + " | ".join(texts) + f" | {best_name} | {standing} |")
+    return "\n".join(lines) + "\n" + formats_table(result.cells)
+
+
+def formats_table(cells: Iterable[Cell]) -> str:
+    """Per (shape, T, mode): the fastest selector backend of each format, time (time / floor), and its time over
+    the dense best (the quantised formats' point: fewer bytes to read). Empty without quantised cells."""
+    best: dict[tuple[str, int, str, str], Cell] = {}
+    for c in cells:
+        if c.time_s and c.backend != "auto" and not c.backend.startswith(PEER_PREFIX):
+            key = (c.shape, c.tokens, c.mode, c.format)
+            if key not in best or c.time_s < (best[key].time_s or 0):
+                best[key] = c
+    quantised = [f for f in FORMATS if f != "dense" and any(k[3] == f for k in best)]
+    if not quantised:
+        return ""
+    lines = ["", "Quantised against dense: the fastest selector backend per format, time (time / floor); "
+                 "x dense = its time over the dense best.", "",
+             "| shape | T | mode | dense | " + " | ".join(f"{f} | x dense" for f in quantised) + " |",
+             "|---|---|---|---|" + "---|---|" * len(quantised)]  # fmt: skip
+    for shape, t, mode in sorted({k[:3] for k in best}, key=lambda r: (r[0], r[2], r[1])):
+        dense = best.get((shape, t, mode, "dense"))
+        texts = [f"{fmt_time(dense.time_s)} ({dense.ratio:.2f}x) {dense.backend}" if dense else "-"]
+        for f in quantised:
+            q = best.get((shape, t, mode, f))
+            texts.append(f"{fmt_time(q.time_s)} ({q.ratio:.2f}x) {q.backend}" if q else "-")
+            texts.append(f"{q.time_s / dense.time_s:.2f}" if q and dense and q.time_s and dense.time_s else "-")
+        lines.append(f"| {shape} | {t} | {mode} | " + " | ".join(texts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: BenchResult, path: Path) -> bool:
+    """time/floor against tokens, one panel per shape (eager solid, graph dashed, compile dotted); False when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = sorted({c.shape for c in result.cells})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    series = sorted({(c.backend, c.format) for c in result.cells if c.ratio})
+    colours = {s: plt.get_cmap("tab20")(i % 20) for i, s in enumerate(series)}  # one colour per backend and format
+    for ax, shape in zip(axes[0], shapes):
+        for backend, fmt in series:
+            for mode, style in (("eager", "-"), ("graph", "--"), ("compile", ":")):
+                pts = sorted((c.tokens, c.ratio) for c in result.cells if c.shape == shape and c.backend == backend
+                             and c.format == fmt and c.mode == mode and c.ratio)  # fmt: skip
+                if pts:
+                    marker = "x" if backend.startswith(PEER_PREFIX) else "o"
+                    name = backend if fmt == "dense" else f"{backend} {fmt}"
+                    ax.plot(*zip(*pts), style, marker=marker, color=colours[backend, fmt], label=f"{name} ({mode})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("time / floor")
+    axes[0][-1].legend(fontsize=6, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def write_outputs(result: BenchResult, out_dir: Path) -> list[Path]:
+    """bench.json, bench.md and (with matplotlib) bench.png in `out_dir`; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "bench.json", out_dir / "bench.md"]
+    paths[0].write_text(json.dumps(result.to_dict(), indent=1))
+    paths[1].write_text(markdown_table(result))
+    if plot(result, out_dir / "bench.png"):
+        paths.append(out_dir / "bench.png")
+    return paths
+
+
+def summarise(cells: Iterable[Cell]) -> dict[str, Any]:
+    """Counts of the auto cells with a peer, and of those where auto beat or matched the best peer."""
+    auto = [c for c in cells if c.backend == "auto" and c.vs_best_peer]
+    return {"auto_cells": len(auto), "auto_not_slower": sum(1 for c in auto if (c.vs_best_peer or 0) >= 1.0)}
