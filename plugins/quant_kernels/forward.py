@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from selector.plugins.quant_kernels import ops
+from selector.plugins.quant_kernels.layer import MODES, quant_experts
+from selector.plugins.quant_kernels.projection import projection
+from selector.plugins.quant_kernels.routing import combine_slots, route
 from selector import graphs, layers
 from selector.problem import activation_name, has_custom_gate
 from selector.quant import QuantFormat, is_ue8m0_tensor, quant_format
@@ -142,7 +144,7 @@ def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: 
             top_k_weights: torch.Tensor, mode: str, config: dict | None) -> torch.Tensor:  # fmt: skip
     w1, s1, w2, s2, b1, b2, as1, as2 = plan.tensors
     if plan.in_kernel:
-        return ops.quant_experts(
+        return quant_experts(
             x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, mode=mode, config=config,
             **plan.kernel_args, **plan.common,
         )  # fmt: skip
@@ -153,17 +155,17 @@ def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: 
         return out.zero_()
     ids = top_k_index.reshape(-1).contiguous()
     wts = top_k_weights.reshape(-1).contiguous()
-    routing = ops.route(mode, ids, plan.common["num_experts"], config, top_k)
+    routing = route(mode, ids, plan.common["num_experts"], config, top_k)
     whole = {**(config or {}), "SPLIT_K": 1}  # torch code below needs whole outputs, not partial sums
-    h = ops.projection(mode, x, w1, s1, routing, ids.numel(), a_div=top_k, act_scale=as1, bias=b1,
+    h = projection(mode, x, w1, s1, routing, ids.numel(), a_div=top_k, act_scale=as1, bias=b1,
                        split_inter=plan.split, config=whole, **plan.common)  # fmt: skip
     h = layers.activate(module, h).to(x.dtype).contiguous()
     down_config = whole if plan.post_norm else config  # the combine adds a split down's shares; a norm cannot
-    y = ops.projection(mode, h, w2, s2, routing, ids.numel(), a_div=1, act_scale=as2, bias=b2,
+    y = projection(mode, h, w2, s2, routing, ids.numel(), a_div=1, act_scale=as2, bias=b2,
                        topk_w=None if plan.post_norm else wts, config=down_config, **plan.common)  # fmt: skip
     if plan.post_norm:
         y = (layers.post_norm(module, y).float() * wts.float().unsqueeze(-1)).to(x.dtype)
-    return ops.combine_slots(y, ids, out, top_k, plan.common["num_experts"])
+    return combine_slots(y, ids, out, top_k, plan.common["num_experts"])
 
 
 # ---- replay a recorded CUDA graph (launching the Triton kernels from Python can cost more than they run)
@@ -184,8 +186,8 @@ def quant_experts_forward(
     config: dict | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Quantised experts forward; `mode` "grouped" or "batched"; `config` overrides the tile heuristics."""
-    if mode not in ops.MODES:
-        raise _fail(f"mode {mode!r}: expected one of {ops.MODES}")
+    if mode not in MODES:
+        raise _fail(f"mode {mode!r}: expected one of {MODES}")
     plan = _plan(module, hidden_states.shape[1])
     if plan.tensors[0].device != hidden_states.device:
         raise _fail(f"weights are on {plan.tensors[0].device}, hidden_states on {hidden_states.device}")
