@@ -396,8 +396,9 @@ def test_dense_torch_backends_import_no_triton():
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", _NO_TRITON], cwd=tests, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])})
+                         env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
 
 

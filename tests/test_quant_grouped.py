@@ -416,7 +416,8 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
 
     _patch(monkeypatch, "launch", spy)
     given_counts = []  # the counters each grouped launch was handed (None: it would zero its own, a memset)
-    _patch(monkeypatch, "_launch", lambda real: lambda *a, **kw: given_counts.append(kw.get("counts")) or real(*a, **kw))
+    _patch(monkeypatch, "_launch", lambda real: lambda *a, **kw: given_counts.append(kw.get("counts"))
+           or real(*a, **kw))  # fmt: skip
     module = Q.quantize_experts(make_experts(4, 64, 96, layout, device=DEV, seed=41), "fp8_block", "ue8m0", (32, 32))
     idx, w = random_routing(4, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
     if layout.expert_parallel:

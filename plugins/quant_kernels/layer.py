@@ -3,11 +3,14 @@ combine, chosen per call from the resolved config (tiles.py); and the torch cust
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from selector.plugins.quant_kernels import configs as _configs
 from selector.plugins.quant_kernels.activation_quant import quantize_rows
-from selector.plugins.quant_kernels.projection import projection
+from selector.plugins.quant_kernels.projection import run_projection
+from selector.plugins.quant_kernels.records import LINEAR, QuantLayer, quant_layer
 from selector.plugins.quant_kernels.routing import combine_slots, route_deferred
 from selector.plugins.quant_kernels.tiles import combine_in_kernel, finish_split, grouped_tiles, resolve_config, use_tma
 from selector.plugins.triton_common.align import run_align
@@ -55,6 +58,19 @@ def quant_experts_impl(
     mode: str,
     config: dict | None = None,
 ) -> torch.Tensor:
+    """``run_layer`` for a layer given as flat tensors and flags (the custom op's schema)."""
+    layer = quant_layer(w1, s1, w2, s2, b1, b2, as1, as2, num_experts=num_experts, activation=activation, gated=gated,
+                        interleaved=interleaved, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k)  # fmt: skip
+    return run_layer(x, top_k_index, top_k_weights, layer, mode, config)
+
+
+def run_layer(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: QuantLayer, mode: str,
+              config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """The whole layer in the kernels: [T, H] out in x's dtype."""
+    up, down, fmt, up_epilogue = layer.up, layer.down, layer.fmt, layer.up_epilogue
+    num_experts, fp4, block_k = fmt.num_experts, fmt.fp4, fmt.block_k
+    gated, interleaved = up_epilogue.gated, up_epilogue.interleaved
+    w1, w2 = up.w, down.w
     t, h = x.shape
     top_k = top_k_index.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
@@ -68,18 +84,14 @@ def quant_experts_impl(
     inter_dim = w2.shape[2] * (2 if fp4 else 1)
     cfg = resolve_config(config, x.device, fp4, num_experts, h, inter_dim, t, top_k) if mode == "grouped" else None
     routing, pending = route_deferred(mode, ids, num_experts, cfg or config, top_k)
-    common = dict(num_experts=num_experts, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k)
-    split = (w1.shape[1] // 2) if gated and not interleaved else None
-    up_args = dict(gated=gated, interleaved=interleaved, activation=activation, split_inter=split)
-    if cfg is None or as1 is not None:  # batched, or static scales (per expert: x cannot be quantised up front)
+    # batched, or static scales (per expert: x cannot be quantised up front)
+    if cfg is None or up.act_scale is not None:
         if pending is not None:
             run_align(pending)
         nested = cfg or _configs.normalize(config)  # the op hands batched configs over nested too (configs.decode)
         c1, c2 = nested["gate_up"], nested["down"]
-        inter = projection(mode, x, w1, s1, routing, n_pairs, a_div=top_k, act_scale=as1, bias=b1, config=c1,
-                           **up_args, **common)  # fmt: skip
-        y = projection(mode, inter, w2, s2, routing, n_pairs, a_div=1, act_scale=as2, bias=b2, topk_w=wts, config=c2,
-                       **common)  # fmt: skip
+        inter = run_projection(mode, x, up, fmt, routing, n_pairs, a_div=top_k, epilogue=up_epilogue, config=c1)
+        y = run_projection(mode, inter, down, fmt, routing, n_pairs, a_div=1, topk_w=wts, config=c2)
         return combine_slots(y, ids, out, top_k, num_experts)
     # grouped, dynamic: x quantised once up front, or (config QUANT_X "loop") inside gate_up's K loop; the gate_up
     # epilogue quantises the intermediate when its tile covers whole groups, else a second quantize_rows does
@@ -109,16 +121,18 @@ def quant_experts_impl(
         if fused:
             out.zero_()
     quant_out = bn1 % block_k == 0
-    inter = projection(mode, xq, w1, s1, routing, n_pairs, a_div=top_k, bias=b1, config=up_cfg, a_scale=xs,
-                       quant_out=quant_out, out_dtype=x.dtype, counts=counts[:up_counts] if n_counts else None,
-                       a_sorted=tma, out_sorted=tma, **up_args, **common)  # fmt: skip
+    inter = run_projection(mode, xq, up, fmt, routing, n_pairs, a_div=top_k, epilogue=up_epilogue, config=up_cfg,
+                           a_scale=xs, quant_out=quant_out, out_dtype=x.dtype,
+                           counts=counts[:up_counts] if n_counts else None, a_sorted=tma, out_sorted=tma)  # fmt: skip
     iq, isc = inter if quant_out else quantize_rows(inter, block_k, slots=routing if tma else None)
-    down = dict(a_div=1, bias=b2, topk_w=wts, config=cfg["down"], a_scale=isc, out_dtype=x.dtype, a_sorted=tma,
-                **common)  # fmt: skip
+    if down.act_scale is not None:  # dynamic activations: the down projection has no static scale to read
+        down = dataclasses.replace(down, act_scale=None)
+    down_args = dict(a_div=1, epilogue=LINEAR, topk_w=wts, config=cfg["down"], a_scale=isc, out_dtype=x.dtype,
+                     a_sorted=tma)  # fmt: skip
     if fused:
-        return projection(mode, iq, w2, s2, routing, n_pairs, combine=(out, ids, top_k), counts=counts[up_counts:],
-                          **down)  # fmt: skip
-    y = projection(mode, iq, w2, s2, routing, n_pairs, **down)
+        return run_projection(mode, iq, down, fmt, routing, n_pairs, combine=(out, ids, top_k),
+                              counts=counts[up_counts:], **down_args)  # fmt: skip
+    y = run_projection(mode, iq, down, fmt, routing, n_pairs, **down_args)
     return combine_slots(y, ids, out, top_k, num_experts)
 
 
@@ -166,6 +180,14 @@ def quant_experts(
     x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, *, num_experts, activation, gated,
     interleaved, fp4, ue8m0, block_n, block_k, mode, config=None,
 ):  # fmt: skip
+    """``layer_forward`` for a layer given as flat tensors and flags."""
+    layer = quant_layer(w1, s1, w2, s2, b1, b2, as1, as2, num_experts=num_experts, activation=activation, gated=gated,
+                        interleaved=interleaved, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k)  # fmt: skip
+    return layer_forward(x, top_k_index, top_k_weights, layer, mode, config)
+
+
+def layer_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: QuantLayer,
+                  mode: str, config: dict | None = None) -> torch.Tensor:  # fmt: skip
     """The whole layer through the custom op ``selector::quant_experts`` under torch.compile (see the module
     docstring); in eager mode (and CUDA-graph capture) the same implementation directly: the op's dispatcher and
     its aliasing check cost ~130 us of host time per call on the H200 machine (measured, Qwen3 T=512: 389 us per
@@ -174,11 +196,11 @@ def quant_experts(
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     # not when autograd records: through the op a backward fails loudly instead of dropping x's gradient
     if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
-        return quant_experts_impl(
-            x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
-            interleaved, fp4, ue8m0, block_n, block_k, mode, config,
-        )  # fmt: skip
+        return run_layer(x, top_k_index, top_k_weights, layer, mode, config)
+    # a custom op's schema is flat tensors and scalars: the record is unpacked into it
+    up, down, fmt, epi = layer.up, layer.down, layer.fmt, layer.up_epilogue
     return torch.ops.selector.quant_experts(
-        x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
-        interleaved, fp4, ue8m0, block_n, block_k, mode, _encode(config),
+        x, up.w, up.s, down.w, down.s, top_k_index, top_k_weights, up.bias, down.bias, up.act_scale, down.act_scale,
+        fmt.num_experts, epi.activation, epi.gated, epi.interleaved, fmt.fp4, fmt.ue8m0, fmt.block_n, fmt.block_k,
+        mode, _encode(config),
     )  # fmt: skip

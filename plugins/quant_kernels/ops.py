@@ -8,15 +8,17 @@ so torch.compile sees one opaque node and there is no host synchronisation (CUDA
 ``route`` / ``projection`` are the same pieces one by one, for layers whose gate or norm is torch code.
 
 Each job lives in its own module: ``activation_quant`` (x quantised to e4m3), ``routing`` (pairs grouped by
-expert, the combine), ``projection`` (the grouped / batched launchers), ``tiles`` (tile sizes, K splits, TMA and
-combine choices, tuned tables) and ``layer`` (the whole layer and its custom op).
+expert, the combine), ``projection`` (the grouped / batched launchers), ``records`` (what a layer's plan holds:
+weights, format, epilogue), ``tiles`` (tile sizes, K splits, TMA and combine choices, tuned tables) and ``layer``
+(the whole layer and its custom op).
 """
 
 from __future__ import annotations
 
 from selector.plugins.quant_kernels.activation_quant import quantize_rows
-from selector.plugins.quant_kernels.layer import MODES, quant_experts, quant_experts_impl
-from selector.plugins.quant_kernels.projection import projection
+from selector.plugins.quant_kernels.layer import MODES, layer_forward, quant_experts, quant_experts_impl, run_layer
+from selector.plugins.quant_kernels.projection import projection, run_projection
+from selector.plugins.quant_kernels.records import LINEAR, Epilogue, QuantLayer, QuantWeights, WeightFormat
 from selector.plugins.quant_kernels.routing import combine_slots, route, route_deferred
 from selector.plugins.quant_kernels.tiles import (TMA_MAX_BOX, TMA_MIN_BLOCK_M, combine_in_kernel, finish_split,
                                                   grouped_block_m, resolve_config, split_k, use_tma)
@@ -24,15 +26,21 @@ from selector.plugins.triton_common.align import AlignPlan, max_blocks_for, plan
 from selector.plugins.triton_common.launch import TensorDescriptor  # None: a Triton without TMA
 
 __all__ = [
+    "LINEAR",
     "MODES",
     "TMA_MAX_BOX",
     "TMA_MIN_BLOCK_M",
     "AlignPlan",
+    "Epilogue",
+    "QuantLayer",
+    "QuantWeights",
     "TensorDescriptor",
+    "WeightFormat",
     "combine_in_kernel",
     "combine_slots",
     "finish_split",
     "grouped_block_m",
+    "layer_forward",
     "max_blocks_for",
     "plan_align",
     "projection",
@@ -43,6 +51,8 @@ __all__ = [
     "route",
     "route_deferred",
     "run_align",
+    "run_layer",
+    "run_projection",
     "split_k",
     "use_tma",
 ]

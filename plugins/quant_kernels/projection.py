@@ -7,6 +7,7 @@ import torch
 import triton.language as tl
 
 from selector.plugins.quant_kernels import kernels as K
+from selector.plugins.quant_kernels.records import LINEAR, Epilogue, QuantWeights, WeightFormat
 from selector.plugins.quant_kernels.tiles import TMA_MAX_BOX, finish_split, gemm_config, split_k, use_tma
 from selector.plugins.triton_common.activation import ACT_CODE
 from selector.plugins.triton_common.launch import INTERPRET, TensorDescriptor, cdiv, launch, next_pow2
@@ -23,28 +24,14 @@ def _scale_strides(s: torch.Tensor) -> tuple[int, int, int]:
 def _launch(
     mode: str,
     a: torch.Tensor,
-    w: torch.Tensor,
-    s: torch.Tensor,
-    act_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
+    weights: QuantWeights,
+    fmt: WeightFormat,
+    epilogue: Epilogue,
     out: torch.Tensor,
     routing: tuple[torch.Tensor, ...],
     topk_w: torch.Tensor | None,
     *,
-    num_experts: int,
-    n_out: int,
-    k_dim: int,
     a_div: int,
-    up_offset: int,
-    n_split: int,
-    split_rows: int,
-    block_n_w: int,
-    block_k: int,
-    gated: bool,
-    interleaved: bool,
-    act: int,
-    fp4: bool,
-    ue8m0: bool,
     config: dict | None,
     a_scale: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
@@ -59,6 +46,18 @@ def _launch(
     """`combine` (grouped, linear epilogue): (out [T, N], ids [T * k], k); `out` here is then the kernel's
     [shares, pairs, N] fp32 scratch. `counts`: zeroed int32 counters for FINISH / COMBINE (else torch.zeros).
     `a_sorted`: a in block order, a and w through TMA descriptors; `out_sorted`: rows stored in block order."""
+    # The kernels' signatures stay flat (Triton's rule): the records are unpacked into their arguments here.
+    w, s, bias, act_scale = weights.w, weights.s, weights.bias, weights.act_scale
+    num_experts, fp4, ue8m0, block_n_w, block_k = fmt.num_experts, fmt.fp4, fmt.ue8m0, fmt.block_n, fmt.block_k
+    gated, interleaved, act = epilogue.gated, epilogue.interleaved, ACT_CODE[epilogue.activation]
+    c = w.shape[1]
+    k_dim = w.shape[2] * (2 if fp4 else 1)
+    n_out = c // 2 if gated else c
+    up_offset = c // 2 if gated else 0
+    if epilogue.split_inter is not None and not fp4:
+        n_split, split_rows = epilogue.split_inter, cdiv(epilogue.split_inter, block_n_w)
+    else:
+        n_split, split_rows = c, 0
     static = act_scale is not None
     has_bias = bias is not None
     s = s.view(torch.uint8) if ue8m0 and s.dtype != torch.uint8 else s
@@ -189,6 +188,37 @@ def projection(
     `out_sorted` (sorted routing, no K split): the result has one row per block slot, in block order, the layout
     a following ``a_sorted`` projection reads (padding slots hold finite values, unused blocks' rows nothing).
     """
+    weights = QuantWeights(w, s, bias, act_scale)
+    fmt = WeightFormat(num_experts, fp4, ue8m0, block_n, block_k)
+    epilogue = Epilogue(gated, interleaved, activation, split_inter)
+    return run_projection(mode, a, weights, fmt, routing, num_pairs, a_div=a_div, epilogue=epilogue, topk_w=topk_w,
+                          out_dtype=out_dtype, config=config, a_scale=a_scale, quant_out=quant_out, combine=combine,
+                          counts=counts, a_sorted=a_sorted, out_sorted=out_sorted)  # fmt: skip
+
+
+def run_projection(
+    mode: str,
+    a: torch.Tensor,  # [rows_a, K] activations (row of pair p: p // a_div)
+    weights: QuantWeights,
+    fmt: WeightFormat,
+    routing: tuple[torch.Tensor, ...],
+    num_pairs: int,
+    *,
+    a_div: int,
+    epilogue: Epilogue = LINEAR,
+    topk_w: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+    a_scale: torch.Tensor | None = None,
+    quant_out: bool = False,
+    combine: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    counts: torch.Tensor | None = None,
+    a_sorted: bool = False,
+    out_sorted: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``projection`` from the records a layer's plan holds (see there for the arguments)."""
+    w, fp4, block_k = weights.w, fmt.fp4, fmt.block_k
+    gated, activation = epilogue.gated, epilogue.activation
     c = w.shape[1]
     k_dim = w.shape[2] * (2 if fp4 else 1)
     n_out = c // 2 if gated else c
@@ -216,17 +246,10 @@ def projection(
         out_scale = torch.empty((rows_out, cdiv(n_out, block_k)), dtype=torch.float32, device=a.device)
     if num_pairs == 0 or n_out == 0:
         return combine[0] if combine is not None else (out, out_scale) if quant_out else out
-    if split_inter is not None and not fp4:
-        n_split, split_rows = split_inter, cdiv(split_inter, block_n)
-    else:
-        n_split, split_rows = c, 0
     _launch(
-        mode, a, w, s, act_scale, bias, out, routing, topk_w,
-        num_experts=num_experts, n_out=n_out, k_dim=k_dim, a_div=a_div, up_offset=c // 2 if gated else 0,
-        n_split=n_split, split_rows=split_rows, block_n_w=block_n, block_k=block_k, gated=gated,
-        interleaved=interleaved, act=ACT_CODE[activation], fp4=fp4, ue8m0=ue8m0, config=config,
-        a_scale=a_scale, out_scale=out_scale, inter_dtype=inter_dtype, finish_split=finish, combine=combine,
-        counts=counts, a_sorted=a_sorted, out_sorted=out_sorted, num_pairs=num_pairs,
+        mode, a, weights, fmt, epilogue, out, routing, topk_w, a_div=a_div, config=config, a_scale=a_scale,
+        out_scale=out_scale, inter_dtype=inter_dtype, finish_split=finish, combine=combine, counts=counts,
+        a_sorted=a_sorted, out_sorted=out_sorted, num_pairs=num_pairs,
     )  # fmt: skip
     if combine is not None:
         return combine[0]
