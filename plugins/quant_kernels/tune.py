@@ -122,7 +122,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     layouts = [("sorted", bm) for bm in block_m_candidates(pairs, e)]
     if pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS:
         layouts.insert(0, ("pairs", 16))
-    # x quantised in the K loop lost every decode cell on the H200 (session 3): tried only with --try-quant-x-loop
+    # x quantised in the K loop lost every decode cell on the H200: tried only with --try-quant-x-loop
     quant_x = ("once", "loop") if TRY_QUANT_X_LOOP and pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS else ("once",)
     for route, bm in layouts:
         if time.perf_counter() > deadline:

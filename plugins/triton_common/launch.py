@@ -21,7 +21,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 POISON = False
 
 
-def empty(shape, dtype: torch.dtype, device: torch.device, poison: Any) -> torch.Tensor:  # noqa: ANN001
+def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: Any) -> torch.Tensor:
     """torch.empty, filled with `poison` while POISON is set."""
     t = torch.empty(shape, dtype=dtype, device=device)
     if POISON:
@@ -44,7 +44,7 @@ def cdiv(a: int, b: int) -> int:
 _LAUNCH_CACHE: dict = {}
 
 
-def _spec(a):  # noqa: ANN001, ANN202
+def _spec(a: Any) -> Any:
     if type(a) is int:  # most arguments (sizes, strides): the cheapest test first
         return a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31)
     if isinstance(a, torch.Tensor):
