@@ -1,4 +1,4 @@
-"""Quantised experts (selector/quant.py, plugins/quant_kernels, selector/checkpoints.py).
+"""Quantised experts (selector/quant/, plugins/quant_kernels, selector/checkpoints.py).
 
 What is compared, and the bounds (relative error = ||out - ref|| / ||ref||):
 

@@ -1,4 +1,4 @@
-"""Correctness of the fused Triton experts kernels (plugins/triton_fused/kernels.py).
+"""Correctness of the fused Triton experts kernels (plugins/triton_fused/kernels.py, plugins/triton_common).
 
 Reference: a float64 loop over (token, slot) pairs, written here from the definition.
 Error measure: ||out - ref|| / ||ref||. Tolerances (justification):

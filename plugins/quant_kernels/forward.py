@@ -1,4 +1,4 @@
-"""Adapter from a quantised Transformers-style experts module (see selector/quant.py) to the kernels.
+"""Adapter from a quantised Transformers-style experts module (see selector/quant/) to the kernels.
 
 ``quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode)`` is what `batched_mm`
 (mode "batched": one pair per program, no sorting) and `grouped_mm` (mode "grouped": pairs sorted by expert,
