@@ -93,7 +93,7 @@ def test_batched_mode_uses_the_callers_tile_config(monkeypatch):
     from selector.plugins.quant_kernels.forward import quant_experts_forward
 
     seen = []
-    _patch(monkeypatch, "projection", lambda real: lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
+    _patch(monkeypatch, "run_projection", lambda real: lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
     module = Q.quantize_experts(make_experts(4, 128, 64, dtype=torch.float32, device=DEV, seed=2), "fp8_block",
                                 "float32", block_size=(32, 32))  # fmt: skip
     x = torch.randn(3, 128, device=DEV)
@@ -215,7 +215,7 @@ def test_split_k_down_matches_one_share(layout, monkeypatch):
     x = torch.randn(3, 64, device=DEV)
     tiles = {"BLOCK_M": 16, "COMBINE": "launch", "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}
     outputs = []
-    _patch(monkeypatch, "projection", lambda real: lambda *a, **kw: outputs.append(real(*a, **kw)) or outputs[-1])
+    _patch(monkeypatch, "run_projection", lambda real: lambda *a, **kw: outputs.append(real(*a, **kw)) or outputs[-1])
     whole = _check(module, x, idx, w, tiles)
     assert outputs[-1].shape == (6, 64)
     for shares in (2, 3):
