@@ -1,4 +1,4 @@
-"""Quantised experts (selector/quant.py, plugins/quant_kernels, selector/checkpoints.py).
+"""Quantised experts (selector/quant/, plugins/quant_kernels, selector/checkpoints.py).
 
 What is compared, and the bounds (relative error = ||out - ref|| / ||ref||):
 
@@ -360,6 +360,46 @@ def test_quantising_in_place_after_a_dense_forward_re_chooses():
     selector.set_experts_implementation(module, "eager")
     module(x, idx, w)  # dense again
     assert last_backend(module) == "eager"
+
+
+# Runs in a fresh interpreter where `import triton` fails: what the dense forwards of the pure-torch backends
+# import, and whether they work without Triton (torch itself treats a failed triton import as "not installed").
+_NO_TRITON = """
+import importlib.abc, sys
+
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("blocked: " + name)
+
+sys.meta_path.insert(0, _Block())
+import torch
+from experts_fixtures import make_experts, random_routing, reference_experts, relative_error
+from selector.dispatch import backend_forward
+
+module = make_experts(4, 32, 16)
+idx, w = random_routing(3, 4, 2)
+x = torch.randn(3, 32)
+ref = reference_experts(module, x, idx, w)
+for name in ("eager", "batched_mm", "grouped_mm"):
+    assert relative_error(backend_forward(name, "dense")(module, x, idx, w), ref) < 1e-5, name
+kernels = [m for m in sys.modules if m.startswith(("triton", "selector.plugins.triton_common",
+           "selector.plugins.triton_fused.", "selector.plugins.quant_kernels."))]
+assert not kernels, kernels
+"""
+
+
+def test_dense_torch_backends_import_no_triton():
+    """eager, batched_mm and grouped_mm run dense experts without Triton: their specs and dense forwards import
+    neither triton nor the Triton backends' kernel modules (only a quantised format's forward loads those)."""
+    import subprocess
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _NO_TRITON], cwd=tests, capture_output=True, text=True, timeout=300,
+                         env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def _env(**variables):

@@ -27,6 +27,22 @@ DEV = "cuda" if CUDA else "cpu"
 GPU_TOL = 5e-3
 
 
+# Every module of the quantised path that looks a patched name up (each imported it on its own).
+_PATH_MODULES = ("activation_quant", "forward", "layer", "ops", "projection", "routing", "tiles")
+
+
+def _patch(monkeypatch, name, make) -> None:
+    """Replace `name` by make(original) wherever the quantised path (and the shared align / combine it launches)
+    looks it up."""
+    import importlib
+
+    modules = [importlib.import_module(f"selector.plugins.quant_kernels.{m}") for m in _PATH_MODULES]
+    modules += [importlib.import_module(f"selector.plugins.triton_common.{m}") for m in ("align", "combine")]
+    for module in modules:
+        if name in vars(module):
+            monkeypatch.setattr(module, name, make(vars(module)[name]))
+
+
 @pytest.fixture(autouse=True)
 def fresh():
     torch.manual_seed(0)
@@ -74,12 +90,10 @@ def test_quantize_rows_reads_strided_rows():
 
 def test_batched_mode_uses_the_callers_tile_config(monkeypatch):
     """A flat config given to the batched path reaches both GEMMs (it travels nested through the custom op)."""
-    from selector.plugins.quant_kernels import ops
     from selector.plugins.quant_kernels.forward import quant_experts_forward
 
     seen = []
-    real = ops.projection
-    monkeypatch.setattr(ops, "projection", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
+    _patch(monkeypatch, "run_projection", lambda real: lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
     module = Q.quantize_experts(make_experts(4, 128, 64, dtype=torch.float32, device=DEV, seed=2), "fp8_block",
                                 "float32", block_size=(32, 32))  # fmt: skip
     x = torch.randn(3, 128, device=DEV)
@@ -153,11 +167,8 @@ def test_triton_fused_runs_quantised_experts():
 def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypatch):
     """QUANT_X "loop" (decode: no quantize_rows launch; gate_up quantises its A tile per K step) computes the
     same e4m3 operands and scales as "once": the results are identical, and only "once" launches quantize_rows."""
-    from selector.plugins.quant_kernels import ops
-
     calls = []
-    real = ops.quantize_rows
-    monkeypatch.setattr(ops, "quantize_rows", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    _patch(monkeypatch, "quantize_rows", lambda real: lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     module = Q.quantize_experts(make_experts(5, 200, 64, device=DEV, seed=26), *fmt)
     idx, w = random_routing(3, 5, 2, device=DEV, skew=True)
     x = torch.randn(3, 200, device=DEV)
@@ -175,11 +186,8 @@ def test_activations_quantised_in_the_k_loop_match_quantised_once(fmt, monkeypat
 def test_one_block_per_pair_matches_sorted_blocks(sentinel, monkeypatch):
     """ROUTE "pairs" (decode: no align launch; pair p alone in block p, experts hit twice read twice) gives the
     sorted layout's result exactly, sentinel pairs included; it is the default for one token only."""
-    from selector.plugins.quant_kernels import ops
-
     aligned = []
-    real = ops.plan_align
-    monkeypatch.setattr(ops, "plan_align", lambda *a: aligned.append(a[2]) or real(*a))
+    _patch(monkeypatch, "plan_align", lambda real: lambda *a: aligned.append(a[2]) or real(*a))
     layout = Layout(expert_parallel=sentinel)
     module = Q.quantize_experts(make_experts(4, 96, 64, layout, device=DEV, seed=28), "fp8_block", "ue8m0", (32, 32))
     idx, w = random_routing(4, 4, 2, device=DEV, skew=True, sentinel=sentinel)  # skewed: experts hit twice
@@ -202,15 +210,12 @@ def test_split_k_down_matches_one_share(layout, monkeypatch):
     launch here (the down kernel's own combine: test_down_kernel_combines_the_slots_itself)."""
     from selector.plugins.quant_kernels import ops
 
-    monkeypatch.setattr(ops, "FUSED_COMBINE", False)
-
     module = Q.quantize_experts(make_experts(4, 64, 96, layout, device=DEV, seed=29), "fp8_block", "float32", (32, 32))
     idx, w = random_routing(3, 4, 2, device=DEV, sentinel=layout.expert_parallel)
     x = torch.randn(3, 64, device=DEV)
-    tiles = {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}
+    tiles = {"BLOCK_M": 16, "COMBINE": "launch", "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32}}
     outputs = []
-    real_projection = ops.projection
-    monkeypatch.setattr(ops, "projection", lambda *a, **kw: outputs.append(real_projection(*a, **kw)) or outputs[-1])
+    _patch(monkeypatch, "run_projection", lambda real: lambda *a, **kw: outputs.append(real(*a, **kw)) or outputs[-1])
     whole = _check(module, x, idx, w, tiles)
     assert outputs[-1].shape == (6, 64)
     for shares in (2, 3):
@@ -279,34 +284,27 @@ def test_cached_plan_follows_replaced_weights():
 
 def test_eager_calls_skip_the_custom_op_with_the_same_result(monkeypatch):
     """Eager calls run the implementation directly (the op's dispatch costs host time); through the op
-    (SELECTOR_QUANT_VIA_OP=1, and always under torch.compile) the result is identical, config included."""
-    from selector.plugins.quant_kernels import ops
-
+    (while autograd records, and always under torch.compile) the result is identical, config included."""
     module = Q.quantize_experts(make_experts(4, 64, 64, device=DEV, seed=30), "fp8_block", "float32", (32, 32))
     idx, w = random_routing(5, 4, 2, device=DEV)
     x = torch.randn(5, 64, device=DEV)
     config = {"BLOCK_M": 16, "down": {"BLOCK_N": 32, "SPLIT_K": 2}}
     decoded = []  # only the op carries the config as ints and decodes it
-    real = ops._decode
-    monkeypatch.setattr(ops, "_decode", lambda v: decoded.append(v) or real(v))
+    _patch(monkeypatch, "_decode", lambda real: lambda v: decoded.append(v) or real(v))
     direct = _run(module, x, idx, w, config)
     assert decoded == []
-    monkeypatch.setattr(ops, "EAGER_BYPASS_OP", False)
-    via_op = _run(module, x, idx, w, config)
+    via_op = _run(module, x.clone().requires_grad_(True), idx, w, config)  # autograd records: through the op
     assert len(decoded) == 1 and decoded[0] is not None
-    assert torch.equal(direct, via_op)
+    assert via_op.requires_grad and torch.equal(direct, via_op.detach())
 
 
 @pytest.mark.parametrize("layout", [Layout(post_norm=True), Layout(custom_gate=True, interleaved=True)], ids=str)
 def test_split_k_where_torch_runs_between_the_projections(layout, monkeypatch):
     """Layers whose gate or norm is torch code run the projections one by one: with a long K the down projection
     may split (a custom gate), but never before a post-expert norm, which needs each pair's whole output."""
-    from selector.plugins.quant_kernels import ops
-
-    monkeypatch.setattr(ops, "_target_programs", lambda device: 1 << 20)  # every projection looks too small
+    _patch(monkeypatch, "_target_programs", lambda real: lambda device: 1 << 20)  # every projection looks too small
     splits = []
-    real = ops.split_k
-    monkeypatch.setattr(ops, "split_k", lambda *a: splits.append(real(*a)) or splits[-1])
+    _patch(monkeypatch, "split_k", lambda real: lambda *a: splits.append(real(*a)) or splits[-1])
     module = Q.quantize_experts(make_experts(3, 32, 1024, layout, device=DEV, seed=31), "fp8_block", "float32", (32, 32))
     idx, w = random_routing(2, 3, 2, device=DEV)
     _check(module, torch.randn(2, 32, device=DEV), idx, w, {"BLOCK_M": 16, "BLOCK_N": 32})
@@ -332,12 +330,9 @@ def test_autograd_is_not_silently_dropped():
 def test_one_scale_load_per_tile_where_a_tile_lies_in_one_scale_row(layout, fmt, monkeypatch):
     """A weight tile whose width divides the scale block's reads one scale per K step (ONE_SCALE_ROW); wider
     tiles gather one per column. Both give the reference result, for gate and up halves and interleaved pairs."""
-    from selector.plugins.quant_kernels import ops
-
     flags = []
-    real = ops.launch
-    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: flags.append(consts.get("ONE_SCALE_ROW"))
-                        or real(fn, grid, args, consts, *a))  # fmt: skip
+    _patch(monkeypatch, "launch", lambda real: lambda fn, grid, args, consts, *a: flags.append(
+        consts.get("ONE_SCALE_ROW")) or real(fn, grid, args, consts, *a))  # fmt: skip
     # 32 x 32 blocks; I = 72 ends the gate half inside a block, so the up half's rows start a new scale row
     module = Q.quantize_experts(make_experts(4, 96, 72, layout, device=DEV, seed=33), *fmt)
     idx, w = random_routing(5, 4, 2, device=DEV, skew=True)
@@ -362,12 +357,9 @@ def test_split_k_gate_up_finished_by_its_last_share(route, layout, fmt, monkeypa
     as one share up to the order of fp32 sums; uneven shares (K = 7 groups over 2, 3 and 5, one share empty). The
     interpreter runs programs in order, so the last share always arrives last here; the GPU runs order freely.
     Counters start from torch.zeros on every launch (poisoned buffers would not show a stale count here)."""
-    from selector.plugins.quant_kernels import ops
-
     launched = []
-    real = ops.launch
-    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: launched.append((grid, consts.get("FINISH")))
-                        or real(fn, grid, args, consts, *a))  # fmt: skip
+    _patch(monkeypatch, "launch", lambda real: lambda fn, grid, args, consts, *a: launched.append(
+        (grid, consts.get("FINISH"))) or real(fn, grid, args, consts, *a))  # fmt: skip
     h = 7 * 128 if fmt[0] == "fp4" else 7 * 32  # fp4: 128-wide activation groups
     module = Q.quantize_experts(make_experts(4, h, 64, layout, device=DEV, seed=36), *fmt)
     idx, w = random_routing(3, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
@@ -391,12 +383,9 @@ def test_swapped_tiles_match(layout, fmt, monkeypatch):
     swapped tile is an fp8 wgmma, whose reduced-precision accumulation moves a few requantised intermediates (the
     H200 read up to 6.2e-4 against the reference, 7.7e-5 against the plain tiles where that was reached): 2e-3
     for both there."""
-    from selector.plugins.quant_kernels import ops
-
     swaps = []
-    real = ops.launch
-    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: swaps.append(consts.get("SWAP"))
-                        or real(fn, grid, args, consts, *a))  # fmt: skip
+    _patch(monkeypatch, "launch", lambda real: lambda fn, grid, args, consts, *a: swaps.append(consts.get("SWAP"))
+           or real(fn, grid, args, consts, *a))  # fmt: skip
     h = 3 * 128 if fmt[0] == "fp4" else 96
     module = Q.quantize_experts(make_experts(4, h, 64, layout, device=DEV, seed=44), *fmt)
     idx, w = random_routing(3, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
@@ -420,19 +409,15 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
     sentinel slots skipped and a token whose every slot is a sentinel left at zero. Sorted blocks do the same where
     a config says "COMBINE": "kernel". The interpreter runs programs in order, so the last arrival is always the
     last program here; the GPU runs them in any order (the CUDA run of this test)."""
-    from selector.plugins.quant_kernels import ops
-    from selector.plugins.triton_fused import kernels as fused_kernels
-
     launched = []
 
     def spy(real):
         return lambda fn, grid, args, consts, *a: launched.append((fn.__name__, consts)) or real(fn, grid, args, consts, *a)
 
-    monkeypatch.setattr(ops, "launch", spy(ops.launch))
-    monkeypatch.setattr(fused_kernels, "launch", spy(fused_kernels.launch))
+    _patch(monkeypatch, "launch", spy)
     given_counts = []  # the counters each grouped launch was handed (None: it would zero its own, a memset)
-    real_launch = ops._launch
-    monkeypatch.setattr(ops, "_launch", lambda *a, **kw: given_counts.append(kw.get("counts")) or real_launch(*a, **kw))
+    _patch(monkeypatch, "_launch", lambda real: lambda *a, **kw: given_counts.append(kw.get("counts"))
+           or real(*a, **kw))  # fmt: skip
     module = Q.quantize_experts(make_experts(4, 64, 96, layout, device=DEV, seed=41), "fp8_block", "ue8m0", (32, 32))
     idx, w = random_routing(4, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
     if layout.expert_parallel:
@@ -451,11 +436,9 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
         assert [c["SPLIT_K"] for n, c in launched if n == "_grouped_kernel" and c["COMBINE"]] == [shares]
         if layout.expert_parallel:
             assert torch.equal(fused[1], torch.zeros_like(fused[1]))
-        monkeypatch.setattr(ops, "FUSED_COMBINE", False)
         launched.clear()
-        separate = _check(module, x, idx, w, cfg)
+        separate = _check(module, x, idx, w, {**cfg, "COMBINE": "launch"})
         assert "_combine_kernel" in [n for n, _ in launched]
-        monkeypatch.setattr(ops, "FUSED_COMBINE", True)
         assert relative_error(fused, separate.cpu().double()) < 1e-5
         # sorted blocks: a combine launch (the default), or the down kernel counting each block's rows; skewed
         # routing puts several real rows in a block
@@ -497,12 +480,13 @@ def test_quantize_rows_zeroes_what_the_later_kernels_need():
 def test_align_rides_on_x_quantisation(monkeypatch):
     """Sorted blocks at decode: one more program of x's quantisation launch routes the pairs (no align launch of
     its own): the same routing buffers as the fused backend's align, every element written (poisoned buffers), the
-    same quantised x, and the layer's output bit for bit as with the separate launch (SELECTOR_QUANT_FUSED_ALIGN=0).
-    Above one program's worth of pairs the align keeps its own two launches."""
+    same quantised x. Above one program's worth of pairs the align keeps its own two launches, and the layer's
+    output is bit for bit the riding one."""
     from selector.plugins.quant_kernels import ops
-    from selector.plugins.triton_fused import kernels as fused_kernels
+    from selector.plugins.triton_common import align as shared_align
+    from selector.plugins.triton_common import launch as shared_launch
 
-    monkeypatch.setattr(fused_kernels, "_POISON", True)
+    monkeypatch.setattr(shared_launch, "POISON", True)
     ids = torch.tensor([3, 0, 3, 3, 7, 1, 3, 9, 0, 3, 5, 2], device=DEV)  # 9: an expert-parallel sentinel (E = 8)
     x = torch.randn(6, 96, device=DEV)
     counts = torch.full((40,), 3, dtype=torch.int32, device=DEV)
@@ -510,7 +494,7 @@ def test_align_rides_on_x_quantisation(monkeypatch):
         counts.fill_(3)
         plan = ops.plan_align(ids, 8, bm)
         q, s = ops.quantize_rows(x, 32, counts=counts, align=plan)
-        sorted_rows, block_expert = fused_kernels.align(ids, 8, bm)
+        sorted_rows, block_expert = shared_align.align(ids, 8, bm)
         assert torch.equal(plan.sorted_rows, sorted_rows) and torch.equal(plan.block_expert, block_expert)
         q2, s2 = ops.quantize_rows(x, 32)
         assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2) and not counts.any()
@@ -523,8 +507,7 @@ def test_align_rides_on_x_quantisation(monkeypatch):
         return lambda fn, grid, args, consts, *a: launched.append((fn.__name__, consts)) or real(
             fn, grid, args, consts, *a)  # fmt: skip
 
-    monkeypatch.setattr(ops, "launch", spy(ops.launch))
-    monkeypatch.setattr(fused_kernels, "launch", spy(fused_kernels.launch))
+    _patch(monkeypatch, "launch", spy)
     module = Q.quantize_experts(make_experts(8, 64, 96, Layout(expert_parallel=True), device=DEV, seed=43), "fp8_block",
                                 "float32", (32, 32))  # fmt: skip
     idx, w = random_routing(6, 8, 2, device=DEV, skew=True, sentinel=True)
@@ -533,36 +516,29 @@ def test_align_rides_on_x_quantisation(monkeypatch):
     riding = _check(module, x, idx, w, cfg)
     names = [n for n, _ in launched]
     assert "_align_kernel" not in names and [c["ALIGN"] for n, c in launched if n == "_quant_rows_kernel"] == [True]
-    for single_max, own_launches in ((1024, ["_align_kernel"]), (4, ["_align_count_kernel", "_align_kernel"])):
-        monkeypatch.setattr(ops, "FUSED_ALIGN", single_max != 1024)  # off; then on, but too many pairs to ride
-        monkeypatch.setattr(fused_kernels, "_SINGLE_ALIGN_MAX", single_max)
-        launched.clear()
-        separate = _run(module, x, idx, w, cfg)
-        assert [n for n, _ in launched if "align" in n] == own_launches
-        assert [c["ALIGN"] for n, c in launched if n == "_quant_rows_kernel"] == [False]
-        assert torch.equal(riding, separate)
+    monkeypatch.setattr(shared_align, "SINGLE_ALIGN_MAX", 4)  # too many pairs to ride
+    launched.clear()
+    separate = _run(module, x, idx, w, cfg)
+    assert [n for n, _ in launched if "align" in n] == ["_align_count_kernel", "_align_kernel"]
+    assert [c["ALIGN"] for n, c in launched if n == "_quant_rows_kernel"] == [False]
+    assert torch.equal(riding, separate)
 
 
 def _tma_on(monkeypatch) -> None:
-    """The TMA path's tests need it available (sm_90+ or the interpreter, a Triton with host descriptors) and
-    switched on whatever SELECTOR_QUANT_TMA says."""
+    """The TMA path's tests need it available (sm_90+ or the interpreter, a Triton with host descriptors)."""
     from selector.plugins.quant_kernels import ops
 
     if ops.TensorDescriptor is None or (CUDA and torch.cuda.get_device_capability() < (9, 0)):
         pytest.skip("TMA needs sm_90+ and a Triton with host tensor descriptors")
-    monkeypatch.setattr(ops, "TMA", True)
 
 
 def test_tma_path_with_k_split_in_shares(monkeypatch):
     """Split K on both TMA projections: gate_up's shares finished by the last to arrive (FINISH) and stored in
     block order, down's shares added by the combine; H = I = 96 over 32-wide groups: 3 K steps in 2 or 3 shares."""
-    from selector.plugins.quant_kernels import ops
-
     _tma_on(monkeypatch)
     launched = []
-    real = ops.launch
-    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a: launched.append((grid, consts))
-                        or real(fn, grid, args, consts, *a))  # fmt: skip
+    _patch(monkeypatch, "launch", lambda real: lambda fn, grid, args, consts, *a: launched.append((grid, consts))
+           or real(fn, grid, args, consts, *a))  # fmt: skip
     module = Q.quantize_experts(make_experts(4, 96, 96, Layout(bias=True), device=DEV, seed=43), "fp8_block",
                                 "float32", (32, 32))  # fmt: skip
     idx, w = random_routing(33, 4, 2, device=DEV, skew=True)
@@ -588,13 +564,10 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
     activations and weights through TMA descriptors, the intermediate stays in block order (requantised in block
     order when the gate_up tile is narrower than a group). Same numbers as the pointer loads, and the reference's.
     I = 80 over 32-wide groups leaves a partial last group; skewed routing leaves padding slots and unused blocks."""
-    from selector.plugins.quant_kernels import ops
-
     _tma_on(monkeypatch)
     launched = []
-    real = ops.launch
-    monkeypatch.setattr(ops, "launch", lambda fn, grid, args, consts, *a, **kw: launched.append((fn.__name__, consts))
-                        or real(fn, grid, args, consts, *a, **kw))  # fmt: skip
+    _patch(monkeypatch, "launch", lambda real: lambda fn, grid, args, consts, *a, **kw: launched.append(
+        (fn.__name__, consts)) or real(fn, grid, args, consts, *a, **kw))  # fmt: skip
     tol = GPU_TOL if CUDA else 1e-4  # 74 pairs: the H200 read 0.9-2.0e-3 (see GPU_TOL)
     for fmt in (("fp8_block", "float32", (32, 32)), ("fp8_block", "ue8m0", (32, 32))):
         module = Q.quantize_experts(make_experts(4, 64, 80, layout, device=DEV, seed=41), *fmt)
@@ -608,11 +581,11 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
         assert [c["TMA"] for c in grouped] == [True, True] and [c["SORTED_OUT"] for c in grouped] == [True, False]
         assert quants[0]["GATHER"] and quants[0]["SLOTS"]
         assert len(quants) == (2 if gate_up_bn < 32 else 1) and all(c["SLOTS"] for c in quants)
-        monkeypatch.setattr(ops, "TMA", False)
-        launched.clear()
-        pointers = _check(module, x, idx, w, cfg, tol)
+        with monkeypatch.context() as pointer_loads:  # the same layer where TMA cannot run
+            _patch(pointer_loads, "use_tma", lambda real: lambda *a, **kw: False)
+            launched.clear()
+            pointers = _check(module, x, idx, w, cfg, tol)
         assert not any(c["TMA"] for n, c in launched if n == "_grouped_kernel")
-        monkeypatch.setattr(ops, "TMA", True)
         # the GPU: wgmma through TMA and the pointer path's dots may accumulate differently (then requantise)
         assert relative_error(tma, pointers.cpu().double()) < (GPU_TOL if CUDA else 1e-6)
 
@@ -645,7 +618,7 @@ def test_quantize_rows_into_block_order():
 
 
 def test_tma_only_where_it_can_run(monkeypatch):
-    """use_tma: sorted blocks of >= 64 rows, fp8 weights, contiguous with 16-byte rows; off by switch. A projection
+    """use_tma: sorted blocks of >= 64 rows, fp8 weights, contiguous with 16-byte rows. A projection
     asked for block order without such a layout raises instead of reading the wrong rows."""
     from selector.plugins.quant_kernels import ops
 
@@ -662,8 +635,6 @@ def test_tma_only_where_it_can_run(monkeypatch):
     assert not ops.use_tma(big, False, dev, w.transpose(1, 2))  # not contiguous
     assert not ops.use_tma(big, False, dev, torch.zeros(4, 64, 88, dtype=torch.float8_e4m3fn, device=DEV))  # 88-byte rows
     assert ops.use_tma(big, False, dev, w, tile_rows=256) and not ops.use_tma(big, False, dev, w, tile_rows=512)
-    monkeypatch.setattr(ops, "TMA", False)
-    assert not ops.use_tma(big, False, dev, w)
     s = torch.ones(4, 1, 1, device=DEV)
     a = torch.zeros(40, 96, dtype=torch.float8_e4m3fn, device=DEV)
     common = dict(num_experts=4, a_div=1, fp4=False, ue8m0=False, block_n=128, block_k=128)

@@ -21,16 +21,16 @@ def fresh():
 
 
 def test_tuner_candidates_run_the_layers_launches(monkeypatch):
-    from selector.plugins.quant_kernels import configs, ops, tune
-    from selector.plugins.triton_fused import kernels as fused_kernels
+    from selector.plugins.quant_kernels import activation_quant, configs, projection, tune
+    from selector.plugins.triton_common import align, combine
 
     launched = []
 
     def spy(real):
         return lambda fn, grid, args, consts, *a: launched.append((fn.__name__, consts)) or real(fn, grid, args, consts, *a)
 
-    monkeypatch.setattr(ops, "launch", spy(ops.launch))
-    monkeypatch.setattr(fused_kernels, "launch", spy(fused_kernels.launch))
+    for module in (activation_quant, projection, align, combine):  # every module the tuner's candidates launch from
+        monkeypatch.setattr(module, "launch", spy(module.launch))
     timed = []
     monkeypatch.setattr(tune, "_time", lambda fn, graph: timed.append(fn()) or 1e-6 * len(timed))  # fake timer
     monkeypatch.setattr(tune, "GATE_UP", {16: ((32, 4, 4), (32, 4, 4, 2))})

@@ -1,4 +1,4 @@
-"""Correctness of the fused Triton experts kernels (plugins/triton_fused/kernels.py).
+"""Correctness of the fused Triton experts kernels (plugins/triton_fused/kernels.py, plugins/triton_common).
 
 Reference: a float64 loop over (token, slot) pairs, written here from the definition.
 Error measure: ||out - ref|| / ||ref||. Tolerances (justification):
@@ -9,7 +9,7 @@ Error measure: ||out - ref|| / ||ref||. Tolerances (justification):
 - GPU bf16 (8-bit mantissa, ~4e-3 per rounding: intermediate, per-slot output, final output): 2e-2.
 On CPU the interpreter is used (tests/conftest.py sets TRITON_INTERPRET=1), where bf16 dots are wrong, so CPU
 cases are fp32 and tiny. Every buffer is poisoned (NaN / out-of-range ids) before the kernels run
-(kernels._POISON), so an element a kernel does not write turns the result into NaN and the test fails.
+(triton_common.launch.POISON), so an element a kernel does not write turns the result into NaN and the test fails.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from selector.plugins.triton_fused import configs as C
+from selector.plugins.triton_common import align as A
+from selector.plugins.triton_common import launch as L
 from selector.plugins.triton_fused import kernels as K
 
 CUDA = torch.cuda.is_available()
@@ -30,7 +32,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(K, "_POISON", True)
+    monkeypatch.setattr(L, "POISON", True)
 
 
 def _act(name):
@@ -205,11 +207,11 @@ def test_deterministic():
 
 
 def _check_align(ids_flat, E, bm):
-    sorted_rows, block_expert = K.align(ids_flat, E, bm)
+    sorted_rows, block_expert = A.align(ids_flat, E, bm)
     n = ids_flat.numel()
     s, b = sorted_rows.cpu().tolist(), block_expert.cpu().tolist()
     flat = ids_flat.cpu().tolist()
-    assert len(b) == K.max_blocks_for(n, E, bm)
+    assert len(b) == A.max_blocks_for(n, E, bm)
     used = [e for e in b if e >= 0]
     assert b[: len(used)] == used and all(e == -1 for e in b[len(used) :]), "unused blocks must come last"
     assert used == sorted(used)
@@ -273,9 +275,8 @@ def test_custom_op_path_matches_direct(monkeypatch):
     case = make_case(5, 32, 24, 4, 2, bias=True)
     args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
     direct = K.fused_experts(*args, num_experts=4, gate_up_bias=case["b1"], down_bias=case["b2"])
-    monkeypatch.setattr(K, "_EAGER_BYPASS_OP", False)
-    via_op = K.fused_experts(*args, num_experts=4, gate_up_bias=case["b1"], down_bias=case["b2"],
-                             config={"BLOCK_M": 16})  # fmt: skip
+    via_op = torch.ops.selector.triton_fused_experts(*args, 4, "silu", True, False, False, case["b1"], case["b2"],
+                                                     C.encode_config({"BLOCK_M": 16}))  # fmt: skip
     assert torch.equal(direct, via_op) or torch.allclose(direct, via_op, rtol=1e-6, atol=1e-6)
     op = torch.ops.selector.triton_fused_experts(*args, 4, "silu", True, False, False, case["b1"], case["b2"], None)
     assert torch.allclose(direct, op, rtol=1e-6, atol=1e-6)
@@ -423,6 +424,16 @@ def test_gpu_skewed_sentinel_empty(T):
     run_and_check(case, E, TOL[torch.bfloat16], ids=ids)
 
 
+class _NoCache(dict):
+    """A launch cache that never holds a kernel."""
+
+    def get(self, key, default=None):  # noqa: ANN001, ANN201
+        return default
+
+    def __setitem__(self, key, value) -> None:  # noqa: ANN001
+        pass
+
+
 @pytest.mark.gpu
 def test_gpu_repeated_calls_fast_launch(monkeypatch):
     # the second and later calls with the same shapes go through the compiled-kernel cache (kernels.launch)
@@ -433,7 +444,7 @@ def test_gpu_repeated_calls_fast_launch(monkeypatch):
     case = make_case(70, 512, 256, 16, 4, dtype=torch.bfloat16, device="cuda", seed=9)
     args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
     fast = K.fused_experts(*args, num_experts=16)
-    monkeypatch.setattr(K, "_FAST_LAUNCH", False)
+    monkeypatch.setattr(L, "_LAUNCH_CACHE", _NoCache())  # every launch through Triton's own dispatch
     slow = K.fused_experts(*args, num_experts=16)
     assert torch.equal(fast, slow)
 
@@ -452,7 +463,7 @@ def test_gpu_tf32():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_gpu_cuda_graph(T, monkeypatch):
-    monkeypatch.setattr(K, "_POISON", False)
+    monkeypatch.setattr(L, "POISON", False)
     E, k = 16, 4
     case = make_case(T, 512, 256, E, k, dtype=torch.bfloat16, device="cuda", seed=T)
     x, ids, wts = case["x"].clone(), case["ids"].clone(), case["wts"].clone()
@@ -480,7 +491,7 @@ def test_gpu_cuda_graph(T, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_torch_compile_fullgraph(monkeypatch):
-    monkeypatch.setattr(K, "_POISON", False)
+    monkeypatch.setattr(L, "POISON", False)
     E, k = 8, 2
     case = make_case(37, 256, 128, E, k, dtype=torch.bfloat16, device="cuda")
 

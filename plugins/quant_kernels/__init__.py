@@ -1,7 +1,7 @@
 """Triton kernels for FP8 (e4m3, block scales) and FP4 (e2m1, UE8M0 group scales) experts.
 
 Not a backend of its own: `batched_mm`, `grouped_mm` and `triton_fused` run quantised experts modules
-(selector/quant.py) through these kernels. This module stays free of torch and triton imports: the backends' specs import
+(selector/quant/) through these kernels. This module stays free of torch and triton imports: the backends' specs import
 `check_quantized` when the registry loads, and `selector doctor` must stay fast.
 """
 

@@ -1,4 +1,4 @@
-"""Adapter from a quantised Transformers-style experts module (see selector/quant.py) to the kernels.
+"""Adapter from a quantised Transformers-style experts module (see selector/quant/) to the kernels.
 
 ``quant_experts_forward(module, hidden_states, top_k_index, top_k_weights, mode)`` is what `batched_mm`
 (mode "batched": one pair per program, no sorting) and `grouped_mm` (mode "grouped": pairs sorted by expert,
@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from selector.plugins.quant_kernels import ops
+from selector.plugins.quant_kernels.layer import MODES, layer_forward
+from selector.plugins.quant_kernels.projection import run_projection
+from selector.plugins.quant_kernels.records import LINEAR, Epilogue, QuantLayer, QuantWeights, WeightFormat
+from selector.plugins.quant_kernels.routing import combine_slots, route
 from selector import graphs, layers
 from selector.problem import activation_name, has_custom_gate
 from selector.quant import QuantFormat, is_ue8m0_tensor, quant_format
@@ -97,13 +100,16 @@ class _Plan:
         act = activation_name(getattr(module, "act_fn", None))
         self.post_norm = bool(getattr(module, "has_post_expert_norm", False))
         self.in_kernel = act in KERNEL_ACTIVATIONS and not self.post_norm and not (gated and has_custom_gate(module))
-        self.tensors = (w1, s1, w2, s2, layers.up_bias(module), layers.down_bias(module), as1, as2)
         self.compute = compute
         self.hidden, self.inter = hidden, inter
-        self.split = inter if gated and not interleaved else None
-        self.kernel_args = dict(activation=act, gated=gated, interleaved=interleaved)
-        self.common = dict(num_experts=num_experts, fp4=fp4, ue8m0=fmt.scale_format == "ue8m0", block_n=bn,
-                           block_k=fmt.activation_group)  # fmt: skip
+        split = inter if gated and not interleaved else None
+        # the launches' records, built once per set of weights (the eager hot path builds none)
+        self.up = QuantWeights(w1, s1, layers.up_bias(module), as1)
+        self.down = QuantWeights(w2, s2, layers.down_bias(module), as2)
+        self.fmt = WeightFormat(num_experts, fp4, fmt.scale_format == "ue8m0", bn, fmt.activation_group)
+        self.layer = QuantLayer(self.up, self.down, self.fmt, Epilogue(gated, interleaved, act, split))
+        self.up_between = Epilogue(split_inter=split)  # torch runs the gate / activation after this projection
+        self.device = w1.device
 
 
 _TENSORS = ("gate_up_proj", "gate_up_proj_scale_inv", "up_proj", "up_proj_scale_inv", "down_proj",
@@ -140,12 +146,8 @@ def _plan(module: torch.nn.Module, hidden: int) -> _Plan:
 
 def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, mode: str, config: dict | None) -> torch.Tensor:  # fmt: skip
-    w1, s1, w2, s2, b1, b2, as1, as2 = plan.tensors
     if plan.in_kernel:
-        return ops.quant_experts(
-            x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, mode=mode, config=config,
-            **plan.kernel_args, **plan.common,
-        )  # fmt: skip
+        return layer_forward(x, top_k_index, top_k_weights, plan.layer, mode, config)
     # torch between the projections: the module's own gate / activation, and its post-expert norm
     num_tokens, top_k = top_k_index.shape
     out = torch.empty((num_tokens, plan.hidden), dtype=x.dtype, device=x.device)
@@ -153,17 +155,17 @@ def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: 
         return out.zero_()
     ids = top_k_index.reshape(-1).contiguous()
     wts = top_k_weights.reshape(-1).contiguous()
-    routing = ops.route(mode, ids, plan.common["num_experts"], config, top_k)
+    routing = route(mode, ids, plan.fmt.num_experts, config, top_k)
     whole = {**(config or {}), "SPLIT_K": 1}  # torch code below needs whole outputs, not partial sums
-    h = ops.projection(mode, x, w1, s1, routing, ids.numel(), a_div=top_k, act_scale=as1, bias=b1,
-                       split_inter=plan.split, config=whole, **plan.common)  # fmt: skip
+    h = run_projection(mode, x, plan.up, plan.fmt, routing, ids.numel(), a_div=top_k, epilogue=plan.up_between,
+                       config=whole)  # fmt: skip
     h = layers.activate(module, h).to(x.dtype).contiguous()
     down_config = whole if plan.post_norm else config  # the combine adds a split down's shares; a norm cannot
-    y = ops.projection(mode, h, w2, s2, routing, ids.numel(), a_div=1, act_scale=as2, bias=b2,
-                       topk_w=None if plan.post_norm else wts, config=down_config, **plan.common)  # fmt: skip
+    y = run_projection(mode, h, plan.down, plan.fmt, routing, ids.numel(), a_div=1, epilogue=LINEAR,
+                       topk_w=None if plan.post_norm else wts, config=down_config)  # fmt: skip
     if plan.post_norm:
         y = (layers.post_norm(module, y).float() * wts.float().unsqueeze(-1)).to(x.dtype)
-    return ops.combine_slots(y, ids, out, top_k, plan.common["num_experts"])
+    return combine_slots(y, ids, out, top_k, plan.fmt.num_experts)
 
 
 # ---- replay a recorded CUDA graph (launching the Triton kernels from Python can cost more than they run)
@@ -184,11 +186,11 @@ def quant_experts_forward(
     config: dict | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Quantised experts forward; `mode` "grouped" or "batched"; `config` overrides the tile heuristics."""
-    if mode not in ops.MODES:
-        raise _fail(f"mode {mode!r}: expected one of {ops.MODES}")
+    if mode not in MODES:
+        raise _fail(f"mode {mode!r}: expected one of {MODES}")
     plan = _plan(module, hidden_states.shape[1])
-    if plan.tensors[0].device != hidden_states.device:
-        raise _fail(f"weights are on {plan.tensors[0].device}, hidden_states on {hidden_states.device}")
+    if plan.device != hidden_states.device:
+        raise _fail(f"weights are on {plan.device}, hidden_states on {hidden_states.device}")
     dtype = hidden_states.dtype
     x = hidden_states if plan.compute in (None, dtype) else hidden_states.to(plan.compute)  # .to costs host time
     if x.dtype not in COMPUTE_DTYPES:

@@ -7,9 +7,9 @@ row kernel and static scales quantise inside the K loop. Each K tile contributes
 dot(a_q, w_q) * a_scale[row] * w_scale[col]  to an fp32 accumulator, so the fp8 dot's own accumulation never
 spans more than one tile (as DeepGEMM promotes every 128 channels).
 
-- ``_grouped_kernel``: a grouped GEMM over expert blocks of BLOCK_M rows, as built by the fused backend's
-  ``align`` (pair indices sorted by expert, padded per expert). Tensor-core fp8 ``tl.dot``. At large T (``TMA``)
-  the activations are stored in that block order and both operands come through TMA descriptors.
+- ``_grouped_kernel``: a grouped GEMM over expert blocks of BLOCK_M rows, as built by ``triton_common.align``
+  (pair indices sorted by expert, padded per expert). Tensor-core fp8 ``tl.dot``. At large T (``TMA``) the
+  activations are stored in that block order and both operands come through TMA descriptors.
 - ``_rows_kernel``: one (token, slot) pair per program, no sorting: a GEMV over the pair's expert (sums
   on CUDA cores). For decode, where a handful of pairs each hit a different expert.
 
@@ -34,15 +34,11 @@ result the RNE value the GPU's cvt.rn gives.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from selector.plugins.triton_fused.kernels import align_program
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-ACT_CODE = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+from selector.plugins.triton_common.activation import activation as _activation
+from selector.plugins.triton_common.align import align_program
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -115,22 +111,6 @@ def _e2m1(nib):
     sub = tl.where(m == 1, 126 << 23, 0)
     bits = tl.where(e == 0, sub, normal) | ((nib & 8) << 28)
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _activation(x, ACT: tl.constexpr):
-    if ACT == 1:  # silu
-        y = x / (1.0 + tl.exp(-x))
-    elif ACT == 2:  # gelu (erf)
-        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACT == 3:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
-        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        y = x / (1.0 + tl.exp(-2.0 * z))
-    elif ACT == 4:  # relu
-        y = tl.maximum(x, 0.0)
-    else:
-        y = x
-    return y
 
 
 @triton.jit
@@ -546,7 +526,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, blo
     Also clears what the layer's later kernels count or add into, saving them launches of their own: ZERO, a
     tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr. ALIGN (not with SLOTS): the grid's
     last row of programs has no rows to quantise, and its program (last, 0) routes the layer's num_valid pairs
-    (expert ids at ids_ptr) into sorted_ptr / block_expert_ptr, as the fused backend's one-program align launch
+    (expert ids at ids_ptr) into sorted_ptr / block_expert_ptr, as the one-program align launch
     would (``align_program``; CHUNK, SUB, E_PAD, B_TILE as ``plan_align`` sets them), beside the quantisation."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)

@@ -33,7 +33,7 @@ import triton.testing
 
 from selector.plugins.quant_kernels import configs as C
 from selector.plugins.quant_kernels import ops
-from selector.plugins.triton_fused.kernels import run_align
+from selector.plugins.triton_common.align import run_align
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048, 8),
           "mixtral-8x7b": (8, 4096, 14336, 2), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # (E, H, I, k); fmt: skip
@@ -122,7 +122,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     layouts = [("sorted", bm) for bm in block_m_candidates(pairs, e)]
     if pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS:
         layouts.insert(0, ("pairs", 16))
-    # x quantised in the K loop lost every decode cell on the H200 (session 3): tried only with --try-quant-x-loop
+    # x quantised in the K loop lost every decode cell on the H200: tried only with --try-quant-x-loop
     quant_x = ("once", "loop") if TRY_QUANT_X_LOOP and pairs <= TRY_DECODE_LAYOUTS_MAX_PAIRS else ("once",)
     for route, bm in layouts:
         if time.perf_counter() > deadline:
@@ -134,7 +134,7 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         size = "small" if bm <= 32 else "large"
         tma = ops.use_tma(routing, fp4, dev, w1, w2)  # every candidate tile is within TMA's 256 rows
         # as the layer does: a one-program align rides on x's quantisation (timed with gate_up, which includes it)
-        ride = plan if plan is not None and plan.single and ops.FUSED_ALIGN and not tma else None
+        ride = plan if plan is not None and plan.single and not tma else None
         # pair blocks launch nothing to route (host only: an empty graph cannot be timed)
         t_align = 0.0 if route == "pairs" or ride else _time(lambda: ops.route("grouped", ids, e, rcfg), graph)
         if tma:  # the down GEMM reads the intermediate in block order
@@ -145,8 +145,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         parts = {}
         # where the down kernel may add the slots itself: both ways timed for sorted blocks of a few rows
         if route == "pairs" or tma:
-            combines = ("kernel",) if route == "pairs" and ops.FUSED_COMBINE else ("launch",)
-        elif ops.FUSED_COMBINE and pairs <= TRY_COMBINE_IN_KERNEL_PER_EXPERT * e:
+            combines = ("kernel",) if route == "pairs" else ("launch",)
+        elif pairs <= TRY_COMBINE_IN_KERNEL_PER_EXPERT * e:
             combines = ("kernel", "launch")
         else:
             combines = ("launch",)

@@ -1,0 +1,74 @@
+"""Launching Triton kernels from the host: a cache of compiled kernels, host arithmetic, scratch buffers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:  # host-side TMA descriptors (Triton >= 3.4), keyed by the fast launch path
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+# Triton decides at decoration time whether its kernels run in the interpreter; so do the kernels' host sides.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Tests set this to fill every buffer with garbage (NaN / out-of-range ids) before the kernels run, so that
+# any element a kernel fails to write shows up in the result. Costs extra fill launches: off by default.
+POISON = False
+
+
+def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: Any) -> torch.Tensor:
+    """torch.empty, filled with `poison` while POISON is set."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        t.fill_(poison)
+    return t
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division: triton.cdiv is a constexpr function, whose wrapper costs microseconds per call."""
+    return -(-a // b)
+
+
+# Launch through a cache of compiled kernels keyed by everything Triton specialises on (constexprs, launch
+# options, argument dtypes, 16-byte pointer alignment, ints ==1 / %16 / 32-bit), skipping the JIT's own
+# dispatch: at decode the launches are host-bound.
+_LAUNCH_CACHE: dict = {}
+
+
+def _spec(a: Any) -> Any:
+    if type(a) is int:  # most arguments (sizes, strides): the cheapest test first
+        return a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31)
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):  # what Triton specialises a TMA one on
+        return "desc", a.base.dtype, tuple(a.block_shape), a.padding
+    return a
+
+
+def launch(fn: Callable, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
+    """fn[grid](*args, **consts): runtime arguments positional, every constexpr in `consts`. Repeated launches
+    skip Triton's own argument dispatch (tens of us; TMA descriptors too: the compiled kernel's launcher encodes
+    them)."""
+    if INTERPRET or torch.compiler.is_compiling():  # Dynamo cannot trace data_ptr()
+        fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
+        return
+    dev = args[0].device
+    key = (fn, dev.index, num_warps, num_stages, *consts.values(), *map(_spec, args))
+    kernel = _LAUNCH_CACHE.get(key)
+    if kernel is None:
+        kernel = fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
+        if kernel is not None and hasattr(kernel, "__getitem__"):
+            _LAUNCH_CACHE[key] = kernel
+        return
+    names = fn.arg_names[len(args) :]  # the constexprs, declared after the runtime arguments, in order
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    kernel[grid3](*args, *[consts[n] for n in names], stream=torch.cuda.current_stream(dev).cuda_stream)
