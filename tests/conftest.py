@@ -50,18 +50,6 @@ SLOW_TESTS = frozenset({
 })  # fmt: skip
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Registered here as well as in pyproject.toml, so a run from another root directory knows them too.
-    for line in (
-        "gpu: needs a CUDA GPU; skipped without one",
-        "sm90: needs compute capability 9.0 or newer",
-        "interpreter: runs Triton kernels through TRITON_INTERPRET=1 on the CPU (slow; not in the fast lane)",
-        "compile: calls torch.compile or traces with Dynamo (slow; not in the fast lane)",
-        "slow: takes seconds on a CPU for another reason (subprocesses, wheel builds; not in the fast lane)",
-    ):
-        config.addinivalue_line("markers", line)
-
-
 _COMPILES = re.compile(r"torch\.compile\b|torch\._dynamo\b|\b_?compiled?_\w+\(")
 
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -522,3 +523,25 @@ def test_wheel_carries_the_package_data(wheel: zipfile.ZipFile) -> None:
     assert any(n.startswith("selector/plugins/triton_fused/configs/") and n.endswith(".json") for n in expected)
     missing = sorted(expected - names)
     assert not missing, f"package data left out of the wheel: {missing}"
+
+
+# --- CI and README -------------------------------------------------------------------------------------------------
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)[:2]]
+
+
+def test_ci_runs_the_readme_commands() -> None:
+    """.ci/run does what the README's two commands at the top say: set up, doctor, the two test lanes."""
+    setup, tests = _readme_commands()
+    ci = (ROOT / ".ci" / "run").read_text()
+    plain = re.sub(r" -q\b", "", ci)
+    for step in (part.strip() for part in setup.split("&&")):
+        if step not in (". .venv/bin/activate", "python3 -m venv .venv"):
+            assert step in plain, f"the README's set-up step {step!r} is not in .ci/run"
+    lanes = re.findall(r'-m "([^"]+)"', tests)
+    assigned = dict(re.findall(r"^(FAST|REST)='([^']+)'$", ci, flags=re.M))
+    assert lanes == [assigned["FAST"], assigned["REST"]]
+    assert {"interpreter", "compile", "slow"} <= set(re.findall(r"\w+", lanes[1]))
