@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from selector.probes import Environment
     from selector.registry import Registry
 
 
@@ -43,11 +44,24 @@ INTERPRETER_FILES = frozenset({
 INTERPRETER_FIXTURES = frozenset({"fused_cpu"})
 # Files where every test traces with torch.compile / Dynamo.
 COMPILE_FILES = frozenset({"test_hf_compile_decode.py", "test_hf_guards.py"})
-# Tests measured at several seconds each on a 2-core CPU that neither run kernels nor compile.
+# Files and tests measured at a second or more each on a 2-core CPU (`--durations`) that neither run kernels in the
+# interpreter nor compile: subprocesses, tiny models end to end, quantising on the CPU.
 SLOW_FILES = frozenset({"test_hf_generate_script.py", "test_hf_generate_bench.py"})
 SLOW_TESTS = frozenset({
+    "test_bench.py::test_format_layers_and_their_floor_bytes",
+    "test_cli.py::test_required_backend_that_cannot_run_exits_1",
     "test_daemon.py::test_cli_start_status_stop",
-})  # fmt: skip
+    "test_hub_backends.py::test_deepgemm_quantised_forward_guards",
+    "test_hub_backends.py::test_deepgemm_quantised_matches_reference",
+    "test_hub_backends.py::test_deepgemm_runs_an_earlier_release_api_on_hopper",
+    "test_hub_backends.py::test_gpu_script_builds_a_local_kernel_dir_kernels_loads",
+    "test_hub_backends.py::test_kernels_itself_loads_what_locate_calls_cached",
+    "test_hub_backends.py::test_megamoe_call_path_against_fake",
+    "test_hub_backends.py::test_megamoe_forward_refuses_missing_group_and_wrong_weights",
+    "test_transformers_integration.py::test_backends_match_eager_logits_and_greedy_tokens",
+    "test_transformers_integration.py::test_decode_swap_on_accelerator_and_restore",
+    "test_transformers_integration.py::test_quantized_explicit_name_runs_or_fails_loudly",
+})
 
 
 _COMPILES = re.compile(r"torch\.compile\b|torch\._dynamo\b|\b_?compiled?_\w+\(")
@@ -98,17 +112,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_sm90)
 
 
+@pytest.fixture(scope="session")
+def _probed_environment() -> Environment:
+    """This machine's probe facts, probed once for the session (as the process would)."""
+    from selector.environment import current_environment
+
+    return current_environment()
+
+
 @pytest.fixture(autouse=True)
-def _fresh_selection_state() -> Iterator[None]:
-    """Every test starts from the process's own state: no cached registry, config, verdicts, picks, measured
-    timings or injected probe facts left by the test before."""
+def _fresh_selection_state(_probed_environment: Environment) -> Iterator[None]:
+    """Every test starts from the process's own state: no cached registry, config, verdicts, picks or measured
+    timings, and no probe facts a test before it injected (`set_environment`)."""
     from selector import tuning
     from selector.dispatch import reset_selection_caches
-    from selector.environment import set_environment
+    from selector.environment import current_environment, set_environment
 
     reset_selection_caches()
     yield
-    set_environment(None)
+    if current_environment() is not _probed_environment:  # injected, or forgotten and probed again
+        set_environment(_probed_environment)
     tuning.reload()
     reset_selection_caches()
 
