@@ -76,9 +76,15 @@ def _source_compiles(function: Callable[..., object]) -> bool:
 
 
 def _uses_compile(item: pytest.Item) -> bool:
-    """Named for it, or torch.compile / Dynamo / a `compile_*` / `_compiled_*` helper called in the test body."""
+    """torch.compile / Dynamo / a `compile_*` / `_compiled_*` helper called in the test body, a fixture named for
+    compiling, or `torch_compile` in the name. ("compiles" alone in a name is often a hub kernel's JIT build.)"""
     function = getattr(item, "function", None)
-    return "compile" in item.name.lower() or (function is not None and _source_compiles(function))
+    fixtures = getattr(item, "fixturenames", ())
+    return (
+        "torch_compile" in item.name
+        or any("compile" in name for name in fixtures)
+        or (function is not None and _source_compiles(function))
+    )
 
 
 def lane_markers(item: pytest.Item) -> set[str]:
