@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from selector import graphs
 
 
-class FakeRecording:
-    """Counts recordings; 'replays' by running the call again."""
-
-    def __init__(self, run, inputs) -> None:  # noqa: ANN001
-        self.run = run
-        made.append(inputs[0].shape[0])
-
-    def __call__(self, inputs):  # noqa: ANN001, ANN204
-        return self.run(*inputs)
-
-
-made: list[int] = []
+@pytest.fixture
+def module(fake_recordings):  # noqa: ANN001
+    return torch.nn.Linear(2, 2)
 
 
 @pytest.fixture
-def module(monkeypatch):
-    monkeypatch.setattr(graphs, "RecordedCall", FakeRecording)
-    made.clear()
-    return torch.nn.Linear(2, 2)
+def made(fake_recordings) -> Callable[[], list[int]]:  # noqa: ANN001
+    """The token count of each recording made so far (conftest's fake recording stands in for the CUDA graph)."""
+    return lambda: [shapes[0][0] for shapes in fake_recordings]
 
 
 def _call(module, tokens: int) -> torch.Tensor:  # noqa: ANN001
@@ -34,37 +26,37 @@ def _call(module, tokens: int) -> torch.Tensor:  # noqa: ANN001
     return graphs.replay(module, "test", ("shape", tokens), lambda a: a * 2, (x,))
 
 
-def test_decode_sizes_record_on_first_use(module) -> None:  # noqa: ANN001
+def test_decode_sizes_record_on_first_use(module, made) -> None:  # noqa: ANN001
     assert torch.equal(_call(module, graphs.DECODE_TOKENS), torch.full((graphs.DECODE_TOKENS, 2), 6.0))
     _call(module, graphs.DECODE_TOKENS)
-    assert made == [graphs.DECODE_TOKENS]
+    assert made() == [graphs.DECODE_TOKENS]
 
 
-def test_larger_calls_record_when_their_shape_comes_back(module) -> None:  # noqa: ANN001
+def test_larger_calls_record_when_their_shape_comes_back(module, made) -> None:  # noqa: ANN001
     big = graphs.DECODE_TOKENS + 1
     assert torch.equal(_call(module, big), torch.full((big, 2), 6.0))  # direct, nothing recorded
-    assert made == []
+    assert made() == []
     for _ in range(3):
         _call(module, big)
-    assert made == [big]  # recorded on the second call, replayed after
+    assert made() == [big]  # recorded on the second call, replayed after
 
 
-def test_one_off_sizes_never_record_and_are_forgotten(module) -> None:  # noqa: ANN001
+def test_one_off_sizes_never_record_and_are_forgotten(module, made) -> None:  # noqa: ANN001
     sizes = range(graphs.DECODE_TOKENS + 1, graphs.DECODE_TOKENS + 2 + graphs.SEEN_PER_MODULE)
     for tokens in sizes:
         _call(module, tokens)
-    assert made == [] and len(graphs.graphs_of(module, "test/seen")) == graphs.SEEN_PER_MODULE
+    assert made() == [] and len(graphs.graphs_of(module, "test/seen")) == graphs.SEEN_PER_MODULE
     _call(module, sizes[0])  # forgotten (least recent beyond SEEN_PER_MODULE): direct again
-    assert made == []
+    assert made() == []
     _call(module, sizes[-1])
-    assert made == [sizes[-1]]
+    assert made() == [sizes[-1]]
 
 
-def test_large_calls_run_direct_above_the_byte_cap(module) -> None:  # noqa: ANN001
+def test_large_calls_run_direct_above_the_byte_cap(module, made) -> None:  # noqa: ANN001
     tokens = graphs.REPEAT_MAX_BYTES // 8 + 1  # two [T, 2] float32 buffers (input, output) above the cap
     for _ in range(3):
         out = _call(module, tokens)
-    assert made == [] and torch.equal(out, torch.full((tokens, 2), 6.0))
+    assert made() == [] and torch.equal(out, torch.full((tokens, 2), 6.0))
 
 
 def test_input_copies_take_any_dtype_and_stride() -> None:

@@ -50,7 +50,7 @@ A100 = "NVIDIA A100-SXM4-80GB:8.0:80"
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """No real hub cache, no LOCAL_KERNELS from the shell, fresh selector caches, fakes forgotten."""
+    """No real hub cache, no LOCAL_KERNELS from the shell, hub fakes forgotten (conftest resets selection state)."""
     monkeypatch.setenv("KERNELS_CACHE", str(tmp_path / "hub-cache"))
     for variable in ("LOCAL_KERNELS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "SELECTOR_JIT_AMORTIZE_CALLS",
                      "SELECTOR_SONICMOE_PAD_TOKENS", "SELECTOR_KERNELS_LOCK"):
@@ -61,10 +61,7 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     sonic.forget_compiled()
     deepgemm.forget_compiled()
     hub.forget_loaded()
-    selector.reset_selection_caches()
     yield
-    set_environment(None)
-    selector.reset_selection_caches()
     hub.forget_loaded()
     sonic.forget_compiled()
     deepgemm.forget_compiled()
@@ -983,25 +980,18 @@ class _CpuFakePlugin:
 
 
 @pytest.mark.parametrize("backend", ["deepgemm_fake_cpu", "sonicmoe_fake_cpu"])
-def test_model_api_runs_the_adapters_like_eager(fake_kernels: None, backend: str) -> None:
-    from selector.registry import register_plugin, unregister_plugin
-
+def test_model_api_runs_the_adapters_like_eager(fake_kernels: None, backend: str, fresh_registry) -> None:
     set_environment(make_env(B200))
-    register_plugin(_CpuFakePlugin, name="fake_cpu_backends")
-    try:
-        selector.reset_selection_caches()
-        module = make_experts(8, 64, 48, Layout(bias=True), dtype=torch.bfloat16, seed=11)
-        x = torch.randn(13, 64).bfloat16()
-        idx, w = random_routing(13, 8, 2)
-        selector.set_experts_implementation(module, "eager")
-        expected = module(x, idx, w)
-        selector.set_experts_implementation(module, backend)
-        out = module(x, idx, w)
-        assert last_backend(module) == backend
-        assert relative_error(out, expected.double()) < 2e-2
-    finally:
-        unregister_plugin("fake_cpu_backends")
-        selector.reset_selection_caches()
+    fresh_registry(fake_cpu_backends=_CpuFakePlugin)
+    module = make_experts(8, 64, 48, Layout(bias=True), dtype=torch.bfloat16, seed=11)
+    x = torch.randn(13, 64).bfloat16()
+    idx, w = random_routing(13, 8, 2)
+    selector.set_experts_implementation(module, "eager")
+    expected = module(x, idx, w)
+    selector.set_experts_implementation(module, backend)
+    out = module(x, idx, w)
+    assert last_backend(module) == backend
+    assert relative_error(out, expected.double()) < 2e-2
 
 
 # --- the GPU script's kernel directory ---------------------------------------------------------------------

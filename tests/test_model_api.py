@@ -10,7 +10,6 @@ import selector
 from selector import BackendSpec, Requirements, hookimpl
 from selector.errors import ExpertsInputError
 from selector.dispatch import forget_module, last_backend, reset_selection_caches
-from selector.registry import register_plugin, unregister_plugin
 
 
 class Block(torch.nn.Module):
@@ -29,13 +28,6 @@ class TwoTowers(torch.nn.Module):
         self.text = torch.nn.ModuleList([Block("text_config"), Block("text_config")])
         self.vision = Block("vision_config")
         self.head = Block()
-
-
-@pytest.fixture(autouse=True)
-def fresh_caches():
-    reset_selection_caches()
-    yield
-    reset_selection_caches()
 
 
 def _inputs(t: int = 5, e: int = 4, h: int = 16, k: int = 2):
@@ -102,11 +94,9 @@ class OnlyBf16:
 
 
 @pytest.fixture
-def bf16_plugin():
-    register_plugin(OnlyBf16, name="fake_bf16_only")
-    reset_selection_caches()
-    yield OnlyBf16
-    unregister_plugin("fake_bf16_only")
+def bf16_plugin(fresh_registry):
+    fresh_registry(fake_bf16_only=OnlyBf16)
+    return OnlyBf16
 
 
 def test_unsupported_configuration_raises_value_error_on_forward(bf16_plugin) -> None:
@@ -248,15 +238,11 @@ class BrokenLoad:
         return [BackendSpec(name="fake_broken_load", load=load, estimate=lambda problem, env: 0.0)]
 
 
-def test_auto_skips_a_backend_whose_load_fails() -> None:
-    register_plugin(BrokenLoad, name="fake_broken_load")
-    reset_selection_caches()
-    try:
-        module = make_experts(4, 16, 8)
-        module(*_inputs())
-        assert last_backend(module) not in ("fake_broken_load", None)
-        selector.set_experts_implementation(module, "fake_broken_load")
-        with pytest.raises(ImportError, match="shared object"):
-            module(*_inputs())  # asked for by name: the failure is the user's to see
-    finally:
-        unregister_plugin("fake_broken_load")
+def test_auto_skips_a_backend_whose_load_fails(fresh_registry) -> None:
+    fresh_registry(fake_broken_load=BrokenLoad)
+    module = make_experts(4, 16, 8)
+    module(*_inputs())
+    assert last_backend(module) not in ("fake_broken_load", None)
+    selector.set_experts_implementation(module, "fake_broken_load")
+    with pytest.raises(ImportError, match="shared object"):
+        module(*_inputs())  # asked for by name: the failure is the user's to see
