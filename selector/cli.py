@@ -63,8 +63,8 @@ def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem 
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from selector.probes import collect_environment
     from selector.doctor import build_report
+    from selector.probes import collect_environment
     from selector.registry import get_registry
     from selector.render import render_json, render_markdown, render_text
 

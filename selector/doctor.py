@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import selector
-from selector.probes import Environment
 from selector.config import ConfigError, SelectorConfig, load_config
+from selector.probes import Environment
 from selector.ranking import rank
 from selector.registry import Registry
 from selector.types import Availability, Problem, Ranking, Status

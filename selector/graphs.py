@@ -10,13 +10,14 @@ copy models. Never used while torch.compile traces or while the caller captures 
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+
+from selector import settings
 
 GRAPHS_PER_MODULE = 8  # least recently used graphs beyond this are dropped
 # Up to DECODE_TOKENS a call is recorded on first use. Above, up to REPEAT_TOKENS, only when its shape comes back
@@ -46,7 +47,7 @@ def graphs_enabled(x: torch.Tensor, max_tokens: int, variable: str) -> bool:
         not torch.compiler.is_compiling()
         and x.is_cuda
         and 0 < x.shape[0] <= max_tokens
-        and os.environ.get(variable, "1") != "0"
+        and settings.get(variable)
         and not torch.cuda.is_current_stream_capturing()
     )
 

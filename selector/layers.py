@@ -60,6 +60,6 @@ def dims(module: torch.nn.Module) -> tuple[int, int, int]:
     e = w.shape[0]
     out_dim, in_dim = (w.shape[2], w.shape[1]) if getattr(module, "is_transposed", False) else (w.shape[1], w.shape[2])
     if getattr(module, "selector_weight_format", "dense") == "fp4":
-        in_dim *= 2  # two e2m1 values per byte along the input dim (selector/quant.py)
+        in_dim *= 2  # two e2m1 values per byte along the input dim (selector.quant)
     inter = out_dim // 2 if getattr(module, "has_gate", True) else out_dim
     return e, in_dim, inter

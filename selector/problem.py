@@ -57,7 +57,7 @@ def problem_from_module(module: torch.nn.Module, num_tokens: int | None = None, 
         hidden_size=hidden,
         intermediate_size=inter,
         top_k=top_k,
-        # quantised experts (selector/quant.py) run in the dtype they were quantised from, not their weights' one
+        # quantised experts (selector.quant) run in the dtype they were quantised from, not their weights' one
         dtype=dtype_name(getattr(module, "selector_compute_dtype", None) or weight.dtype),
         device=device.type,
         device_index=device.index or 0,

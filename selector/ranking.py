@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from selector.probes import Environment
 from selector.config import SelectorConfig
+from selector.probes import Environment
 from selector.registry import Registry
 from selector.requirements import evaluate
 from selector.types import Availability, Candidate, Problem, Ranking, Status

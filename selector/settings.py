@@ -136,31 +136,9 @@ _DECLARED = [
             default_text="the shipped configs folder"),
     Setting("SELECTOR_TRITON_FUSED_GRAPHS", "bool", True,
             "triton_fused records and replays CUDA graphs for small eager calls"),
-    # Experiment-only (a launch-path A/B switch): candidate for removal with the plugin's clean-up.
-    Setting("SELECTOR_TRITON_FUSED_FAST_LAUNCH", "bool", True,
-            "A/B switch: triton_fused launches compiled kernels from its own cache instead of `kernel[grid](...)`"),
-    # Experiment-only (a diagnostic of the custom-op path): candidate for removal.
-    Setting("SELECTOR_TRITON_FUSED_VIA_OP", "bool", False,
-            "diagnostic: eager triton_fused calls go through the torch custom op, as under torch.compile"),
     # --- quantised kernels (read in plugins/quant_kernels) ------------------------------------------------
     Setting("SELECTOR_QUANT_GRAPHS", "bool", True,
             "the quantised grouped path records and replays CUDA graphs for small eager calls"),
-    # Experiment-only (a diagnostic of the custom-op path): candidate for removal.
-    Setting("SELECTOR_QUANT_VIA_OP", "bool", False,
-            "diagnostic: eager quantised calls go through the torch custom op, as under torch.compile"),
-    # Experiment-only (a precision diagnostic): candidate for removal.
-    Setting("SELECTOR_FP8_MAX_IMPRECISE_ACC", "int", 0,
-            "diagnostic: fp8 dots of the grouped kernel promote their sum to fp32 every N inputs (0: off)",
-            minimum=0),
-    # Experiment-only (kernel A/B switches whose winners are the defaults): candidates for removal.
-    Setting("SELECTOR_QUANT_ONE_SCALE_ROW", "bool", True,
-            "A/B switch: a tile lying in one weight-scale row loads one scale instead of one per column"),
-    Setting("SELECTOR_QUANT_FUSED_COMBINE", "bool", True,
-            "A/B switch: with one block per routed pair the down GEMM adds the k slots (no combine launch)"),
-    Setting("SELECTOR_QUANT_TMA", "bool", True,
-            "A/B switch: large sorted blocks on sm_90+ read activations and weights through TMA descriptors"),
-    Setting("SELECTOR_QUANT_FUSED_ALIGN", "bool", True,
-            "A/B switch: decode blocks are routed inside x's quantisation launch instead of an align launch"),
     *_probe_settings(),
 ]
 

@@ -20,7 +20,7 @@ from selector.dispatch import reset_selection_caches
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # On the GPU the fp8 tensor-core dot accumulates at reduced precision, so a few intermediate values land on the
-# neighbouring e4m3 code when they are requantised (benchmarks/fp8_intermediate_rounding.py): with dozens of pairs
+# neighbouring e4m3 code when they are requantised (docs/design/quant_kernels.md): with dozens of pairs
 # that moves the output by ~2e-3 (the H200, test_tma_path_with_k_split_in_shares, 66 pairs). The TMA tests (66 and
 # 74 pairs) allow it on CUDA; the interpreter, and the tests with a few pairs (which met 1e-4 on the H200), keep the
 # tight bounds.

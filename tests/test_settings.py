@@ -81,7 +81,7 @@ def test_values_are_parsed_by_kind() -> None:
     assert get("SELECTOR_SONICMOE_PAD_TOKENS", {}) is True
     for text, value in (("0", False), ("off", False), ("No", False), ("1", True), ("TRUE", True), (" yes ", True)):
         assert get("SELECTOR_SONICMOE_PAD_TOKENS", {"SELECTOR_SONICMOE_PAD_TOKENS": text}) is value
-    assert get("SELECTOR_FP8_MAX_IMPRECISE_ACC", {"SELECTOR_FP8_MAX_IMPRECISE_ACC": "32"}) == 32
+    assert settings.Setting("SELECTOR_EXAMPLE", "int", 0, "an int", minimum=0).parse(" 32 ") == 32
     assert get("SELECTOR_JIT_AMORTIZE_CALLS", {"SELECTOR_JIT_AMORTIZE_CALLS": "250"}) == 250.0
     assert get("SELECTOR_VALIDATE", {"SELECTOR_VALIDATE": "shapes"}) == "shapes"
     assert get("SELECTOR_PLUGINS_BLOCK", {"SELECTOR_PLUGINS_BLOCK": " a, b ,,"}) == frozenset({"a", "b"})
@@ -102,14 +102,19 @@ def test_an_empty_value_is_unset_except_for_probe_overrides() -> None:
     [
         ("SELECTOR_VALIDATE", "sometimes", "one of full, first, shapes, off"),
         ("SELECTOR_SONICMOE_PAD_TOKENS", "maybe", "1/true/yes/on or 0/false/no/off"),
-        ("SELECTOR_QUANT_TMA", "2", "1/true/yes/on or 0/false/no/off"),
-        ("SELECTOR_FP8_MAX_IMPRECISE_ACC", "many", "an integer >= 0"),
-        ("SELECTOR_FP8_MAX_IMPRECISE_ACC", "-1", "an integer >= 0"),
+        ("SELECTOR_TRITON_FUSED_GRAPHS", "2", "1/true/yes/on or 0/false/no/off"),
     ],
 )
 def test_a_bad_value_is_an_error_naming_the_variable(name: str, value: str, expects: str) -> None:
     with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}: expected {expects}")):
         settings.get(name, {name: value})
+
+
+@pytest.mark.parametrize("value", ["many", "-1"])
+def test_a_bad_integer_is_an_error_naming_the_variable(value: str) -> None:
+    declared = settings.Setting("SELECTOR_EXAMPLE", "int", 0, "an int", minimum=0)
+    with pytest.raises(ValueError, match=re.escape(f"SELECTOR_EXAMPLE={value!r}: expected an integer >= 0")):
+        declared.parse(value)
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5"])

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from selector.probes import Environment
-from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl
-from selector import hub
-from selector.costmodel import floor_seconds
 
-KERNEL = hub.PINS["deep-gemm"]
+from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
+from selector.costmodel import floor_seconds
+from selector.plugins.deepgemm.warmth import KERNEL, forget_compiled, is_compiled, problem_key, record_compiled, shape_key
+
 
 HOPPER = ToolkitRule(min_cc=(9, 0), max_cc=(10, 0), nvcc=(12, 3), family="Hopper")
 BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 9), family="Blackwell")
@@ -31,7 +31,7 @@ REQUIREMENTS = Requirements(
     max_compute_capability=(11, 0),
     toolkit=(HOPPER, BLACKWELL),
     packages={"kernels": hub.KERNELS_MIN_VERSION},
-    dtypes=frozenset({"bfloat16"}),  # quantised experts report their compute dtype (selector/quant.py)
+    dtypes=frozenset({"bfloat16"}),  # quantised experts report their compute dtype (selector.quant)
     weight_formats=frozenset({"dense", "fp8_block", "fp4"}),
     scale_formats=frozenset({"float32", "ue8m0"}),
     activation_quant=frozenset({"dynamic"}),
@@ -81,39 +81,18 @@ def config_check(problem: Problem, env: Environment) -> Availability | None:
     return None
 
 
-# Measured on the H200 (benchmarks/results/deepgemm_h200.json, DeepGEMM 0.1.5, nvcc 13.0): the first call of a
+# Measured on the H200 (benchmarks/results/h200/deepgemm.json, DeepGEMM 0.1.5, nvcc 13.0): the first call of a
 # layer shape JIT-compiles its two GEMMs in 5-6 s (bf16) or 11-12 s (FP8); a token count that picks other tiles
 # later adds ~7 s. DeepGEMM keeps its builds on disk across processes, which this in-process record does not see.
 JIT_SECONDS = 12.0
-_COMPILED: set[tuple] = set()  # layer shapes this process has run (filled by the forward)
-
-
-def shape_key(num_experts: int, hidden: int, inter: int, gated: bool, transposed: bool, weight_format: str,
-              scale_format: str | None) -> tuple:
-    return (num_experts, hidden, inter, gated, transposed, weight_format, scale_format if weight_format != "dense" else None)
-
-
-def problem_key(problem: Problem) -> tuple:
-    return shape_key(problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.gated,
-                     problem.is_transposed, problem.weight_format, problem.scale_format)
-
-
-def record_compiled(key: tuple) -> None:
-    _COMPILED.add(key)
-
-
-def forget_compiled() -> None:
-    _COMPILED.clear()
-
-
 def _estimate(problem: Problem, env: Environment) -> float:
-    """Fitted to the H200 cells of benchmarks/results/deepgemm_h200.json (Qwen3-30B-A3B and DeepSeek-V3, bf16
+    """Fitted to the H200 cells of benchmarks/results/h200/deepgemm.json (Qwen3-30B-A3B and DeepSeek-V3, bf16
     and FP8, T = 1 to 16384): ~1.1 ms per call of host-side launches around the two GEMMs (eager; the layout,
     activation quantisation, gate and combine run as ~40 torch ops), plus about twice the floor (the M padding
     to 128 rows per expert, and those passes). The fit is within ~25% of every cell, over-estimating bf16 at
     T=4096. Plus the JIT and download still ahead, spread over SELECTOR_JIT_AMORTIZE_CALLS calls. Measured
     tuning records replace it."""
-    pending = (0.0 if problem_key(problem) in _COMPILED else JIT_SECONDS) + hub.pending_download_seconds(KERNEL, env)
+    pending = (0.0 if is_compiled(problem) else JIT_SECONDS) + hub.pending_download_seconds(KERNEL, env)
     return 1.1e-3 + 2.0 * floor_seconds(problem, env) + pending / hub.amortize_calls()
 
 
@@ -140,3 +119,8 @@ SPEC = BackendSpec(
 @hookimpl
 def selector_backends() -> Sequence[BackendSpec]:
     return [SPEC]
+
+
+# what the forward records and the tests read, kept reachable from the backend's package
+__all__ = ["KERNEL", "SPEC", "forget_compiled", "is_compiled", "problem_key", "record_compiled", "selector_backends",
+           "shape_key"]

@@ -11,7 +11,7 @@ Shapes: T tokens, k slots, S = T*k (token, slot) pairs, E experts, H hidden, I i
    kernel, never read back). Up GEMM, then the real rows only through the activation/gate (in torch, any
    activation), down GEMM; then gather each (token, slot) pair's row back, zero sentinels, and one batched
    [1, k] x [k, H] product per token sums the slots in a fixed order. (The first version padded, gathered and combined through S x H float32 temporaries: on the H200
-   that glue took 3.3 ms of a 3.5 ms Qwen3-30B T=4096 FP8 call; benchmarks/results/deepgemm_h200_profile.txt.)
+   that glue took 3.3 ms of a 3.5 ms Qwen3-30B T=4096 FP8 call; docs/design/hub_kernels.md.)
 
 FP8/FP4 experts add dynamic per-row activation quantisation (the kernel's `per_token_cast_to_fp8`, once per
 token before the gather, and once per row for the intermediate) and hand scales to the kernel in the layout
@@ -33,7 +33,7 @@ from selector import hub, layers
 from selector.environment import current_environment
 from selector.quant import is_ue8m0_tensor, ue8m0_bytes, ue8m0_to_float
 
-from . import KERNEL, record_compiled, shape_key
+from selector.plugins.deepgemm.warmth import KERNEL, record_compiled, shape_key
 
 BF16_SYMBOLS = (
     "m_grouped_bf16_gemm_nt_contiguous",

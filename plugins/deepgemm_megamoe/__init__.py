@@ -15,11 +15,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from selector.probes import Environment
-from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl
-from selector import hub
-
 from selector.plugins.deepgemm import KERNEL
+from selector.probes import Environment
+
+from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
 
 BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 9), family="Blackwell")
 
@@ -29,7 +28,7 @@ REQUIREMENTS = Requirements(
     max_compute_capability=(11, 0),  # SM100 kernels only
     toolkit=(BLACKWELL,),
     packages={"kernels": hub.KERNELS_MIN_VERSION},
-    dtypes=frozenset({"bfloat16"}),  # the compute dtype of the FP4 experts (selector/quant.py)
+    dtypes=frozenset({"bfloat16"}),  # the compute dtype of the FP4 experts (selector.quant)
     weight_formats=frozenset({"fp4"}),
     scale_formats=frozenset({"ue8m0"}),
     activation_quant=frozenset({"dynamic"}),

@@ -10,8 +10,8 @@ to another backend later still works (at the price of a second copy of the exper
 from __future__ import annotations
 
 import torch
-
 from selector.plugins.deepgemm.forward import load_deepgemm
+
 from selector import layers
 
 MEGA_SYMBOLS = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from selector.probes import Environment
+
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import experts_hit, floor_seconds
 

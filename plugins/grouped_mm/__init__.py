@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from selector.plugins.quant_kernels import QUANT_ACTIVATION_QUANT, QUANT_WEIGHT_FORMATS, check_quantized, quantised_forwards
+from selector.plugins.quant_kernels import (
+    QUANT_ACTIVATION_QUANT,
+    QUANT_WEIGHT_FORMATS,
+    check_quantized,
+    quantised_forwards,
+)
 from selector.probes import Environment
+
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
 

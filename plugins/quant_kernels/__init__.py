@@ -8,10 +8,10 @@ Not a backend of its own: `batched_mm`, `grouped_mm` and `triton_fused` run quan
 from __future__ import annotations
 
 import os
-
 from collections.abc import Callable, Mapping
 
 from selector.probes import Environment
+
 from selector.requirements import version_tuple
 from selector.types import Availability, ExpertsForward, Problem, Status
 

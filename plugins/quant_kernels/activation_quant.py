@@ -4,7 +4,6 @@ layer's later buffers, route the pairs (a one-program align) or write the rows i
 from __future__ import annotations
 
 import torch
-
 from selector.plugins.quant_kernels import kernels as K
 from selector.plugins.triton_common.align import AlignPlan, run_align
 from selector.plugins.triton_common.launch import INTERPRET, cdiv, launch

@@ -17,11 +17,11 @@ graph replays, the output is cloned out.
 from __future__ import annotations
 
 import torch
-
 from selector.plugins.quant_kernels.layer import MODES, layer_forward
 from selector.plugins.quant_kernels.projection import run_projection
 from selector.plugins.quant_kernels.records import LINEAR, Epilogue, QuantLayer, QuantWeights, WeightFormat
 from selector.plugins.quant_kernels.routing import combine_slots, route
+
 from selector import graphs, layers
 from selector.problem import activation_name, has_custom_gate
 from selector.quant import QuantFormat, is_ue8m0_tensor, quant_format

@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
 from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.align import align_program
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Element helpers.

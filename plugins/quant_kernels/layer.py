@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
 from selector.plugins.quant_kernels import configs as _configs
 from selector.plugins.quant_kernels.activation_quant import quantize_rows
 from selector.plugins.quant_kernels.projection import run_projection
@@ -30,7 +29,7 @@ MODES = ("grouped", "batched")
 # its rows with serial atomics, and the last waits on its reads).
 # Sorted blocks of >= TMA_MIN_BLOCK_M rows (large T) on sm_90+: x quantised straight into block order and both
 # projections reading activations and weights through TMA descriptors (use_tma). On the H200 that took the
-# T=4096 GEMMs from 420-500 to 550-650 TFLOP/s (benchmarks/quant_fp8_dev.py).
+# T=4096 GEMMs from 420-500 to 550-650 TFLOP/s (docs/design/quant_kernels.md).
 # Sorted blocks of up to triton_common.align.SINGLE_ALIGN_MAX pairs (decode) are routed by one more program of x's
 # quantisation launch rather than an align launch of their own (``quantize_rows(align=)``).
 

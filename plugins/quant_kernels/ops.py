@@ -20,8 +20,16 @@ from selector.plugins.quant_kernels.layer import MODES, layer_forward, quant_exp
 from selector.plugins.quant_kernels.projection import projection, run_projection
 from selector.plugins.quant_kernels.records import LINEAR, Epilogue, QuantLayer, QuantWeights, WeightFormat
 from selector.plugins.quant_kernels.routing import combine_slots, route, route_deferred
-from selector.plugins.quant_kernels.tiles import (TMA_MAX_BOX, TMA_MIN_BLOCK_M, combine_in_kernel, finish_split,
-                                                  grouped_block_m, resolve_config, split_k, use_tma)
+from selector.plugins.quant_kernels.tiles import (
+                                                  TMA_MAX_BOX,
+                                                  TMA_MIN_BLOCK_M,
+                                                  combine_in_kernel,
+                                                  finish_split,
+                                                  grouped_block_m,
+                                                  resolve_config,
+                                                  split_k,
+                                                  use_tma,
+)
 from selector.plugins.triton_common.align import AlignPlan, max_blocks_for, plan_align, run_align
 from selector.plugins.triton_common.launch import TensorDescriptor  # None: a Triton without TMA
 

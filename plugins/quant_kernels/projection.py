@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import triton.language as tl
-
 from selector.plugins.quant_kernels import kernels as K
 from selector.plugins.quant_kernels.records import LINEAR, Epilogue, QuantWeights, WeightFormat
 from selector.plugins.quant_kernels.tiles import TMA_MAX_BOX, finish_split, gemm_config, split_k, use_tma

@@ -4,7 +4,6 @@ one pair per program (batched); and the deterministic combine of each token's sl
 from __future__ import annotations
 
 import torch
-
 from selector.plugins.quant_kernels.tiles import grouped_block_m
 from selector.plugins.triton_common.align import AlignPlan, plan_align, run_align
 from selector.plugins.triton_common.combine import combine

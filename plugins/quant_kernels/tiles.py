@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from selector.plugins.quant_kernels import configs as _configs
 from selector.plugins.triton_common.launch import INTERPRET, TensorDescriptor, cdiv, next_pow2
+
 
 @functools.cache
 def _num_sms(device_index: int) -> int:

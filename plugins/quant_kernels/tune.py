@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-
 from selector.plugins.quant_kernels import configs as C
 from selector.plugins.quant_kernels import ops
 from selector.plugins.triton_common.align import run_align

@@ -28,14 +28,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from selector.probes import Environment, probe_packages
-from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
-from selector import hub, settings
+
+from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl, hub
 from selector.costmodel import floor_seconds, tokens
-
-KERNEL = hub.PINS["sonic-moe"]
-
-# layer activation (selector.problem.activation_name) -> the kernel's ActivationType member
-ACTIVATION_TYPES = {"silu": "SWIGLU", "gelu": "GEGLU", "gelu_tanh": "GEGLU", "relu": "REGLU"}
+from selector.plugins.sonicmoe.warmth import (
+    ACTIVATION_TYPES,
+    KERNEL,
+    PAD_VARIABLE,
+    SHAPE_JIT_SECONDS,
+    TOKEN_JIT_SECONDS,
+    forget_compiled,
+    padded_tokens,
+    pending_compile_seconds,
+    problem_key,
+    record_compiled,
+    shape_key,
+)
 
 REQUIREMENTS = Requirements(
     devices=frozenset({"cuda"}),
@@ -56,61 +64,13 @@ REQUIREMENTS = Requirements(
 TVM_FFI_MIN = "0.1.10"
 HOST_SECONDS = 0.9e-3  # measured: ~0.75-1.5 ms per call at T <= 64 on the H200 (host-bound)
 EFFICIENCY = 1.65  # measured: 1.3-1.8x the floor at T >= 4096
-SHAPE_JIT_SECONDS = 60.0  # measured 25-144 s on the first call of a shape
-TOKEN_JIT_SECONDS = 2.0  # measured ~2 s for each new token count
 AMORTIZE_VARIABLE = hub.AMORTIZE_VARIABLE
-PAD_VARIABLE = "SELECTOR_SONICMOE_PAD_TOKENS"
 
 FIRST_CALL_COST = (
     f"downloads {KERNEL} on first use unless cached or local; JIT-compiles 25-144 s on the first call of a "
     "layer shape and ~2 s per new token bucket (token counts padded to quarter-octave buckets); auto spreads "
     f"that over {AMORTIZE_VARIABLE} (1000) calls, so it waits for a warm shape (selector.plugins.sonicmoe.warm_up)"
 )
-
-# Compiled in this process: shape keys, and (shape key, padded token count) pairs. Filled by the forward.
-_WARM_SHAPES: set[tuple] = set()
-_WARM_TOKENS: set[tuple] = set()
-
-
-def padded_tokens(num_tokens: int) -> int:
-    """The token bucket the kernel sees: quarter-octave steps above 4 (<= 25 % padding), exact when disabled."""
-    if num_tokens <= 4 or not settings.get(PAD_VARIABLE):
-        return num_tokens
-    step = 1 << (num_tokens.bit_length() - 3)
-    return -(-num_tokens // step) * step
-
-
-def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: str, activation: str, bias: bool,
-              interleaved: bool) -> tuple:
-    return (num_experts, hidden, inter, top_k, dtype, ACTIVATION_TYPES.get(activation, activation), bias, interleaved)
-
-
-def problem_key(problem: Problem) -> tuple:
-    return shape_key(
-        problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k, problem.dtype,
-        problem.activation, problem.has_bias, problem.interleaved,
-    )
-
-
-def record_compiled(key: tuple, num_tokens: int) -> None:
-    """Called by the forward after a successful kernel call with `num_tokens` (already padded) rows."""
-    _WARM_SHAPES.add(key)
-    _WARM_TOKENS.add((key, num_tokens))
-
-
-def forget_compiled() -> None:
-    _WARM_SHAPES.clear()
-    _WARM_TOKENS.clear()
-
-
-def pending_compile_seconds(problem: Problem) -> float:
-    """Compile time still ahead of this problem in this process, by the measured figures."""
-    key = problem_key(problem)
-    pending = 0.0 if key in _WARM_SHAPES else SHAPE_JIT_SECONDS
-    if problem.num_tokens is None or (key, padded_tokens(problem.num_tokens)) not in _WARM_TOKENS:
-        pending += TOKEN_JIT_SECONDS
-    return pending
-
 
 def _estimate(problem: Problem, env: Environment) -> float:
     """max(host time, 1.65 x the floor of the padded token count) + (pending compile + download) / calls."""
@@ -196,3 +156,11 @@ SPEC = BackendSpec(
 @hookimpl
 def selector_backends() -> Sequence[BackendSpec]:
     return [SPEC]
+
+
+# what the forward records and the tests read, kept reachable from the backend's package
+__all__ = [
+    "ACTIVATION_TYPES", "KERNEL", "PAD_VARIABLE", "SHAPE_JIT_SECONDS", "TOKEN_JIT_SECONDS", "forget_compiled",
+    "padded_tokens", "pending_compile_seconds", "problem_key", "record_compiled", "selector_backends", "shape_key",
+    "warm_up",
+]

@@ -24,7 +24,7 @@ import torch
 from selector import hub, layers
 from selector.problem import activation_name, dtype_name, has_custom_gate
 
-from . import ACTIVATION_TYPES, KERNEL, padded_tokens, record_compiled, shape_key
+from selector.plugins.sonicmoe.warmth import ACTIVATION_TYPES, KERNEL, padded_tokens, record_compiled, shape_key
 
 REQUIRED = ("moe_general_routing_inputs", "enums.ActivationType")
 CONCAT_FLAGS = ("concat_layout", "is_concatenated_gate_up")  # 0.1.2.post1; later sources

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .launch import cdiv, launch, next_pow2
 
+
 @triton.jit
 def _combine_kernel(
     y_ptr,
@@ -56,7 +57,7 @@ def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: i
     split = y.shape[0] if y.dim() == 3 else 1
     k_pad = max(2, next_pow2(top_k))
     # ~8192 elements per program, 4 warps: 3.3-4.1 TB/s on the H200 at Qwen3 / DeepSeek T=4096 (k=8, BLOCK_H 1024),
-    # against 1.6-1.8 TB/s for half that tile and 0.5 TB/s with 8 warps (benchmarks/quant_profile.py --micro)
+    # against 1.6-1.8 TB/s for half that tile and 0.5 TB/s with 8 warps (docs/design/quant_kernels.md)
     block_h = block_h or min(max(128, 8192 // k_pad), max(128, next_pow2(h)))
     launch(
         _combine_kernel, (t, cdiv(h, block_h)),

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-
 from selector.plugins.tile_tables import read_table
+
+from selector import settings
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -181,8 +181,8 @@ def default_config(
 
 
 def _config_dir() -> Path:
-    env = os.environ.get("SELECTOR_TRITON_FUSED_CONFIG_DIR")
-    return Path(env) if env else CONFIG_DIR
+    chosen = settings.get("SELECTOR_TRITON_FUSED_CONFIG_DIR")
+    return Path(chosen) if chosen else CONFIG_DIR
 
 
 @functools.lru_cache(maxsize=16)

@@ -10,8 +10,8 @@ grouped path of plugins/quant_kernels, which records its own decode graphs (`SEL
 from __future__ import annotations
 
 import torch
-
 from selector.plugins.triton_fused.kernels import fused_experts
+
 from selector import graphs, layers
 from selector.problem import activation_name
 

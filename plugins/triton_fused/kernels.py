@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from selector.plugins.triton_common.activation import ACT_CODE
 from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.align import align

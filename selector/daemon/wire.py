@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from selector import settings
+
 SOCKET_VARIABLE = "SELECTOR_DAEMON_SOCKET"
 MAX_REQUEST_BYTES = 8 * 2**20
 RECV_CHUNK_BYTES = 65536
@@ -42,8 +44,8 @@ def default_socket_path() -> Path:
 
 def socket_path(environ: Mapping[str, str] | None = None) -> Path:
     """$SELECTOR_DAEMON_SOCKET when set, else the default socket path."""
-    environ = os.environ if environ is None else environ
-    return Path(environ[SOCKET_VARIABLE]) if environ.get(SOCKET_VARIABLE) else default_socket_path()
+    chosen = settings.get(SOCKET_VARIABLE, environ)
+    return Path(chosen) if chosen else default_socket_path()
 
 
 def status_path(sock: Path) -> Path:

@@ -38,17 +38,52 @@ kernels do it and the float64 reference forward). This package re-exports their 
 
 from __future__ import annotations
 
-from selector.quant.codes import (dequantize_fp4, dequantize_fp8_block, dequantize_weight, is_ue8m0_tensor,
-                                  quantize_fp4, quantize_fp8_block, quantize_weight, scales_to_float, ue8m0_bytes,
-                                  ue8m0_dtype, ue8m0_to_float, unpack_fp4)
-from selector.quant.experts import (adopt_transformers_experts, bytes_per_weight, dequantize_experts,
-                                    dequantized_weights, forget_caches, is_quantised, quant_format, quantize_experts,
-                                    set_quantized, weight_bytes)
-from selector.quant.formats import (ACTIVATION_QUANT, DEFAULT_FP8_BLOCK, E2M1_VALUES, FP4_ACTIVATION_GROUP, FP4_GROUP,
-                                    FP4_MAX, FP8_DTYPE, FP8_MAX, SCALE_FORMATS, WEIGHT_FORMATS, QuantFormat,
-                                    make_format)
-from selector.quant.reference import (calibrate_activation_scales, expert_weights, quantize_activations,
-                                      reference_forward)
+from selector.quant.codes import (
+                                  dequantize_fp4,
+                                  dequantize_fp8_block,
+                                  dequantize_weight,
+                                  is_ue8m0_tensor,
+                                  quantize_fp4,
+                                  quantize_fp8_block,
+                                  quantize_weight,
+                                  scales_to_float,
+                                  ue8m0_bytes,
+                                  ue8m0_dtype,
+                                  ue8m0_to_float,
+                                  unpack_fp4,
+)
+from selector.quant.experts import (
+                                  adopt_transformers_experts,
+                                  bytes_per_weight,
+                                  dequantize_experts,
+                                  dequantized_weights,
+                                  forget_caches,
+                                  is_quantised,
+                                  quant_format,
+                                  quantize_experts,
+                                  set_quantized,
+                                  weight_bytes,
+)
+from selector.quant.formats import (
+                                  ACTIVATION_QUANT,
+                                  DEFAULT_FP8_BLOCK,
+                                  E2M1_VALUES,
+                                  FP4_ACTIVATION_GROUP,
+                                  FP4_GROUP,
+                                  FP4_MAX,
+                                  FP8_DTYPE,
+                                  FP8_MAX,
+                                  SCALE_FORMATS,
+                                  WEIGHT_FORMATS,
+                                  QuantFormat,
+                                  make_format,
+)
+from selector.quant.reference import (
+                                  calibrate_activation_scales,
+                                  expert_weights,
+                                  quantize_activations,
+                                  reference_forward,
+)
 
 __all__ = [
     "ACTIVATION_QUANT",

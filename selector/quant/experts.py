@@ -10,6 +10,7 @@ import torch
 from selector.quant.codes import dequantize_weight, is_ue8m0_tensor, quantize_weight
 from selector.quant.formats import DEFAULT_FP8_BLOCK, QuantFormat, make_format
 
+
 def _up_name(module: torch.nn.Module) -> str:
     return "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
 

@@ -6,9 +6,16 @@ import copy
 
 import torch
 
-from selector.quant.experts import (_dequantize_projection, _inter_size, _split_gate_up, _up_name, dequantized_weights,
-                                    quant_format)
+from selector.quant.experts import (
+    _dequantize_projection,
+    _inter_size,
+    _split_gate_up,
+    _up_name,
+    dequantized_weights,
+    quant_format,
+)
 from selector.quant.formats import FP8_DTYPE, FP8_MAX
+
 
 def quantize_activations(x: torch.Tensor, group: int, static_scale: torch.Tensor | float | None = None) -> torch.Tensor:
     """What the kernels multiply with: e4m3(x / s) * s per row and `group` channels, in float32 (exactly).
@@ -18,7 +25,7 @@ def quantize_activations(x: torch.Tensor, group: int, static_scale: torch.Tensor
     Both divisions take a tensor divisor: on CUDA torch divides by a Python scalar as a multiplication by its
     rounded reciprocal, one ulp off the correctly rounded quotient the kernels compute, and bf16 inputs sit on
     e4m3 ties often enough that this ulp flips codes (the reference computed on the H200 read 1.7-1.9e-2 from
-    the CPU's, where the kernels read 2-3e-3: benchmarks/reference_device_check.py).
+    the CPU's, where the kernels read 2-3e-3: docs/design/quant_kernels.md).
     """
     x = x.to(torch.float32)
     rows, k = x.shape

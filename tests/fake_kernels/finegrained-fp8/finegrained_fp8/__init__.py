@@ -1,4 +1,4 @@
-"""FAKE `kernels-community/finegrained-fp8` for CPU tests of benchmarks/hf_fp8_gpu.py: plain torch, the three entry
+"""FAKE `kernels-community/finegrained-fp8` for CPU tests in tests/test_gpu_kernels_real.py: plain torch, the three entry
 points Transformers 5.17 calls, with their signatures (matmul_2d, matmul_batched, matmul_grouped). Activations are
 quantised per row and 128-wide group to e4m3 (dynamic, amax / 448) and weights dequantised with their block scales
 by selector.quant's own helpers, products summed in float32. Says nothing about the real kernel's speed or numerics."""
