@@ -7,6 +7,9 @@ Level from SELECTOR_VALIDATE:
 - "shapes": no value checks; "off": nothing.
 Without the variable, CPU tensors get "full" (a sync costs nothing there). Value checks are skipped while
 torch.compile traces or a CUDA graph captures, where reading values is impossible.
+
+Expert ids must be int64 or int32 at every level but "off": uint8, bool, int8, int16, float and complex ids
+are refused with the fix (`.long()`), never read as a mask or converted behind the caller's back.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ LEVELS = settings.SETTINGS[LEVEL_VARIABLE].choices
 def validation_level(on_gpu: bool = False) -> str:
     level = settings.get(LEVEL_VARIABLE)  # a ValueError naming the variable for a value outside LEVELS
     return level or ("first" if on_gpu else "full")
+
+
+# Expert ids index weight stacks (`w[ids]`), which torch reads as positions only for int32 and int64: a uint8 or
+# bool tensor is read as a mask (silently the wrong experts when its length matches), int8/int16 raise deep in a
+# backend, floats are no ids at all. Converting here would hide a copy on every call; the caller converts once.
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _id_dtype_message(dtype: torch.dtype) -> str:
+    if dtype in (torch.uint8, torch.bool):
+        why = "torch indexes with it as a mask, not as expert positions"
+    elif dtype.is_floating_point or dtype.is_complex:
+        why = "expert ids are integers"
+    else:
+        why = "backends index the weight stacks with it, which torch allows only for int32 and int64"
+    return f"top_k_index must be int64 or int32, got {dtype} ({why}); fix: pass top_k_index.long()"
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -65,8 +84,8 @@ def validate_inputs(
         raise ExpertsInputError(
             f"top_k_weights {list(top_k_weights.shape)} must have the shape of top_k_index {list(top_k_index.shape)}"
         )
-    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool or top_k_index.is_complex():
-        raise ExpertsInputError(f"top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    if top_k_index.dtype not in ID_DTYPES:
+        raise ExpertsInputError(_id_dtype_message(top_k_index.dtype))
     if not top_k_weights.is_floating_point():
         raise ExpertsInputError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
     # compared pairwise, not as a set of devices: plain comparisons are what torch.compile folds everywhere
