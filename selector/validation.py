@@ -45,7 +45,7 @@ def _id_dtype_message(dtype: torch.dtype) -> str:
         why = "expert ids are integers"
     else:
         why = "backends index the weight stacks with it, which torch allows only for int32 and int64"
-    return f"top_k_index must be int64 or int32, got {dtype} ({why}); fix: pass top_k_index.long()"
+    return f"top_k_index must be an integer tensor of int64 or int32, got {dtype} ({why}); fix: pass top_k_index.long()"
 
 
 def _capturing(t: torch.Tensor) -> bool:

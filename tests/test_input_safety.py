@@ -58,7 +58,7 @@ def test_other_id_dtypes_are_refused_with_the_fix(backend: str, dtype: torch.dty
         module(x, idx.to(dtype), w)
     message = str(info.value)
     assert f"got {dtype}" in message and why in message
-    assert "top_k_index must be int64 or int32" in message and "fix: pass top_k_index.long()" in message
+    assert "top_k_index must be an integer tensor of int64 or int32" in message and "fix: pass top_k_index.long()" in message
 
 
 @pytest.mark.parametrize("level", ["full", "shapes"])

@@ -840,3 +840,65 @@ def test_probing_does_not_import_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False"]
+
+
+# --- transformers / kernels pairs -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "transformers, expected",
+    [
+        ("5.24.0", ("0.18.2", "0.19")),
+        ("5.23.1", ("0.18.2", "0.19")),
+        ("5.22.0", ("0.17.2", "0.18")),
+        ("5.20.3.dev0", ("0.17.2", "0.18")),
+        ("5.17.0", ("0.16", "0.17")),
+        ("5.18.0", None),  # pin not known here: not judged
+        ("5.25.0", None),
+        ("4.57.1", None),
+        ("garbage", None),
+    ],
+)
+def test_kernels_for_transformers(transformers: str, expected: tuple[str, str] | None) -> None:
+    from selector.compat import kernels_for_transformers
+
+    assert kernels_for_transformers(transformers) == expected
+
+
+def _with_packages(**versions: str | None) -> Environment:
+    env = _environment()
+    extra = tuple(PackageFacts(name, version, "importlib.metadata") for name, version in versions.items())
+    return Environment(env.gpu, env.toolkit, env.packages + extra, env.python, env.platform)
+
+
+@pytest.mark.parametrize(
+    "transformers, kernels",
+    [("5.23.0", "0.18.2"), ("5.24.1", "0.18.9"), ("5.21.0", "0.17.2"), ("5.17.0", "0.16.0"),
+     ("5.23.0", None), (None, "0.12.0"), ("5.19.0", "0.1.0")],  # fmt: skip
+)
+def test_hub_kernels_verdict_none_for_a_working_or_unjudged_pair(transformers: str | None, kernels: str | None) -> None:
+    from selector.compat import hub_kernels_verdict
+
+    assert hub_kernels_verdict(_with_packages(transformers=transformers, kernels=kernels)) is None
+
+
+@pytest.mark.parametrize(
+    "transformers, kernels, pin",
+    [("5.23.0", "0.17.2", ">=0.18.2,<0.19"), ("5.24.0", "0.19.0", ">=0.18.2,<0.19"),
+     ("5.22.0", "0.18.2", ">=0.17.2,<0.18"), ("5.20.0", "0.17.1", ">=0.17.2,<0.18"),
+     ("5.17.0", "0.17.0", ">=0.16,<0.17")],  # fmt: skip
+)
+def test_hub_kernels_verdict_names_the_mismatch_and_the_fix(transformers: str, kernels: str, pin: str) -> None:
+    from selector.compat import hub_kernels_verdict
+
+    verdict = hub_kernels_verdict(_with_packages(transformers=transformers, kernels=kernels))
+    assert verdict is not None and "\n" not in verdict
+    assert f"transformers {transformers} loads hub kernels only with kernels{pin}" in verdict
+    assert f"kernels {kernels} is installed" in verdict
+    assert verdict.endswith(f"fix: pip install 'kernels{pin}'")
+
+
+def test_compat_imports_no_torch() -> None:
+    code = "import sys, selector.compat; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
