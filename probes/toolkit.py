@@ -4,6 +4,12 @@ The search follows the order most build tools (torch.utils.cpp_extension,
 CuPy) use: CUDA_HOME, CUDA_PATH, nvcc on PATH, then the conventional install
 directory. Every rule tried is recorded so `selector doctor` can say why a
 toolkit was or was not found.
+
+An nvcc on PATH that fails or prints no version (a wrapper script, a stub)
+does not end the search: the conventional directory is tried next and taken
+when it holds an nvcc that reports its version (a warning says so); otherwise
+the PATH answer stands, with its problem. CUDA_HOME and CUDA_PATH are the
+user's explicit choice and stay final.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class _Search:
     root: str | None = None
     found_by: str | None = None
     problem: str | None = None
+    # `nvcc --version` results already had while searching, so no nvcc runs (or times out) twice.
+    nvcc_results: dict[str, tuple[tuple[int, int] | None, str | None]] = dataclasses.field(default_factory=dict)
 
     def try_directory(self, label: str, path: str, found_by: str) -> bool:
         verdict = _directory_verdict(path)
@@ -74,7 +82,7 @@ def _probe(env: Mapping[str, str]) -> ToolkitFacts:
         return _with_forced_nvcc(facts, forced_nvcc)
     if facts.root is None:
         return facts
-    return _with_nvcc(facts, facts.root, env)
+    return _with_nvcc(facts, facts.root, env, search.nvcc_results)
 
 
 def _search_override(path: str) -> _Search:
@@ -97,6 +105,11 @@ def _search(env: Mapping[str, str]) -> _Search:
         elif search.try_directory(f"{variable}={value}", value, variable):
             return search
     if _nvcc_on_path(env, search):
+        if not _nvcc_on_path_gives_no_version(env, search):
+            return search
+        # An nvcc that fails or prints no version (a wrapper script, a stub) says nothing about where the
+        # toolkit is: go on to the next rule, and keep this answer only if that finds no full toolkit.
+        _full_toolkit_at(DEFAULT_CUDA_ROOT, env, search)  # changes root and found_by only when it finds one
         return search
     if not search.try_directory(DEFAULT_CUDA_ROOT, DEFAULT_CUDA_ROOT, DEFAULT_CUDA_ROOT):
         search.problem = "no CUDA toolkit found"
@@ -136,6 +149,40 @@ def _nvcc_on_path(env: Mapping[str, str], search: _Search) -> bool:
     return True
 
 
+def _nvcc_on_path_gives_no_version(env: Mapping[str, str], search: _Search) -> bool:
+    nvcc = _nvcc_in(search.root) if search.root else None
+    if nvcc is None:
+        return False  # reported as runtime-only by _with_nvcc, as before
+    version, problem = search.nvcc_results.setdefault(nvcc, nvcc_version(nvcc, env))
+    if version is not None:
+        return False
+    search.searched.append(f"nvcc on PATH: {nvcc} gives no version ({problem}), so the search goes on")
+    return True
+
+
+def _full_toolkit_at(path: str, env: Mapping[str, str], search: _Search) -> bool:
+    """Take `path` when it holds a bin/nvcc that reports its version; record the verdict either way."""
+    path_nvcc = search.root
+    verdict = _directory_verdict(path)
+    nvcc = _nvcc_in(path) if verdict == "found" else None
+    if verdict == "found" and nvcc is None:
+        verdict = f"no bin/{NVCC_NAME}, not a full toolkit"
+    elif nvcc is not None:
+        version, problem = search.nvcc_results.setdefault(nvcc, nvcc_version(nvcc, env))
+        if version is None:
+            verdict = f"{nvcc} gives no version either ({problem})"
+    search.searched.append(f"{path}: {verdict}")
+    if verdict != "found":
+        return False
+    search.root, search.found_by = os.path.normpath(path), path
+    search.warnings = [w for w in search.warnings if not w.startswith("nvcc on PATH at ")]
+    search.warnings.append(
+        f"nvcc on PATH under {path_nvcc} gives no version (probably a wrapper script): "
+        f"used the full toolkit at {path} instead; set CUDA_HOME to choose another"
+    )
+    return True
+
+
 def _directory_verdict(path: str) -> str:
     if os.path.isdir(path):
         return "found"
@@ -166,11 +213,16 @@ def _with_forced_nvcc(facts: ToolkitFacts, value: str) -> ToolkitFacts:
     return _replace(facts, **changes)
 
 
-def _with_nvcc(facts: ToolkitFacts, root: str, env: Mapping[str, str]) -> ToolkitFacts:
+def _with_nvcc(
+    facts: ToolkitFacts,
+    root: str,
+    env: Mapping[str, str],
+    known: Mapping[str, tuple[tuple[int, int] | None, str | None]] | None = None,
+) -> ToolkitFacts:
     nvcc = _nvcc_in(root)
     if nvcc is None:
         return _replace(facts, runtime_only=True, problem=_runtime_only_problem(root))
-    version, problem = nvcc_version(nvcc, env)
+    version, problem = (known or {}).get(nvcc) or nvcc_version(nvcc, env)
     return _replace(facts, nvcc_path=nvcc, nvcc_version=version, problem=problem)
 
 

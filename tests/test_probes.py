@@ -164,6 +164,85 @@ def test_nvcc_wrapper_script_on_path_warns(tmp_path: Path) -> None:
     assert any("wrapper" in w for w in facts.warnings)
 
 
+def _wrapper_on_path(tmp_path: Path, body: str) -> Path:
+    """bin/nvcc in a directory that is no toolkit (no include/), running `body`."""
+    wrappers = tmp_path / "wrappers" / "bin"
+    wrappers.mkdir(parents=True)
+    wrapper = wrappers / "nvcc"
+    wrapper.write_text(f"#!/bin/sh\n{body}\n")
+    wrapper.chmod(0o755)
+    return wrappers
+
+
+@needs_sh
+@pytest.mark.parametrize(
+    "body, said",
+    [("echo 'wrapper: no backend configured' >&2; exit 1", "exited with status 1: wrapper: no backend configured"),
+     ("exit 0", "output not understood: no output")],  # fmt: skip
+    ids=["fails", "no-version"],
+)
+def test_nvcc_wrapper_without_a_version_falls_through_to_the_default_toolkit(
+    tmp_path: Path, no_default_toolkit: Path, body: str, said: str
+) -> None:
+    make_toolkit(no_default_toolkit, nvcc_text(12, 8))
+    wrappers = _wrapper_on_path(tmp_path, body)
+    facts = probe_toolkit({"PATH": str(wrappers)})
+    assert facts.root == str(no_default_toolkit) and facts.found_by == str(no_default_toolkit)
+    assert facts.nvcc_path == str(no_default_toolkit / "bin" / "nvcc")
+    assert facts.nvcc_version == (12, 8) and facts.problem is None and facts.usable_for_jit
+    assert facts.searched[2] == f"nvcc on PATH: {wrappers / 'nvcc'}, root {wrappers.parent}"
+    assert facts.searched[3].startswith(f"nvcc on PATH: {wrappers / 'nvcc'} gives no version (")
+    assert said in facts.searched[3] and facts.searched[3].endswith("so the search goes on")
+    assert facts.searched[4] == f"{no_default_toolkit}: found"
+    assert facts.warnings == (
+        f"nvcc on PATH under {wrappers.parent} gives no version (probably a wrapper script): used the full "
+        f"toolkit at {no_default_toolkit} instead; set CUDA_HOME to choose another",
+    )
+
+
+@needs_sh
+@pytest.mark.parametrize("default", ["missing", "runtime-only", "broken-nvcc"])
+def test_nvcc_wrapper_without_a_version_and_no_full_default_keeps_the_path_answer(
+    tmp_path: Path, no_default_toolkit: Path, default: str
+) -> None:
+    if default == "runtime-only":
+        make_toolkit(no_default_toolkit, nvcc=None)
+        verdict = "no bin/nvcc, not a full toolkit"
+    elif default == "broken-nvcc":
+        make_toolkit(no_default_toolkit, "garbage\n")
+        verdict = f"{no_default_toolkit / 'bin' / 'nvcc'} gives no version either (nvcc --version output not understood: garbage)"
+    else:
+        verdict = "no such directory"
+    wrappers = _wrapper_on_path(tmp_path, "exit 2")
+    facts = probe_toolkit({"PATH": str(wrappers)})
+    assert facts.root == str(wrappers.parent) and facts.found_by == "nvcc on PATH"
+    assert facts.nvcc_version is None and not facts.usable_for_jit
+    assert facts.problem == f"{wrappers / 'nvcc'} --version exited with status 2: no output"
+    assert facts.searched[-1] == f"{no_default_toolkit}: {verdict}"
+    assert any("probably a wrapper script; set CUDA_HOME" in w for w in facts.warnings)
+
+
+@needs_sh
+def test_broken_nvcc_under_cuda_home_stays_final(tmp_path: Path, no_default_toolkit: Path) -> None:
+    make_toolkit(no_default_toolkit, nvcc_text(12, 8))
+    home = make_toolkit(tmp_path / "home", NVCC_12_4, exit_code=3)
+    facts = probe_toolkit({"CUDA_HOME": str(home)})
+    assert facts.root == str(home) and facts.nvcc_version is None
+    assert facts.problem is not None and "exited with status 3" in facts.problem
+
+
+@needs_sh
+def test_nvcc_on_path_runs_once(tmp_path: Path) -> None:
+    root = make_toolkit(tmp_path / "cuda")
+    count = tmp_path / "count"
+    (root / "bin" / "nvcc").write_text(
+        f"#!/bin/sh\necho x >> {count}\nprintf '%s\\n' 'Cuda compilation tools, release 12.4, V12.4.131'\n"
+    )
+    facts = probe_toolkit({"PATH": str(root / "bin")})
+    assert facts.nvcc_version == (12, 4)
+    assert count.read_text().count("x") == 1
+
+
 @needs_sh
 def test_default_directory_is_the_last_resort(tmp_path: Path, no_default_toolkit: Path) -> None:
     make_toolkit(no_default_toolkit, nvcc_text(13, 0))
