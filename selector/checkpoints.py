@@ -90,6 +90,31 @@ def read_quantization_config(config: Any) -> dict[str, Any]:
     }
 
 
+_QUANT_KEYS = ("quant_method", "weight_block_size", "scale_fmt", "activation_scheme", "expert_dtype", "fmt")
+
+
+def _declares_quantisation(config: Any) -> bool:
+    """Whether `config` (as `read_quantization_config` takes it) says the checkpoint is quantised.
+
+    A config.json without ``quantization_config`` (what `save_experts` writes for dense experts) says dense; a
+    bare dict says quantised when it holds any quantisation key; a FineGrainedFP8Config object always does.
+    """
+    if config is None:
+        return False
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.exists():
+            return False
+        config = json.loads(path.read_text())
+        return isinstance(config, Mapping) and config.get("quantization_config") is not None
+    if isinstance(config, Mapping):
+        if "quantization_config" in config:
+            return config["quantization_config"] is not None
+        return any(k in config for k in _QUANT_KEYS)
+    return True
+
+
 class _PlainConfig:
     """The same checks FineGrainedFP8Config.post_init makes, for when Transformers is not installed."""
 
@@ -197,35 +222,171 @@ def _infer_block(rows: int, cols: int, scale: torch.Tensor) -> tuple[int, int]:
     return picks[0], picks[1]
 
 
+_UE8M0_DTYPES = tuple(dict.fromkeys((Q.ue8m0_dtype(), torch.uint8)))
+_FP4_WEIGHT_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
+
+
+def _is_quantised_weight(t: torch.Tensor) -> bool:
+    return t.dtype == Q.FP8_DTYPE or t.dtype in _FP4_WEIGHT_DTYPES
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+class _Expect:
+    """What every weight and scale tensor of one quantised experts module must be, and the checks."""
+
+    def __init__(self, prefix: str, qc: Mapping[str, Any], declared: bool, first_weight: torch.Tensor,
+                 first_scale: torch.Tensor | None, where: str) -> None:  # fmt: skip
+        self.prefix, self.where = prefix, where
+        self.why = "config.json's quantization_config says so" if declared else "its weights are quantised"
+        fp4 = first_weight.dtype in _FP4_WEIGHT_DTYPES
+        self.fp4 = qc["weight_format"] == "fp4" if declared and qc["weight_format"] else fp4
+        if self.fp4:
+            self.weight_dtypes: tuple[torch.dtype, ...] = _FP4_WEIGHT_DTYPES
+            self.scale_dtypes: tuple[torch.dtype, ...] = _UE8M0_DTYPES
+        else:
+            self.weight_dtypes = (Q.FP8_DTYPE,)
+            fmt = qc["scale_format"]
+            if fmt is None and first_scale is not None:
+                fmt = "ue8m0" if Q.is_ue8m0_tensor(first_scale) else "float32"
+            self.scale_dtypes = _UE8M0_DTYPES if fmt == "ue8m0" else (torch.float32,)
+        self.block: tuple[int, int] | None = (1, Q.FP4_GROUP) if self.fp4 else qc["block_size"]
+        self.block_from = "the config" if self.block is not None else ""
+
+    def weight(self, name: str, t: torch.Tensor) -> None:
+        if t.dtype not in self.weight_dtypes:
+            kind = "fp4" if self.fp4 else "fp8"
+            fix = ("remove quantization_config from config.json if the checkpoint is dense, or load the quantised "
+                   "checkpoint") if "config" in self.why else "store every expert's weights in one format"  # fmt: skip
+            raise ValueError(
+                f"{name} is {t.dtype}, but the checkpoint is {kind} ({self.why}): expected "
+                f"{_names(self.weight_dtypes)} ({self.where}); fix: {fix}"
+            )
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        if self.fp4:
+            return rows, -(-(cols * 2) // Q.FP4_GROUP)
+        assert self.block is not None
+        return -(-rows // self.block[0]), -(-cols // self.block[1])
+
+    def scale(self, weight_name: str, w: torch.Tensor, s: torch.Tensor | None, scale_names: Iterable[str]) -> None:
+        names = list(scale_names)
+        if s is not None and s.dim() >= 2 and self.block is None:  # no config block: read it off the first scale
+            try:
+                self.block = _infer_block(w.shape[-2], w.shape[-1], s)
+            except ValueError as exc:
+                raise ValueError(f"{names[0]} has shape {list(s.shape)}, which fits no block size for {weight_name} "
+                                 f"{list(w.shape)}: {exc} ({self.where})") from None  # fmt: skip
+            self.block_from = names[0]
+        shape = None if self.block is None else [*w.shape[:-2], *self.scale_shape(w.shape[-2], w.shape[-1])]
+        want = f"{_names(self.scale_dtypes)}" + ("" if shape is None else f" {shape}")
+        if s is None:
+            also = f" (also looked for {', '.join(names[1:])})" if len(names) > 1 else ""
+            raise ValueError(
+                f"checkpoint has no {names[0]}{also} for the quantised {weight_name} ({self.where}): expected "
+                f"{want}; fix: load the checkpoint with all its scale tensors (loading the weights without them "
+                "would be wrong by their scales)"
+            )
+        if s.dtype not in self.scale_dtypes:
+            raise ValueError(f"{names[0]} is {s.dtype}: expected {want} for {weight_name} ({self.where})")
+        if list(s.shape) != shape:
+            block = "" if self.fp4 else f", block {self.block} read off {self.block_from}"
+            raise ValueError(f"{names[0]} has shape {list(s.shape)}: expected {want} for {weight_name} "
+                             f"{list(w.shape)}{block} ({self.where})")  # fmt: skip
+
+
+def _scale_names(base: str, ckpt: "_Checkpoint") -> list[str]:
+    found = [f"{base}.{s}" for s in SCALE_SUFFIXES if f"{base}.{s}" in ckpt]
+    return found[:1] + [f"{base}.{s}" for s in SCALE_SUFFIXES if f"{base}.{s}" not in found[:1]]
+
+
+def _check_per_expert(ckpt: "_Checkpoint", prefix: str, projections: Mapping[str, tuple[list, list]],
+                      qc: Mapping[str, Any], declared: bool) -> bool:  # fmt: skip
+    """True when the per-expert tensors are quantised (and then every one is checked); raises on any gap."""
+    everything = [(proj, e, w, s) for proj, (ws, ss) in projections.items() for e, (w, s) in enumerate(zip(ws, ss))]
+    quantised = declared or any(s is not None or _is_quantised_weight(w) for _, _, w, s in everything)
+    if not quantised:
+        return False
+    first = next((s for _, _, _, s in everything if s is not None), None)
+    where = f"looked in {', '.join(map(str, ckpt.files))}"
+    expect = _Expect(prefix, qc, declared, everything[0][2], first, where)
+    for proj, e, w, _ in everything:
+        expect.weight(f"{prefix}.{e}.{proj}.weight", w)
+    # the first scale present sets the block (when the config gives none), so a missing one is told its shape
+    for proj, e, w, s in everything:
+        if s is not None:
+            base = f"{prefix}.{e}.{proj}"
+            expect.scale(f"{base}.weight", w, s, _scale_names(base, ckpt))
+            break
+    for proj, e, w, s in everything:
+        base = f"{prefix}.{e}.{proj}"
+        expect.scale(f"{base}.weight", w, s, _scale_names(base, ckpt))
+    return True
+
+
+def _check_fused(ckpt: "_Checkpoint", prefix: str, tensors: Mapping[str, Any], fused_up: str,
+                 qc: Mapping[str, Any], declared: bool) -> bool:  # fmt: skip
+    pairs = [(fused_up, tensors["up"], tensors["up_scale"]), (f"{prefix}.down_proj", tensors["down"], tensors["down_scale"])]
+    quantised = declared or any(s is not None or _is_quantised_weight(w) for _, w, s in pairs)
+    if not quantised:
+        return False
+    first = next((s for _, _, s in pairs if s is not None), None)
+    expect = _Expect(prefix, qc, declared, pairs[0][1], first, f"looked in {', '.join(map(str, ckpt.files))}")
+    for name, w, _ in pairs:
+        expect.weight(name, w)
+    for name, w, s in pairs:
+        expect.scale(name, w, s, [f"{name}_scale_inv"])
+    return True
+
+
 def _stack_projection(ckpt: _Checkpoint, prefix: str, proj: str, num_experts: int) -> tuple[list, list, list]:
     weights, scales, act = [], [], []
     for e in range(num_experts):
         base = f"{prefix}.{e}.{proj}"
         if f"{base}.weight" not in ckpt:
             raise KeyError(f"checkpoint has no {base}.weight (looked in {', '.join(map(str, ckpt.files))})")
-        weights.append(_as_weight(ckpt.get(f"{base}.weight")))
+        weights.append(ckpt.get(f"{base}.weight"))  # raw dtype: the checks name what is stored
         scales.append(ckpt.first(base, SCALE_SUFFIXES))
         act.append(ckpt.first(base, ACTIVATION_SCALE_SUFFIXES))
     return weights, scales, act
 
 
-def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, gated: bool, interleaved: bool) -> dict:
-    """{up, up_scale, down, down_scale, act1, act2} stacked over experts; scales None for dense checkpoints."""
+def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, gated: bool, interleaved: bool,
+                             qc: Mapping[str, Any] | None = None, declared: bool = False) -> dict:  # fmt: skip
+    """{up, up_scale, down, down_scale, act1, act2} stacked over experts; scales None for dense checkpoints.
+
+    A quantised checkpoint (by its config or its tensors) with a weight or scale tensor missing, of the wrong
+    dtype or shape raises a ValueError naming it: loading it as dense would run with weights off by their scales.
+    """
+    qc = qc if qc is not None else read_quantization_config(None)
     fused_up = f"{prefix}.gate_up_proj" if gated else f"{prefix}.up_proj"
     if fused_up in ckpt:  # Transformers' fused experts naming
         def opt(key):  # noqa: ANN001, ANN202
             return ckpt.get(key) if key in ckpt else None
 
-        return {
-            "up": _as_weight(ckpt.get(fused_up)), "up_scale": opt(f"{fused_up}_scale_inv"),
-            "down": _as_weight(ckpt.get(f"{prefix}.down_proj")), "down_scale": opt(f"{prefix}.down_proj_scale_inv"),
+        if f"{prefix}.down_proj" not in ckpt:
+            raise KeyError(f"checkpoint has {fused_up} but no {prefix}.down_proj (looked in {', '.join(map(str, ckpt.files))})")
+        fused = {
+            "up": ckpt.get(fused_up), "up_scale": opt(f"{fused_up}_scale_inv"),
+            "down": ckpt.get(f"{prefix}.down_proj"), "down_scale": opt(f"{prefix}.down_proj_scale_inv"),
             "act1": opt(f"{prefix}.gate_up_proj_activation_scale"), "act2": opt(f"{prefix}.down_proj_activation_scale"),
         }  # fmt: skip
+        if not _check_fused(ckpt, prefix, fused, fused_up, qc, declared):
+            fused["up_scale"] = fused["down_scale"] = None
+        fused["up"], fused["down"] = _as_weight(fused["up"]), _as_weight(fused["down"])
+        return fused
     dw, ds, da = _stack_projection(ckpt, prefix, "down_proj", num_experts)
     uw, us, ua = _stack_projection(ckpt, prefix, "up_proj", num_experts)
-    quantised = us[0] is not None
+    projections = {"down_proj": (dw, ds), "up_proj": (uw, us)}
     if gated:
         gw, gs, ga = _stack_projection(ckpt, prefix, "gate_proj", num_experts)
+        projections["gate_proj"] = (gw, gs)
+    quantised = _check_per_expert(ckpt, prefix, projections, qc, declared)
+    dw, uw = [_as_weight(w) for w in dw], [_as_weight(w) for w in uw]
+    if gated:
+        gw = [_as_weight(w) for w in gw]
         if interleaved:
             up = torch.stack([torch.stack([g, u], dim=1).reshape(-1, g.shape[-1]) for g, u in zip(gw, uw)])
             up_scale = None
@@ -285,6 +446,9 @@ def load_experts(
     if quantization_config is None and isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
         quantization_config = source
     qc = read_quantization_config(quantization_config)
+    declared = _declares_quantisation(quantization_config)
+    if not declared:  # a directory without a quantization_config: its tensors say the format, not FP8's defaults
+        qc = read_quantization_config(None)
     dequantize = qc["dequantize"] if dequantize is None else dequantize
     compute = dtype or _module_dense_dtype(module)
     gated = bool(getattr(module, "has_gate", True))
@@ -295,7 +459,7 @@ def load_experts(
     num_experts = int(getattr(module, "num_experts", old.shape[0]))
 
     ckpt = _Checkpoint(source)
-    t = _up_down_from_checkpoint(ckpt, prefix, num_experts, gated, interleaved)
+    t = _up_down_from_checkpoint(ckpt, prefix, num_experts, gated, interleaved, qc, declared)
     up, down = t["up"], t["down"]
     if up.shape[0] != num_experts or down.shape[0] != num_experts:
         raise ValueError(f"{prefix}: checkpoint has {up.shape[0]} experts, the module {num_experts}")
