@@ -223,7 +223,9 @@ def _infer_block(rows: int, cols: int, scale: torch.Tensor) -> tuple[int, int]:
 
 
 _UE8M0_DTYPES = tuple(dict.fromkeys((Q.ue8m0_dtype(), torch.uint8)))
-_FP4_WEIGHT_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
+_FP4_WEIGHT_DTYPES = tuple(
+    d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None
+)
 
 
 def _is_quantised_weight(t: torch.Tensor) -> bool:
@@ -328,7 +330,10 @@ def _check_per_expert(ckpt: "_Checkpoint", prefix: str, projections: Mapping[str
 
 def _check_fused(ckpt: "_Checkpoint", prefix: str, tensors: Mapping[str, Any], fused_up: str,
                  qc: Mapping[str, Any], declared: bool) -> bool:  # fmt: skip
-    pairs = [(fused_up, tensors["up"], tensors["up_scale"]), (f"{prefix}.down_proj", tensors["down"], tensors["down_scale"])]
+    pairs = [
+        (fused_up, tensors["up"], tensors["up_scale"]),
+        (f"{prefix}.down_proj", tensors["down"], tensors["down_scale"]),
+    ]
     quantised = declared or any(s is not None or _is_quantised_weight(w) for _, w, s in pairs)
     if not quantised:
         return False
@@ -367,7 +372,8 @@ def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, g
             return ckpt.get(key) if key in ckpt else None
 
         if f"{prefix}.down_proj" not in ckpt:
-            raise KeyError(f"checkpoint has {fused_up} but no {prefix}.down_proj (looked in {', '.join(map(str, ckpt.files))})")
+            files = ", ".join(map(str, ckpt.files))
+            raise KeyError(f"checkpoint has {fused_up} but no {prefix}.down_proj (looked in {files})")
         fused = {
             "up": ckpt.get(fused_up), "up_scale": opt(f"{fused_up}_scale_inv"),
             "down": ckpt.get(f"{prefix}.down_proj"), "down_scale": opt(f"{prefix}.down_proj_scale_inv"),
@@ -448,7 +454,7 @@ def load_experts(
     qc = read_quantization_config(quantization_config)
     declared = _declares_quantisation(quantization_config)
     if not declared:  # a directory without a quantization_config: its tensors say the format, not FP8's defaults
-        qc = read_quantization_config(None)
+        qc = {**read_quantization_config(None), "dequantize": qc["dequantize"]}
     dequantize = qc["dequantize"] if dequantize is None else dequantize
     compute = dtype or _module_dense_dtype(module)
     gated = bool(getattr(module, "has_gate", True))

@@ -173,3 +173,17 @@ def test_fused_naming_misshapen_scale_is_named(tmp_path: Path) -> None:
     t[f"{P}.gate_up_proj_scale_inv"] = torch.ones(3, 2, 2)
     with pytest.raises(ValueError, match=rf"{P}\.gate_up_proj_scale_inv has shape \[3, 2, 2\]: expected float32 \[3, 4, 2\]"):
         load(write(tmp_path, t, FP8_CONFIG))
+
+
+def test_dequantize_key_alone_does_not_declare_fp8(tmp_path: Path) -> None:
+    """{"dequantize": True} over a dense file is no FP8 claim: the dense experts load as they are."""
+    src = make_experts(E, H, I, seed=4)
+    write(tmp_path, C.experts_state_dict(src, P))
+    module = load(tmp_path / "model.safetensors", quantization_config={"dequantize": True})
+    assert Q.quant_format(module) is None and torch.equal(module.down_proj, src.down_proj)
+
+
+def test_fused_naming_without_down_proj_is_named(tmp_path: Path) -> None:
+    source = write(tmp_path, drop(fused_tensors(), f"{P}.down_proj", f"{P}.down_proj_scale_inv"))
+    with pytest.raises(KeyError, match=rf"checkpoint has {P}\.gate_up_proj but no {P}\.down_proj"):
+        load(source)
