@@ -116,3 +116,59 @@ def test_doctor_lines_are_the_rankings_verdicts() -> None:
     assert lines["eager"].ok and not lines["triton_fused"].ok
     ranking = rank(report.backend_problem, env, registry, config)
     assert ranking.verdicts == lines and ranking.excluded["eager"].status is Status.DENIED_BY_CONFIG
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--experts", "4", "--hidden", "8", "--intermediate", "8", "--top-k", "9"], "--top-k 9 is more than the 4 experts"),
+        (["--experts", "0", "--hidden", "8", "--intermediate", "8", "--top-k", "1"], "--experts must be at least 1, got 0"),
+        (["--experts", "4", "--hidden", "-12", "--intermediate", "8", "--top-k", "1"], "--hidden must be at least 1, got -12"),
+        (["--preset", "mixtral-8x7b", "--tokens", "0"], "--tokens must be at least 1, got 0"),
+        (["--preset", "nope"], "unknown preset 'nope'; known:"),
+        (["--experts", "4"], "give --preset, or all of"),
+    ],
+)
+def test_doctor_flags_are_validated(flags: list[str], message: str) -> None:
+    result = run("doctor", *flags, **NO_GPU)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("selector doctor: ") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_doctor_exits_1_for_a_pin_that_cannot_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "c.yaml"
+    config.write_text("pin: triton_fused\n")
+    result = run("doctor", SELECTOR_CONFIG=str(config), **NO_GPU)
+    assert result.returncode == 1 and "pinned backend 'triton_fused' cannot run here" in result.stdout
+    config.write_text("prefer: [nope]\n")
+    result = run("doctor", SELECTOR_CONFIG=str(config), **NO_GPU)
+    assert result.returncode == 1 and "'prefer' names unknown backend 'nope'" in result.stdout
+
+
+def test_bench_without_a_gpu_is_one_line() -> None:
+    result = run("bench", "--out", "/nonexistent/never-written", **NO_GPU)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("selector bench: needs a CUDA GPU and none is visible")
+    assert "run it on a GPU node" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import selector.cli as cli
+
+    def boom(args):  # type: ignore[no-untyped-def]
+        raise OSError("disk on fire")
+
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with(parser(), boom))
+    assert cli.main(["plugins"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "selector plugins: OSError: disk on fire (rerun with --debug for the traceback)"
+    with pytest.raises(OSError, match="disk on fire"):
+        cli.main(["--debug", "plugins"])
+
+
+def _with(parser, func):  # type: ignore[no-untyped-def]
+    for action in parser._subparsers._group_actions:
+        action.choices["plugins"].set_defaults(func=func)
+    return parser
