@@ -172,3 +172,54 @@ def _with(parser, func):  # type: ignore[no-untyped-def]
     for action in parser._subparsers._group_actions:
         action.choices["plugins"].set_defaults(func=func)
     return parser
+
+
+def test_hub_download_offline_is_one_line(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import selector.hub as hub
+
+    def offline(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ConnectionError("Name or service not known\nsecond line.")
+
+    monkeypatch.setattr(hub, "download", offline)
+    assert hub.main(["download"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("selector.hub download: ConnectionError: Name or service not known second line. ")
+    assert "run it on a machine with internet" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ConnectionError):
+        hub.main(["--debug", "download"])
+
+
+@pytest.mark.parametrize("module", ["selector.plugins.triton_fused.tune", "selector.plugins.quant_kernels.tune"])
+def test_tune_mains_without_a_gpu_are_one_line(module: str, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    import importlib
+
+    import torch
+
+    tune = importlib.import_module(module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main([]) == 1
+    err = capsys.readouterr().err
+    assert "tune: needs a CUDA GPU and none is visible" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--tokens", "x"])
+    assert info.value.code == 2 and "comma list" in capsys.readouterr().err
+
+
+def test_tune_main_failure_is_one_line_and_debug_raises(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    import torch
+
+    from selector.plugins.triton_fused import tune
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of\nresources")
+
+    monkeypatch.setattr(tune, "tune", fails)
+    assert tune.main(["--out", "/nonexistent/t.json"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "triton_fused tune: RuntimeError: out of resources (rerun with --debug for the traceback)"
+    with pytest.raises(RuntimeError):
+        tune.main(["--out", "/nonexistent/t.json", "--debug"])
