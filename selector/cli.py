@@ -15,6 +15,7 @@ from dataclasses import replace
 from selector.types import Problem
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")  # what backends declare; anything else is "custom:<name>"
 
 
 class UsageError(ValueError):
@@ -33,6 +34,10 @@ def check_problem(problem: Problem) -> Problem:
     _positive("--intermediate", problem.intermediate_size)
     _positive("--top-k", problem.top_k)
     _positive("--tokens", problem.num_tokens)
+    if problem.activation not in ACTIVATIONS and not (problem.activation.startswith("custom:") and
+                                                      len(problem.activation) > len("custom:")):
+        raise UsageError(f"--activation {problem.activation!r} is not one of {', '.join(ACTIVATIONS)} "
+                         "or custom:<name>")
     if problem.top_k > problem.num_experts:
         raise UsageError(f"--top-k {problem.top_k} is more than the {problem.num_experts} experts (--experts); "
                          "k must be between 1 and E")
@@ -96,7 +101,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         problem = problem_from_args(args, "cuda" if env.gpu.devices else "cpu")
     except ValueError as exc:  # a bad size, or an unknown preset (its message lists the known ones)
         raise UsageError(str(exc)) from exc
-    report = build_report(env, get_registry(), problem=problem, required=args.require or ())
+    registry = get_registry()
+    unknown = [name for name in args.require or () if name not in registry.specs]
+    if unknown:
+        raise UsageError(f"--require {', '.join(unknown)}: no such backend; registered: {', '.join(registry.names)}")
+    report = build_report(env, registry, problem=problem, required=args.require or ())
     renderer = render_json if args.json else render_markdown if args.markdown else render_text
     print(renderer(report))
     return report.exit_code
@@ -129,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="check this machine and every backend",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Checks GPU/driver, CUDA toolkit, packages and plugins, then says which backends can run "
-        "here and why not.\nExit 0: usable; 1: something requested or required is broken; 2: usage error.",
+        "here and why not.\nExit 0: usable; 1: something requested or required is broken (a --require backend, a "
+        "config that does not load, a config pin that cannot run here: a pin is an explicit request, or a config "
+        "that denies every runnable backend); 2: usage error (a bad flag).",
         epilog=help_table(),
     )
     out = doctor.add_mutually_exclusive_group()

@@ -7,7 +7,8 @@ then the file that `SELECTOR_CONFIG` names. A file that does not parse is an err
 The project file is read from whatever folder the process starts in, so nothing in it is trusted: files over
 `MAX_BYTES`, YAML aliases (the "billion laughs" bomb), nesting deeper than `MAX_DEPTH`, bytes that are not
 UTF-8 and backend names the registry does not know are one-line `ConfigError`s naming the file, never a
-traceback, a MemoryError or a silently ignored name.
+traceback, a MemoryError or a silently ignored name. A pin is an explicit request: `selector doctor` exits 1
+when the pinned backend cannot run here.
 """
 
 from __future__ import annotations

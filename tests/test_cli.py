@@ -127,6 +127,8 @@ def test_doctor_lines_are_the_rankings_verdicts() -> None:
         (["--preset", "mixtral-8x7b", "--tokens", "0"], "--tokens must be at least 1, got 0"),
         (["--preset", "nope"], "unknown preset 'nope'; known:"),
         (["--experts", "4"], "give --preset, or all of"),
+        (["--preset", "mixtral-8x7b", "--activation", "swish"], "--activation 'swish' is not one of silu, gelu"),
+        (["--require", "nope"], "--require nope: no such backend; registered: "),
     ],
 )
 def test_doctor_flags_are_validated(flags: list[str], message: str) -> None:
