@@ -31,7 +31,8 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:,.1f} s"
 
 
-def _ranking_lines(r: Ranking, no_estimate: Sequence[str] = ()) -> list[str]:
+def ranking_lines(r: Ranking, no_estimate: Sequence[str] = ()) -> list[str]:
+    """The ranking section of the report; `no_estimate`: candidates shown as "(no estimate)" instead of a time."""
     lines = [f"Ranking for {describe_problem(r.problem)}:"]
     for i, c in enumerate(r.candidates, 1):
         why = " (pinned)" if c.pinned else " (preferred)" if c.preferred else ""
@@ -69,7 +70,7 @@ def render_text(report: DoctorReport) -> str:
     if report.config.get("files"):
         lines += ["", "Config: " + ", ".join(report.config["files"])]
     if report.ranking is not None:
-        lines += ["", *_ranking_lines(report.ranking, report.no_estimate)]
+        lines += ["", *ranking_lines(report.ranking, report.no_estimate)]
     lines.append("")
     if report.broken:
         lines.append(f"{BAD} {len(report.broken)} problem(s):")
@@ -92,7 +93,7 @@ def render_markdown(report: DoctorReport) -> str:
     for b in report.backends:
         lines.append(f"| {b.name} | {b.verdict.status.value} | {b.verdict.reason} | {b.verdict.remedy} |")
     if report.ranking is not None:
-        lines += ["", "## Ranking", "", "```", *_ranking_lines(report.ranking, report.no_estimate), "```"]
+        lines += ["", "## Ranking", "", "```", *ranking_lines(report.ranking, report.no_estimate), "```"]
     return "\n".join(lines) + "\n"
 
 

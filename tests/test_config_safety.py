@@ -142,10 +142,10 @@ def test_large_estimates_are_times() -> None:
 
 def test_no_estimate_only_when_the_backend_gives_none() -> None:
     from selector.presets import preset
-    from selector.render import _ranking_lines
+    from selector.render import ranking_lines
     from selector.types import Candidate, Ranking
 
     r = Ranking(problem=preset("mixtral-8x7b"), candidates=(Candidate("slow", 2.5), Candidate("blank", 1.0)),
                 excluded={}, verdicts={})
-    lines = _ranking_lines(r, ["blank"])
+    lines = ranking_lines(r, ["blank"])
     assert "slow             estimated 2.5 s" in lines[1] and lines[2].endswith("blank            (no estimate)")
