@@ -118,12 +118,16 @@ def test_doctor_lines_are_the_rankings_verdicts() -> None:
     assert ranking.verdicts == lines and ranking.excluded["eager"].status is Status.DENIED_BY_CONFIG
 
 
+def SIZES(e: str, h: str, i: str, k: str) -> list[str]:  # noqa: N802 - reads as a table row
+    return ["--experts", e, "--hidden", h, "--intermediate", i, "--top-k", k]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--experts", "4", "--hidden", "8", "--intermediate", "8", "--top-k", "9"], "--top-k 9 is more than the 4 experts"),
-        (["--experts", "0", "--hidden", "8", "--intermediate", "8", "--top-k", "1"], "--experts must be at least 1, got 0"),
-        (["--experts", "4", "--hidden", "-12", "--intermediate", "8", "--top-k", "1"], "--hidden must be at least 1, got -12"),
+        (SIZES("4", "8", "8", "9"), "--top-k 9 is more than the 4 experts"),
+        (SIZES("0", "8", "8", "1"), "--experts must be at least 1, got 0"),
+        (SIZES("4", "-12", "8", "1"), "--hidden must be at least 1, got -12"),
         (["--preset", "mixtral-8x7b", "--tokens", "0"], "--tokens must be at least 1, got 0"),
         (["--preset", "nope"], "unknown preset 'nope'; known:"),
         (["--experts", "4"], "give --preset, or all of"),
@@ -155,7 +159,9 @@ def test_bench_without_a_gpu_is_one_line() -> None:
     assert "run it on a GPU node" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(  # type: ignore[no-untyped-def]
+    monkeypatch, capsys
+) -> None:
     import selector.cli as cli
 
     def boom(args):  # type: ignore[no-untyped-def]
@@ -192,7 +198,9 @@ def test_hub_download_offline_is_one_line(monkeypatch, capsys) -> None:  # type:
 
 
 @pytest.mark.parametrize("module", ["selector.plugins.triton_fused.tune", "selector.plugins.quant_kernels.tune"])
-def test_tune_mains_without_a_gpu_are_one_line(module: str, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_tune_mains_without_a_gpu_are_one_line(  # type: ignore[no-untyped-def]
+    module: str, monkeypatch, capsys
+) -> None:
     pytest.importorskip("triton")
     import importlib
 
