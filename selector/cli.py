@@ -1,6 +1,7 @@
 """The `selector` command: doctor, plugins (and bench, tune where installed).
 
-Exit codes: 0 usable, 1 something requested or required is broken, 2 usage error.
+Exit codes: 0 usable, 1 something requested or required is broken, 2 usage error. An error is one line
+naming what is wrong and the fix; `selector --debug ...` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,33 @@ from dataclasses import replace
 from selector.types import Problem
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")  # what backends declare; anything else is "custom:<name>"
+
+
+class UsageError(ValueError):
+    """A flag or argument that cannot be used: one line, exit 2."""
+
+
+def _positive(flag: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise UsageError(f"{flag} must be at least {minimum}, got {value}")
+
+
+def check_problem(problem: Problem) -> Problem:
+    """UsageError unless the sizes describe a layer that can exist (positive sizes, 1 <= k <= E)."""
+    _positive("--experts", problem.num_experts)
+    _positive("--hidden", problem.hidden_size)
+    _positive("--intermediate", problem.intermediate_size)
+    _positive("--top-k", problem.top_k)
+    _positive("--tokens", problem.num_tokens)
+    if problem.activation not in ACTIVATIONS and not (problem.activation.startswith("custom:") and
+                                                      len(problem.activation) > len("custom:")):
+        raise UsageError(f"--activation {problem.activation!r} is not one of {', '.join(ACTIVATIONS)} "
+                         "or custom:<name>")
+    if problem.top_k > problem.num_experts:
+        raise UsageError(f"--top-k {problem.top_k} is more than the {problem.num_experts} experts (--experts); "
+                         "k must be between 1 and E")
+    return problem
 
 
 def _add_problem_options(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +71,7 @@ def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem 
     if args.preset is not None:
         base = preset(args.preset)
     elif any(v is None for v in sizes):
-        raise ValueError("give --preset, or all of --experts --hidden --intermediate --top-k")
+        raise UsageError("give --preset, or all of --experts --hidden --intermediate --top-k")
     else:
         base = Problem(num_experts=args.experts, hidden_size=args.hidden, intermediate_size=args.intermediate,
                        top_k=args.top_k)
@@ -59,7 +87,7 @@ def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem 
     problem = replace(problem, **flags)
     if problem.dtype == "bfloat16" and problem.device == "cpu" and args.dtype is None:
         problem = replace(problem, dtype="float32")
-    return problem
+    return check_problem(problem)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -71,10 +99,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     env = collect_environment()
     try:
         problem = problem_from_args(args, "cuda" if env.gpu.devices else "cpu")
-    except ValueError as exc:
-        print(f"selector doctor: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    report = build_report(env, get_registry(), problem=problem, required=args.require or ())
+    except ValueError as exc:  # a bad size, or an unknown preset (its message lists the known ones)
+        raise UsageError(str(exc)) from exc
+    registry = get_registry()
+    unknown = [name for name in args.require or () if name not in registry.specs]
+    if unknown:
+        raise UsageError(f"--require {', '.join(unknown)}: no such backend; registered: {', '.join(registry.names)}")
+    report = build_report(env, registry, problem=problem, required=args.require or ())
     renderer = render_json if args.json else render_markdown if args.markdown else render_text
     print(renderer(report))
     return report.exit_code
@@ -99,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     from selector.settings import help_table
 
     parser = argparse.ArgumentParser(prog="selector", description="Pick and explain Mixture-of-Experts experts backends.")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser(
@@ -106,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="check this machine and every backend",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Checks GPU/driver, CUDA toolkit, packages and plugins, then says which backends can run "
-        "here and why not.\nExit 0: usable; 1: something requested or required is broken; 2: usage error.",
+        "here and why not.\nExit 0: usable; 1: something requested or required is broken (a --require backend, a "
+        "config that does not load, a config pin that cannot run here: a pin is an explicit request, or a config "
+        "that denies every runnable backend); 2: usage error (a bad flag).",
         epilog=help_table(),
     )
     out = doctor.add_mutually_exclusive_group()
@@ -133,13 +167,32 @@ def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
             __import__(module, fromlist=["register"]).register(sub)
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its message with whitespace folded (the type where the message is empty)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"selector {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one line with the fix; --debug shows where it came from
+        if args.debug:
+            raise
+        if isinstance(exc, UsageError):
+            print(f"selector {args.command}: {one_line(exc)}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"selector {args.command}: {type(exc).__name__}: {one_line(exc)} (rerun with --debug for the "
+              "traceback)", file=sys.stderr)
+        return EXIT_BROKEN
 
 
 if __name__ == "__main__":

@@ -3,11 +3,17 @@
 Files are read in this order, later ones overriding earlier keys: the user file
 (`<user config dir>/selector/config.yaml`), the project file (`selector.yaml` in the working directory),
 then the file that `SELECTOR_CONFIG` names. A file that does not parse is an error naming the file and line.
+
+The project file is read from whatever folder the process starts in, so nothing in it is trusted: files over
+`MAX_BYTES`, YAML aliases (the "billion laughs" bomb), nesting deeper than `MAX_DEPTH`, bytes that are not
+UTF-8 and backend names the registry does not know are one-line `ConfigError`s naming the file, never a
+traceback, a MemoryError or a silently ignored name. A pin is an explicit request: `selector doctor` exits 1
+when the pinned backend cannot run here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +25,8 @@ from selector import settings
 CONFIG_VARIABLE = "SELECTOR_CONFIG"
 PROJECT_FILE = "selector.yaml"
 KEYS = ("prefer", "deny", "pin")
+MAX_BYTES = 64 * 1024  # a preferences file is a few lines; anything bigger is a mistake or an attack
+MAX_DEPTH = 8  # the format needs 2 levels (a mapping of lists)
 
 
 class ConfigError(ValueError):
@@ -31,6 +39,7 @@ class SelectorConfig:
     deny: frozenset[str] = frozenset()  # never chosen by "auto"
     pin: str | None = None  # always chosen by "auto" when it can run
     files: tuple[str, ...] = field(default=(), compare=False)  # where the values came from
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # key -> the file that set it
 
     def to_dict(self) -> dict[str, Any]:
         return {"prefer": list(self.prefer), "deny": sorted(self.deny), "pin": self.pin, "files": list(self.files)}
@@ -42,6 +51,34 @@ def user_config_path() -> Path:
     return Path(platformdirs.user_config_dir("selector")) / "config.yaml"
 
 
+class _Refused(yaml.MarkedYAMLError):
+    """A YAML construct the safe loader will not build (an alias, nesting too deep)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses aliases and nesting deeper than MAX_DEPTH while composing.
+
+    Aliases are refused, not counted: the format never needs them, and a few of them nested make a 479-byte
+    file expand into gigabytes. The depth limit keeps the composer's recursion (and a RecursionError) away.
+    """
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise _Refused(problem="YAML aliases (*name) are not allowed, write the values out",
+                           problem_mark=self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _Refused(problem=f"nesting deeper than {MAX_DEPTH} levels, "
+                               "the file holds only prefer / deny (lists) and pin (a name)",
+                               problem_mark=self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def _names(value: Any, key: str, path: Path) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
@@ -50,23 +87,44 @@ def _names(value: Any, key: str, path: Path) -> tuple[str, ...]:
     return tuple(value)
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Parse one file into {key: value}; ConfigError on bad YAML or unknown keys."""
+def _parse(path: Path) -> Any:
+    """The YAML document in `path`, read with every limit applied; ConfigError (one line) otherwise."""
     try:
-        data = yaml.safe_load(path.read_text())
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}, check the file's permissions") from None
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_BYTES // 1024} KiB, a selector config is a few lines; "
+                          "check that this is the file you meant")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}), save the file as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - _BoundedLoader is a SafeLoader
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: malformed YAML: {exc.problem or exc}") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
+        what = " ".join(str(exc.problem or exc).split())
+        fix = "" if isinstance(exc, _Refused) else ", fix the YAML syntax there"
+        raise ConfigError(f"{where}: malformed YAML: {what}{fix}") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        what = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(f"{path}: malformed YAML: {what}, fix the YAML syntax") from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse one file into {key: value}; ConfigError on bad YAML, oversized or nested files, unknown keys."""
+    data = _parse(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with keys {', '.join(KEYS)}, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(KEYS))
+    unknown = sorted(map(str, set(data) - set(KEYS)))
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(KEYS)}")
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(KEYS)}")
     out: dict[str, Any] = {}
     if "prefer" in data:
         out["prefer"] = _names(data["prefer"], "prefer", path)
@@ -79,6 +137,24 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return out
 
 
+def check_names(config: SelectorConfig, registered: Collection[str]) -> None:
+    """ConfigError naming the file, the key and the name when prefer / deny / pin names no registered backend.
+
+    A misspelt name would otherwise do nothing: `auto` would quietly rank as if the line were not there.
+    """
+    for key in KEYS:
+        value = getattr(config, key)
+        names = [value] if isinstance(value, str) else sorted(value) if key == "deny" else list(value or ())
+        for name in names:
+            if name not in registered:
+                where = config.sources.get(key) or ", ".join(config.files) or "the config"
+                raise ConfigError(
+                    f"{where}: '{key}' names unknown backend {name!r}; registered: "
+                    f"{', '.join(sorted(registered)) or '(none)'}. Fix the name or remove it "
+                    "(`selector plugins` lists what loaded)"
+                )
+
+
 def config_paths(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> list[Path]:
     paths = [user_config_path(), (cwd or Path.cwd()) / PROJECT_FILE]
     explicit = settings.get(CONFIG_VARIABLE, environ)
@@ -89,12 +165,30 @@ def config_paths(environ: Mapping[str, str] | None = None, cwd: Path | None = No
     return paths
 
 
-def load_config(paths: Sequence[Path] | None = None, environ: Mapping[str, str] | None = None) -> SelectorConfig:
-    """Merge the config files that exist; later files override earlier keys."""
+def load_config(
+    paths: Sequence[Path] | None = None,
+    environ: Mapping[str, str] | None = None,
+    registered: Collection[str] | None = None,
+) -> SelectorConfig:
+    """Merge the config files that exist; later files override earlier keys.
+
+    Every backend name is checked against `registered` (default: the process-wide registry's names, built
+    only when some file names a backend); an unknown one is a ConfigError.
+    """
     merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     used: list[str] = []
     for path in config_paths(environ) if paths is None else paths:
         if path.is_file():
-            merged.update(read_config_file(path))
+            values = read_config_file(path)
+            merged.update(values)
+            sources.update(dict.fromkeys(values, str(path)))
             used.append(str(path))
-    return SelectorConfig(files=tuple(used), **merged)
+    config = SelectorConfig(files=tuple(used), sources=sources, **merged)
+    if config.prefer or config.deny or config.pin:
+        if registered is None:
+            from selector.registry import get_registry
+
+            registered = get_registry().names
+        check_names(config, registered)
+    return config

@@ -64,6 +64,8 @@ class DoctorReport:
     ranking: Ranking | None = None
     required: list[str] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)  # what makes the exit code 1
+    usable: list[str] = field(default_factory=list)  # what `auto` may choose for the judged layer, best first
+    no_estimate: list[str] = field(default_factory=list)  # runnable backends that give no cost estimate
 
     @property
     def exit_code(self) -> int:
@@ -83,6 +85,8 @@ class DoctorReport:
             "config": self.config,
             "ranking": self.ranking.to_dict() if self.ranking else None,
             "required": self.required,
+            "usable": self.usable,
+            "no_estimate": self.no_estimate,
             "environment": self.environment.to_dict(),
         }
 
@@ -187,14 +191,20 @@ def build_report(
         backends.append(
             BackendLine(name, provider, dist, spec.description, ranking.verdicts[name], spec.first_call_cost)
         )
+    broken += _pin_problems(config, registry, ranking)
     for name in required:
         line = next((b for b in backends if b.name == name), None)
         if line is None:
             broken.append(f"required backend {name!r} is not registered (registered: {', '.join(registry.names)})")
         elif not line.verdict.ok:
             broken.append(f"required backend {name!r} cannot run here: {line.verdict.reason}")
+    usable = [c.name for c in ranking.candidates]
     if not any(b.verdict.ok for b in backends):
         broken.append("no experts backend can run here")
+    elif not usable:  # every runnable backend is denied: auto would raise at the first forward
+        denied = sorted(n for n in config.deny if n in ranking.verdicts and ranking.verdicts[n].ok)
+        broken.append(f"no backend can run this layer here: the config denies every runnable one "
+                      f"({', '.join(denied)}); remove one from 'deny' in {', '.join(config.files) or 'the config'}")
     return DoctorReport(
         environment=env,
         checks=checks,
@@ -206,7 +216,40 @@ def build_report(
         ranking=ranking if problem is not None else None,
         required=list(required),
         broken=broken,
+        usable=usable,
+        no_estimate=[n for n in usable if not _has_estimate(registry, n, judged, env)],
     )
+
+
+def _has_estimate(registry: Registry, name: str, problem: Problem, env: Environment) -> bool:
+    """Whether the backend gives a cost for the problem (the ranking sorts one that does not last)."""
+    estimate = registry.specs[name].estimate
+    if estimate is None:
+        return False
+    try:
+        float(estimate(problem, env))
+    except Exception:  # a broken estimate counts as none, as in the ranking
+        return False
+    return True
+
+
+def _pin_problems(config: SelectorConfig, registry: Registry, ranking: Ranking) -> list[str]:
+    """A pin is an explicit request: one that names no backend, or one that cannot run here, is broken (exit 1)."""
+    pin = config.pin
+    if pin is None:
+        return []
+    where = config.sources.get("pin") or ", ".join(config.files) or "the config"
+    if pin not in registry.specs:
+        return [f"{where}: pinned backend {pin!r} is not registered (registered: {', '.join(registry.names)}); "
+                "fix the name or remove the pin"]
+    if pin in config.deny:
+        return [f"{where}: backend {pin!r} is both pinned and denied; remove it from one of 'pin' and 'deny'"]
+    verdict = ranking.verdicts[pin]
+    if not verdict.ok:
+        fix = verdict.remedy or "remove the pin"
+        return [f"{where}: pinned backend {pin!r} cannot run here ({verdict.status.value}: {verdict.reason}); "
+                f"fix: {fix}, or remove the pin"]
+    return []
 
 
 def status_mark(verdict: Availability) -> str:

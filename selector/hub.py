@@ -599,22 +599,37 @@ def pinned_kernels() -> dict[str, HubKernel]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m selector.hub [status | pyproject | download [VARIANT ...]].
+    """python -m selector.hub [--debug] [status | pyproject | download [VARIANT ...]].
 
     status: where each backend's hub kernel is (exit 1 when one cannot be loaded); pyproject: the pins as
-    `kernels lock` reads them; download: fetch the pinned kernels into the hub cache (needs internet).
+    `kernels lock` reads them; download: fetch the pinned kernels into the hub cache (needs internet; a
+    failed fetch is one line and exit 1, `--debug` shows the traceback).
     """
-    args = list(sys.argv[1:] if argv is None else argv) or ["status"]
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"] or ["status"]
     pins = list(dict.fromkeys(pinned_kernels().values())) or list(PINS.values())
     if args[0] == "pyproject":
         sys.stdout.write(kernels_pyproject(pins))
         return 0
     if args[0] == "download":
-        for path in download(pins, variants=args[1:]):
+        try:
+            paths = download(pins, variants=args[1:])
+        except Exception as exc:  # offline, a missing revision, a full disk: one line with the fix
+            if debug:
+                raise
+            what = " ".join(str(exc).split())[:300].rstrip(".") or type(exc).__name__
+            sys.stderr.write(
+                f"selector.hub download: {type(exc).__name__}: {what}. This fetches from the Hugging Face Hub: run "
+                "it on a machine with internet (HF_HUB_OFFLINE unset), then copy the cache to this one "
+                "(docs/offline-kernels.md); --debug shows the traceback\n"
+            )
+            return 1
+        for path in paths:
             sys.stdout.write(f"{path}\n")
         return 0
     if args[0] != "status":
-        sys.stderr.write("usage: python -m selector.hub [status | pyproject | download [VARIANT ...]]\n")
+        sys.stderr.write("usage: python -m selector.hub [--debug] [status | pyproject | download [VARIANT ...]]\n")
         return 2
     from selector.environment import current_environment
 

@@ -14,6 +14,8 @@ with the reason and the fix; "auto" picks the best runnable backend per token-co
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable, Mapping
 from functools import wraps
 from typing import Any, TypeVar
@@ -25,6 +27,7 @@ from selector.dispatch import AUTO, explain_module, last_backend, reset_selectio
 from selector.types import Ranking, Status
 
 _BACKBONE = "_selector_backbone"  # the sub-config key this module answers to
+logger = logging.getLogger("selector")
 
 M = TypeVar("M", bound=type)
 
@@ -39,15 +42,30 @@ def experts(
     has_post_expert_norm: bool = False,
     gate_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
     backbone: str | None = None,
+    replace_forward: bool = False,
 ) -> Any:
     """Class decorator: the module's forward(hidden_states, top_k_index, top_k_weights) runs the chosen backend.
 
     Flags as Transformers' `use_experts_implementation`: `is_concatenated=False` means interleaved gate/up
     channels; `gate_fn(module, gate_up_out) -> gated` replaces act(gate) * up (GPT-OSS style gates);
     `backbone` names the sub-config key that dict requests use for this module.
+
+    The decorator installs its own `forward`. A class that defines `forward` itself gets a `UserWarning`
+    (its method would never run: the selected backend computes the layer from the weights); pass
+    `replace_forward=True` to say that is intended (e.g. a forward kept as the reference).
     """
 
     def wrap(klass: M) -> M:
+        if not isinstance(klass, type):
+            raise TypeError(f"selector.experts decorates a class, got {klass!r}")
+        if "forward" in klass.__dict__ and not replace_forward:
+            warnings.warn(
+                f"selector.experts: {klass.__qualname__} defines forward() itself, and the decorator replaces it "
+                "with the selected backend's, so that method never runs; remove it, or pass "
+                "replace_forward=True to say it is meant",
+                UserWarning,
+                stacklevel=2 if cls is None else 3,
+            )
         original_init = klass.__init__
 
         @wraps(original_init)
@@ -117,7 +135,10 @@ def set_experts_implementation(model: torch.nn.Module, implementation: str | Map
     A Transformers model (no selector-decorated modules, Transformers' experts interface) is handed to
     `selector.hf.set_experts_implementation`, which sets the same through Transformers' own call.
     """
-    if not any(is_experts_module(m) for m in model.modules()) and hasattr(model, "set_experts_implementation"):
+    if not isinstance(implementation, (str, Mapping)):
+        raise TypeError(f"an experts implementation is a backend name, \"auto\" or {{sub-config key: name}}, "
+                        f"got {type(implementation).__name__} {implementation!r}")
+    if _is_transformers_model(model):
         from selector import hf
 
         hf.set_experts_implementation(model, implementation)
@@ -140,8 +161,21 @@ def set_experts_implementation(model: torch.nn.Module, implementation: str | Map
     model.__dict__["_selector_request"] = {**previous, **request}
 
 
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    """No selector-decorated modules, and Transformers' experts interface: the adapter answers for it."""
+    return not any(is_experts_module(m) for m in model.modules()) and hasattr(model, "set_experts_implementation")
+
+
 def get_experts_implementation(model: torch.nn.Module) -> dict[str, str]:
-    """{"": whole-model choice, sub-config key: its choice, ...} as currently set."""
+    """{"": whole-model choice, sub-config key: its choice, ...} as currently set.
+
+    For a Transformers model, what Transformers holds (e.g. "selector:batched_mm" after
+    `set_experts_implementation(model, "selector:batched_mm")`), as `selector.hf.get_experts_implementation`.
+    """
+    if _is_transformers_model(model):
+        from selector import hf
+
+        return {k: v for k, v in hf.get_experts_implementation(model).items() if v is not None}
     request = model.__dict__.get("_selector_request", {})
     result = {"": request.get("", AUTO)}
     for key, members in experts_scopes(model).items():
@@ -149,12 +183,40 @@ def get_experts_implementation(model: torch.nn.Module) -> dict[str, str]:
     return result
 
 
-def explain_model(model: torch.nn.Module, num_tokens: int | None = None) -> dict[str, Ranking]:
-    """The ranking behind each experts module's choice: {module path: Ranking}, for logs and `doctor`."""
+def _experts_members(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, experts module) for every decorated module, or every Transformers experts module."""
+    members = [pair for scope in experts_scopes(model).values() for pair in scope]
+    if members or not _is_transformers_model(model):
+        return members
+    from selector.hf.modules import experts_modules
+
+    return [pair for scope in experts_modules(model).values() for pair in scope]
+
+
+def _declares_top_k(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "top_k", 0) or getattr(getattr(module, "config", None), "num_experts_per_tok", 0))
+
+
+def explain_model(
+    model: torch.nn.Module, num_tokens: int | None = None, top_k: int | None = None
+) -> dict[str, Ranking]:
+    """The ranking behind each experts module's choice: {module path: Ranking}, for logs and `doctor`.
+
+    Decorated modules and Transformers' experts modules alike. k is `top_k` when given, else that of the
+    module's last call, else what the module (`top_k`) or its config (`num_experts_per_tok`) declares; a
+    module with none of these is ranked with k=1 and a warning is logged saying so.
+    """
     out: dict[str, Ranking] = {}
-    for members in experts_scopes(model).values():
-        for path, module in members:
-            out[path] = explain_module(module, num_tokens=num_tokens)
+    for path, module in _experts_members(model):
+        k = top_k
+        if k is None:
+            k = dispatch.traced_top_k(module)
+            if last_backend(module) is None and not _declares_top_k(module):
+                logger.warning(
+                    "explain_model: %s has not run yet and declares no top_k; ranking with k=%d is a guess "
+                    "(pass top_k=, or run one forward first)", path or type(module).__name__, k,
+                )
+        out[path] = explain_module(module, num_tokens=num_tokens, top_k=k)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from selector.doctor import DoctorReport
 from selector.types import Problem, Ranking
@@ -21,15 +22,22 @@ def describe_problem(p: Problem) -> str:
     return text + (f" ({', '.join(flags)})" if flags else "")
 
 
-def _micro(seconds: float) -> str:
-    return f"{seconds * 1e6:,.0f} µs" if seconds < 1 else f"{seconds:.1f} s (no estimate)"
+def format_seconds(seconds: float) -> str:
+    """A time as people read it: µs below a millisecond, ms below a second, then seconds."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:,.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:,.1f} ms"
+    return f"{seconds:,.1f} s"
 
 
-def _ranking_lines(r: Ranking) -> list[str]:
+def ranking_lines(r: Ranking, no_estimate: Sequence[str] = ()) -> list[str]:
+    """The ranking section of the report; `no_estimate`: candidates shown as "(no estimate)" instead of a time."""
     lines = [f"Ranking for {describe_problem(r.problem)}:"]
     for i, c in enumerate(r.candidates, 1):
         why = " (pinned)" if c.pinned else " (preferred)" if c.preferred else ""
-        lines.append(f"  {i}. {c.name:<16} estimated {_micro(c.estimate)}{why}")
+        cost = "(no estimate)" if c.name in no_estimate else f"estimated {format_seconds(c.estimate)}"
+        lines.append(f"  {i}. {c.name:<16} {cost}{why}")
     if not r.candidates:
         lines.append("  no backend can run this layer here")
     for name, a in r.excluded.items():
@@ -62,14 +70,13 @@ def render_text(report: DoctorReport) -> str:
     if report.config.get("files"):
         lines += ["", "Config: " + ", ".join(report.config["files"])]
     if report.ranking is not None:
-        lines += ["", *_ranking_lines(report.ranking)]
+        lines += ["", *ranking_lines(report.ranking, report.no_estimate)]
     lines.append("")
     if report.broken:
         lines.append(f"{BAD} {len(report.broken)} problem(s):")
         lines.extend(f"  - {b}" for b in report.broken)
     else:
-        usable = [b.name for b in report.backends if b.verdict.ok]
-        lines.append(f"{OK} usable: {', '.join(usable)}")
+        lines.append(f"{OK} usable: {', '.join(report.usable)}")
     return "\n".join(lines)
 
 
@@ -86,7 +93,7 @@ def render_markdown(report: DoctorReport) -> str:
     for b in report.backends:
         lines.append(f"| {b.name} | {b.verdict.status.value} | {b.verdict.reason} | {b.verdict.remedy} |")
     if report.ranking is not None:
-        lines += ["", "## Ranking", "", "```", *_ranking_lines(report.ranking), "```"]
+        lines += ["", "## Ranking", "", "```", *ranking_lines(report.ranking, report.no_estimate), "```"]
     return "\n".join(lines) + "\n"
 
 

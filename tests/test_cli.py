@@ -116,3 +116,120 @@ def test_doctor_lines_are_the_rankings_verdicts() -> None:
     assert lines["eager"].ok and not lines["triton_fused"].ok
     ranking = rank(report.backend_problem, env, registry, config)
     assert ranking.verdicts == lines and ranking.excluded["eager"].status is Status.DENIED_BY_CONFIG
+
+
+def SIZES(e: str, h: str, i: str, k: str) -> list[str]:  # noqa: N802 - reads as a table row
+    return ["--experts", e, "--hidden", h, "--intermediate", i, "--top-k", k]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (SIZES("4", "8", "8", "9"), "--top-k 9 is more than the 4 experts"),
+        (SIZES("0", "8", "8", "1"), "--experts must be at least 1, got 0"),
+        (SIZES("4", "-12", "8", "1"), "--hidden must be at least 1, got -12"),
+        (["--preset", "mixtral-8x7b", "--tokens", "0"], "--tokens must be at least 1, got 0"),
+        (["--preset", "nope"], "unknown preset 'nope'; known:"),
+        (["--experts", "4"], "give --preset, or all of"),
+        (["--preset", "mixtral-8x7b", "--activation", "swish"], "--activation 'swish' is not one of silu, gelu"),
+        (["--require", "nope"], "--require nope: no such backend; registered: "),
+    ],
+)
+def test_doctor_flags_are_validated(flags: list[str], message: str) -> None:
+    result = run("doctor", *flags, **NO_GPU)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("selector doctor: ") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_doctor_exits_1_for_a_pin_that_cannot_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "c.yaml"
+    config.write_text("pin: triton_fused\n")
+    result = run("doctor", SELECTOR_CONFIG=str(config), **NO_GPU)
+    assert result.returncode == 1 and "pinned backend 'triton_fused' cannot run here" in result.stdout
+    config.write_text("prefer: [nope]\n")
+    result = run("doctor", SELECTOR_CONFIG=str(config), **NO_GPU)
+    assert result.returncode == 1 and "'prefer' names unknown backend 'nope'" in result.stdout
+
+
+def test_bench_without_a_gpu_is_one_line() -> None:
+    result = run("bench", "--out", "/nonexistent/never-written", **NO_GPU)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("selector bench: needs a CUDA GPU and none is visible")
+    assert "run it on a GPU node" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(  # type: ignore[no-untyped-def]
+    monkeypatch, capsys
+) -> None:
+    import selector.cli as cli
+
+    def boom(args):  # type: ignore[no-untyped-def]
+        raise OSError("disk on fire")
+
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with(parser(), boom))
+    assert cli.main(["plugins"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "selector plugins: OSError: disk on fire (rerun with --debug for the traceback)"
+    with pytest.raises(OSError, match="disk on fire"):
+        cli.main(["--debug", "plugins"])
+
+
+def _with(parser, func):  # type: ignore[no-untyped-def]
+    for action in parser._subparsers._group_actions:
+        action.choices["plugins"].set_defaults(func=func)
+    return parser
+
+
+def test_hub_download_offline_is_one_line(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import selector.hub as hub
+
+    def offline(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ConnectionError("Name or service not known\nsecond line.")
+
+    monkeypatch.setattr(hub, "download", offline)
+    assert hub.main(["download"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("selector.hub download: ConnectionError: Name or service not known second line. ")
+    assert "run it on a machine with internet" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ConnectionError):
+        hub.main(["--debug", "download"])
+
+
+@pytest.mark.parametrize("module", ["selector.plugins.triton_fused.tune", "selector.plugins.quant_kernels.tune"])
+def test_tune_mains_without_a_gpu_are_one_line(  # type: ignore[no-untyped-def]
+    module: str, monkeypatch, capsys
+) -> None:
+    pytest.importorskip("triton")
+    import importlib
+
+    import torch
+
+    tune = importlib.import_module(module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main([]) == 1
+    err = capsys.readouterr().err
+    assert "tune: needs a CUDA GPU and none is visible" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--tokens", "x"])
+    assert info.value.code == 2 and "comma list" in capsys.readouterr().err
+
+
+def test_tune_main_failure_is_one_line_and_debug_raises(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    import torch
+
+    from selector.plugins.triton_fused import tune
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of\nresources")
+
+    monkeypatch.setattr(tune, "tune", fails)
+    assert tune.main(["--out", "/nonexistent/t.json"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "triton_fused tune: RuntimeError: out of resources (rerun with --debug for the traceback)"
+    with pytest.raises(RuntimeError):
+        tune.main(["--out", "/nonexistent/t.json", "--debug"])

@@ -246,3 +246,61 @@ def test_auto_skips_a_backend_whose_load_fails(fresh_registry) -> None:
     selector.set_experts_implementation(module, "fake_broken_load")
     with pytest.raises(ImportError, match="shared object"):
         module(*_inputs())  # asked for by name: the failure is the user's to see
+
+
+def _plain_experts_class(**flags):  # type: ignore[no-untyped-def]
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 16, 16) * 0.25)
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 8) * 0.35)
+            self.act_fn = torch.nn.SiLU()
+
+    return Experts
+
+
+def test_decorating_a_class_with_its_own_forward_warns() -> None:
+    class Own(torch.nn.Module):
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # type: ignore[no-untyped-def]
+            return hidden_states
+
+    with pytest.warns(UserWarning, match=r"Own defines forward\(\) itself.*replace_forward=True") as record:
+        selector.experts(Own)
+    assert record[0].filename == __file__  # points at the decoration, not at selector
+    import warnings
+
+    class Meant(torch.nn.Module):
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # type: ignore[no-untyped-def]
+            return hidden_states
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        selector.experts(replace_forward=True)(Meant)  # said on purpose: no warning
+        selector.experts(_plain_experts_class())  # no forward of its own: no warning
+    with pytest.raises(TypeError, match="decorates a class"):
+        selector.experts(lambda m: m)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [3, None, ["eager"]])
+def test_non_string_implementation_is_a_clear_type_error(bad: object) -> None:
+    model = TwoTowers()
+    with pytest.raises(TypeError, match=r"backend name, \"auto\" or \{sub-config key: name\}, got"):
+        selector.set_experts_implementation(model, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be a backend name, got 3"):
+        selector.set_experts_implementation(model, {"": 3})  # type: ignore[dict-item]
+
+
+def test_explain_model_takes_k_from_the_last_call(caplog: pytest.LogCaptureFixture) -> None:
+    module = selector.experts(_plain_experts_class())()
+    with caplog.at_level("WARNING", logger="selector"):
+        guessed = selector.explain_model(module)
+    assert guessed[""].problem.top_k == 1
+    assert "has not run yet and declares no top_k; ranking with k=1 is a guess" in caplog.text
+    caplog.clear()
+    x, idx, w = _inputs(t=3, k=3)
+    module(x, idx, w)
+    with caplog.at_level("WARNING", logger="selector"):
+        traced = selector.explain_model(module)
+    assert traced[""].problem.top_k == 3 and "guess" not in caplog.text
+    assert selector.explain_model(module, top_k=2)[""].problem.top_k == 2

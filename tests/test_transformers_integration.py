@@ -713,3 +713,24 @@ def test_quantized_auto_compiles_as_one_graph(monkeypatch: pytest.MonkeyPatch, w
         hf_quantized._QUANT_PLANS.clear()
         hf.register_with_transformers()
         torch._dynamo.reset()
+
+
+def test_core_get_and_explain_answer_for_transformers_models(caplog):
+    model = _build("qwen3_vl_moe", "auto")
+    assert selector.get_experts_implementation(model) == {"": "auto", "vision_config": "auto", "text_config": "auto"}
+    selector.set_experts_implementation(model, "selector:batched_mm")
+    assert set(selector.get_experts_implementation(model).values()) == {"selector:batched_mm"}
+    paths = [p for members in hf.experts_modules(model).values() for p, _ in members]
+    with caplog.at_level("WARNING", logger="selector"):
+        explained = selector.explain_model(model, num_tokens=4)
+    assert sorted(explained) == sorted(paths) and paths
+    assert all(r.problem.top_k == 2 and r.best for r in explained.values())  # k from the config, not 1
+    assert "guess" not in caplog.text
+
+
+def test_transformers_request_of_the_wrong_type_is_a_type_error():
+    model = _build("qwen3_moe")
+    with pytest.raises(TypeError, match=r"got int 3"):
+        selector.set_experts_implementation(model, 3)
+    with pytest.raises(TypeError, match=r"experts_implementation is a name.*got NoneType None; accepted names: .*eag"):
+        hf.validate_request(model.config, None)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -269,6 +270,7 @@ def tune(shapes: dict, tokens: tuple[int, ...], formats: tuple[str, ...], out: P
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 after writing the table, 1 when it cannot run here (one line; --debug: the traceback), 2 on bad flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
@@ -276,12 +278,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--try-quant-x-loop", action="store_true", help="also time x quantised in gate_up's K loop")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     a = p.parse_args(argv)
+    unknown = [s for s in a.shapes.split(",") if s and s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    try:
+        tokens = tuple(int(t) for t in a.tokens.split(","))
+    except ValueError:
+        p.error(f"--tokens takes a comma list of integers, got {a.tokens!r}")
     global TRY_QUANT_X_LOOP
     TRY_QUANT_X_LOOP = a.try_quant_x_loop
-    out = a.out or C.table_file(torch.cuda.get_device_name())
+    if not torch.cuda.is_available():
+        print("quant_kernels tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the "
+              "table is for); run it on that GPU's node", file=sys.stderr)
+        return 1
     shapes = {s: SHAPES[s] for s in a.shapes.split(",") if s}
-    tune(shapes, tuple(int(t) for t in a.tokens.split(",")), tuple(a.formats.split(",")), out, a.budget_s)
+    try:
+        out = a.out or C.table_file(torch.cuda.get_device_name())
+        tune(shapes, tokens, tuple(a.formats.split(",")), out, a.budget_s)
+    except Exception as exc:  # one line with the fix; --debug shows where it came from
+        if a.debug:
+            raise
+        print(f"quant_kernels tune: {type(exc).__name__}: {' '.join(str(exc).split())} "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 

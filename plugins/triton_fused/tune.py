@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -218,6 +219,7 @@ def tune(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 after writing the table, 1 when it cannot run here (one line; --debug: the traceback), 2 on bad flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="grid")
     p.add_argument("--shape", action="append", default=[], help="E,H,I,k (repeatable; added to the preset)")
@@ -225,10 +227,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--out", default=None, help="JSON path (default: configs/<GPU name>.json in the package)")
     p.add_argument("--rep-ms", type=float, default=20.0)
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     a = p.parse_args(argv)
-    shapes = list(PRESETS[a.preset]) + [tuple(int(v) for v in s.split(",")) for s in a.shape]
-    out = a.out or str(_configs.CONFIG_DIR / _configs.config_file_name(torch.cuda.get_device_name()))
-    tune(shapes, [int(t) for t in a.tokens.split(",")], getattr(torch, a.dtype), out, rep_ms=a.rep_ms)
+    try:
+        extra = [tuple(int(v) for v in s.split(",")) for s in a.shape]
+        tokens = [int(t) for t in a.tokens.split(",")]
+    except ValueError:
+        p.error(f"--shape takes E,H,I,k and --tokens a comma list, as integers; got {a.shape} and {a.tokens!r}")
+    if any(len(s) != 4 or min(s) < 1 for s in extra) or not tokens or min(tokens) < 1:
+        p.error("--shape takes four positive integers E,H,I,k and --tokens positive integers")
+    if not torch.cuda.is_available():
+        print("triton_fused tune: needs a CUDA GPU and none is visible (it times the kernel on the GPU the "
+              "table is for); run it on that GPU's node", file=sys.stderr)
+        return 1
+    shapes = list(PRESETS[a.preset]) + extra
+    try:
+        out = a.out or str(_configs.CONFIG_DIR / _configs.config_file_name(torch.cuda.get_device_name()))
+        tune(shapes, tokens, getattr(torch, a.dtype), out, rep_ms=a.rep_ms)
+    except Exception as exc:  # one line with the fix; --debug shows where it came from
+        if a.debug:
+            raise
+        print(f"triton_fused tune: {type(exc).__name__}: {' '.join(str(exc).split())} "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 

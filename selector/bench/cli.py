@@ -42,6 +42,13 @@ def _progress() -> Callable[[str], None]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():  # before any cell: the run times kernels against the GPU's floor
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        print(f"selector bench: needs a CUDA GPU and none is visible (torch {torch.__version__}, {build}); "
+              "run it on a GPU node, `selector doctor` says what this machine lacks", file=sys.stderr)
+        return 1
     from selector.bench.grid import run_bench
     from selector.bench.render import markdown_table, write_outputs
 

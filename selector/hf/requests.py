@@ -33,6 +33,9 @@ def validate_request(config: Any, request: str | Mapping[str, str]) -> dict[str,
     sub-config of `config` (listing its keys). A name that is known but cannot run here is not an error
     yet: the first forward raises, as for Transformers' own names.
     """
+    if not isinstance(request, (str, Mapping)):
+        raise TypeError(f"experts_implementation is a name, \"auto\" or {{sub-config key: name}}, "
+                        f"got {type(request).__name__} {request!r}; accepted names: {', '.join(accepted_names())}")
     register_with_transformers()
     request_dict = {"": request} if isinstance(request, str) else dict(request)
     keys = sub_config_keys(config) if config is not None else []
