@@ -221,6 +221,9 @@ def _auto_pick(problem: Problem, bucket: int | None) -> str:
     key = (problem, bucket)
     if key not in _RESOLVER.auto:
         ranking = _RESOLVER.rank(problem.with_tokens(bucket))
+        pin = _RESOLVER.get_config().pin
+        if pin is not None and pin in ranking.excluded:  # a pin is an explicit request: it fails loudly
+            raise unavailable_error(pin, ranking.excluded[pin])
         failed = [f"{n}: {a.reason}" for n, a in ranking.excluded.items()]
         for candidate in ranking.candidates:
             try:  # a backend whose implementation fails to load is skipped, as auto promises

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import selector
+from selector.compat import hub_kernels_verdict
 from selector.config import ConfigError, SelectorConfig, load_config
 from selector.probes import Environment
 from selector.ranking import rank
@@ -136,6 +137,9 @@ def _packages_check(env: Environment) -> Check:
     title = "Packages: " + ", ".join(present)
     if missing:
         detail.insert(0, "not installed: " + ", ".join(missing))
+    mismatch = hub_kernels_verdict(env)  # Transformers' hub backends refuse a kernels outside their range
+    if mismatch:
+        detail.append(mismatch)
     return Check("packages", "torch" in " ".join(present), title, tuple(detail))
 
 

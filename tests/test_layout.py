@@ -36,7 +36,7 @@ DISPATCH_KEYS = frozenset({
 })  # fmt: skip
 SELECTION_FLOOR = (
     "selector.types", "selector.requirements", "selector.costmodel", "selector.ranking", "selector.registry",
-    "selector.config", "selector.tuning",
+    "selector.config", "selector.tuning", "selector.compat",
 )  # fmt: skip
 RUNTIME_AND_ADAPTERS = ("selector.dispatch", "selector.model", "selector.hf", "selector.daemon", "selector.bench")
 HEAVY = ("torch",)
