@@ -251,3 +251,21 @@ def test_doctor_exits_0_with_them_installed(site: Path, capsys: pytest.CaptureFi
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     code, _ = _doctor(site, capsys, monkeypatch)
     assert code == 0
+
+
+def test_explicit_request_for_an_undeclared_layout_raises(site: Path) -> None:
+    pytest.importorskip("torch")
+    import selector
+    from experts_fixtures import Layout, make_experts, random_routing
+    from selector.registry import reset_registry
+
+    _install(site, "fake-plain", "fake_safety_plain", PLAIN_PLUGIN)
+    reset_registry()
+    try:
+        module = make_experts(4, 16, 8, Layout(transposed=True), seed=0)
+        index, weights = random_routing(5, 4, 2)
+        selector.set_experts_implementation(module, "plain_third_party")
+        with pytest.raises(ValueError, match="plain_third_party.*does not support the transposed weight layout"):
+            module(torch_randn(5, 16), index, weights)
+    finally:
+        reset_registry()
