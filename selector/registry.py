@@ -91,7 +91,8 @@ def _short_error(exc: BaseException) -> str:
 
 def is_builtin(target: str, distribution: str) -> bool:
     """A backend package shipped in this distribution (`selector.plugins.<name>` from moe-selector)."""
-    return target.startswith(BUILTIN_PACKAGE) and distribution.split(" ")[0] == BUILTIN_DISTRIBUTION
+    name = re.sub(r"[-_.]+", "-", distribution.split(" ")[0]).lower()  # PEP 503 normalised
+    return target.startswith(BUILTIN_PACKAGE) and name == BUILTIN_DISTRIBUTION
 
 
 _T = TypeVar("_T")
@@ -171,7 +172,8 @@ def build_registry(
             continue
         sources.append((position, ep.name, ep.value, _distribution_of(ep), ep))
     for name, obj in (extra_plugins or {}).items():
-        sources.append((len(infos) + len(sources), name, getattr(obj, "__name__", repr(obj)), "(registered in code)", obj))
+        target = getattr(obj, "__name__", repr(obj))
+        sources.append((len(infos) + len(sources), name, target, "(registered in code)", obj))
 
     # Built-ins first, so that a third-party backend of the same name meets the built-in already there.
     for position, name, target, dist, obj in sorted(sources, key=lambda src: (not is_builtin(src[2], src[3]), src[0])):

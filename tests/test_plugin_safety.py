@@ -157,7 +157,8 @@ def test_broken_hooks_are_reported_and_skipped(site: Path) -> None:
     assert impostor.backends == ()
     assert impostor.error and "'eager' is a built-in backend's name; keeping the built-in 'eager'" in impostor.error
     assert ALLOW_VARIABLE in impostor.error
-    assert registry.providers["eager"] == "eager" and registry.specs["eager"].load.__module__ == "selector.plugins.eager"
+    assert registry.providers["eager"] == "eager"
+    assert registry.specs["eager"].load.__module__ == "selector.plugins.eager"
     assert rank(PLAIN, CPU, registry).best != "fake_impostor"
 
 
@@ -269,3 +270,34 @@ def test_explicit_request_for_an_undeclared_layout_raises(site: Path) -> None:
             module(torch_randn(5, 16), index, weights)
     finally:
         reset_registry()
+
+
+FLAGS = ("non_gated", "bias", "transposed", "interleaved", "custom_gate", "post_expert_norm", "expert_parallel")
+EVERY = frozenset(FLAGS)
+# What each built-in forward runs (read off plugins/*/forward.py; tests/test_reference_backends.py runs the
+# CPU ones over every layout). sonicmoe claims non_gated and custom_gate so that its check refuses them with
+# the ImportError the design asks for.
+BUILT_IN_LAYOUTS = {
+    "eager": EVERY,
+    "batched_mm": EVERY,
+    "grouped_mm": EVERY,
+    "deepgemm": EVERY,
+    "triton_fused": EVERY - {"custom_gate", "post_expert_norm"},
+    "sonicmoe": EVERY - {"post_expert_norm"},
+    "deepgemm_megamoe": frozenset({"expert_parallel"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN_LAYOUTS))
+def test_built_ins_declare_the_layouts_they_run(name: str) -> None:
+    req = build_registry(environ={}).get(name).requirements
+    assert req.gated
+    assert {flag for flag in FLAGS if getattr(req, flag)} == BUILT_IN_LAYOUTS[name]
+
+
+def test_quantised_experts_are_never_judged_transposed() -> None:
+    registry = build_registry(environ={})
+    fp8 = replace(PLAIN, weight_format="fp8_block", scale_format="float32", is_transposed=True)
+    verdict = evaluate(registry.get("grouped_mm"), fp8, CPU)
+    assert verdict.status is Status.UNSUPPORTED_CONFIG
+    assert "fp8_block experts stored [E, out, in] only" in verdict.reason
