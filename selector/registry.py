@@ -1,17 +1,20 @@
 """Loads backend plugins from the `selector.backends` entry points, in our own loop.
 
 Built-in backends take this same road: the core never imports `plugins` by name. A plugin that fails to
-import, raises from its hook or returns something malformed is recorded and skipped, never fatal.
+import, raises from its hook (`SystemExit` included), does not answer within SELECTOR_PLUGIN_TIMEOUT seconds,
+returns something malformed or claims a built-in backend's name is recorded and skipped, never fatal. Only
+`KeyboardInterrupt` goes through: the user asked to stop.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 
@@ -20,6 +23,9 @@ from selector.types import BackendSpec
 
 ALLOW_VARIABLE = "SELECTOR_PLUGINS_ALLOW"  # declared in selector.settings
 BLOCK_VARIABLE = "SELECTOR_PLUGINS_BLOCK"
+TIMEOUT_VARIABLE = "SELECTOR_PLUGIN_TIMEOUT"
+BUILTIN_DISTRIBUTION = "moe-selector"
+BUILTIN_PACKAGE = "selector.plugins."
 _NAME = re.compile(r"^[a-z0-9_]+$")
 RESERVED_NAMES = frozenset({"auto"})
 
@@ -54,6 +60,7 @@ class Registry:
     providers: dict[str, str] = field(default_factory=dict)  # backend name -> plugin name
     plugins: list[PluginInfo] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # duplicates, malformed specs
+    builtins: set[str] = field(default_factory=set)  # the plugins shipped in moe-selector (selector.plugins.*)
 
     @property
     def names(self) -> list[str]:
@@ -79,9 +86,55 @@ def _distribution_of(ep: metadata.EntryPoint) -> str:
 
 
 def _short_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}{_where(exc)}"
+
+
+def is_builtin(target: str, distribution: str) -> bool:
+    """A backend package shipped in this distribution (`selector.plugins.<name>` from moe-selector)."""
+    name = re.sub(r"[-_.]+", "-", distribution.split(" ")[0]).lower()  # PEP 503 normalised
+    return target.startswith(BUILTIN_PACKAGE) and name == BUILTIN_DISTRIBUTION
+
+
+_T = TypeVar("_T")
+
+
+class _NoAnswer(Exception):
+    """A plugin's import or hook that did not return in time (it keeps running in its daemon thread)."""
+
+
+def _bounded(call: Callable[[], _T], timeout: float, what: str) -> _T:
+    """`call()` in a daemon thread: its value, or what it raised (any BaseException but KeyboardInterrupt,
+    re-raised here as is), or _NoAnswer after `timeout` seconds. A hung plugin is left running in its thread;
+    daemon threads do not keep the process alive at exit."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # SystemExit from sys.exit() included: it would end only this thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"selector-plugin {what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise _NoAnswer(f"did not answer within {timeout:g} s (raise {TIMEOUT_VARIABLE} if it is only slow)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, _NoAnswer):
+        return str(exc)
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r}){_where(exc)}"
+    return _short_error(exc)
+
+
+def _where(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def _validate_spec(spec: object) -> str | None:
@@ -101,35 +154,40 @@ def build_registry(
 ) -> Registry:
     """Load every plugin and collect its backends. Never raises for a plugin's fault."""
     allow, block = settings.get(ALLOW_VARIABLE, environ), settings.get(BLOCK_VARIABLE, environ)
+    timeout = float(settings.get(TIMEOUT_VARIABLE, environ))
     if entry_points is None:
         entry_points = metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     registry = Registry()
-    sources: list[tuple[str, str, str, Any]] = []  # name, target, distribution, object or exception
+    # position, name, target, distribution, entry point or plugin object
+    sources: list[tuple[int, str, str, str, Any]] = []
+    infos: list[tuple[int, PluginInfo]] = []  # listed in entry-point order, whatever order they loaded in
 
-    for ep in sorted(entry_points, key=lambda e: e.name):
+    for position, ep in enumerate(sorted(entry_points, key=lambda e: e.name)):
         if (allow and ep.name not in allow) or ep.name in block:
             why = f"not in {ALLOW_VARIABLE}" if allow and ep.name not in allow else f"in {BLOCK_VARIABLE}"
-            registry.plugins.append(PluginInfo(ep.name, ep.value, _distribution_of(ep), skipped=why))
+            infos.append((position, PluginInfo(ep.name, ep.value, _distribution_of(ep), skipped=why)))
             continue
-        try:
-            obj: Any = ep.load()
-        except BaseException as exc:  # an import can raise anything, SystemExit included
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            obj = exc
-        sources.append((ep.name, ep.value, _distribution_of(ep), obj))
+        sources.append((position, ep.name, ep.value, _distribution_of(ep), ep))
     for name, obj in (extra_plugins or {}).items():
-        sources.append((name, getattr(obj, "__name__", repr(obj)), "(registered in code)", obj))
+        target = getattr(obj, "__name__", repr(obj))
+        sources.append((len(infos) + len(sources), name, target, "(registered in code)", obj))
 
-    for name, target, dist, obj in sources:
-        if isinstance(obj, BaseException):
-            registry.plugins.append(PluginInfo(name, target, dist, error=f"import failed: {_short_error(obj)}"))
-            continue
-        info = _collect(pm, registry, name, target, dist, obj, allow, block)
-        registry.plugins.append(info)
+    # Built-ins first, so that a third-party backend of the same name meets the built-in already there.
+    for position, name, target, dist, obj in sorted(sources, key=lambda src: (not is_builtin(src[2], src[3]), src[0])):
+        if isinstance(obj, metadata.EntryPoint):
+            try:
+                obj = _bounded(obj.load, timeout, name)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # an import can raise anything, SystemExit included
+                infos.append((position, PluginInfo(name, target, dist, error=f"import failed: {_failure(exc)}")))
+                continue
+        info = _collect(pm, registry, name, target, dist, obj, allow, block, timeout)
+        infos.append((position, info))
+    registry.plugins.extend(info for _, info in sorted(infos, key=lambda item: item[0]))
     return registry
 
 
@@ -142,15 +200,18 @@ def _collect(
     obj: object,
     allow: set[str],
     block: set[str],
+    timeout: float,
 ) -> PluginInfo:
     try:
         pm.register(obj, name=name)
         impls = [impl for impl in pm.hook.selector_backends.get_hookimpls() if impl.plugin is obj]
         if not impls:
             return PluginInfo(name, target, dist, error="defines no selector_backends hook implementation")
-        specs = [spec for impl in impls for spec in (impl.function() or ())]
-    except Exception as exc:
-        return PluginInfo(name, target, dist, error=f"hook failed: {_short_error(exc)}")
+        specs = _bounded(lambda: [spec for impl in impls for spec in (impl.function() or ())], timeout, name)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a hook can raise anything, SystemExit included
+        return PluginInfo(name, target, dist, error=f"hook failed: {_failure(exc)}")
 
     added: list[str] = []
     errors: list[str] = []
@@ -161,7 +222,18 @@ def _collect(
             continue
         if (allow and spec.name not in allow and name not in allow) or spec.name in block:
             continue
-        if spec.name in registry.specs:
+        holder = registry.providers.get(spec.name)
+        if holder is not None and holder in registry.builtins and name not in registry.builtins:
+            if name not in allow:
+                errors.append(
+                    f"backend {spec.name!r} is a built-in backend's name; keeping the built-in {holder!r} "
+                    f"(to let {name!r} replace it, list {name!r} in {ALLOW_VARIABLE} with every plugin to load)"
+                )
+                continue
+            registry.problems.append(
+                f"backend {spec.name!r}: the built-in is replaced by {name!r}, which {ALLOW_VARIABLE} lists"
+            )
+        elif spec.name in registry.specs:
             registry.problems.append(
                 f"backend {spec.name!r} is provided by both {registry.providers[spec.name]!r} and {name!r}; "
                 f"keeping {registry.providers[spec.name]!r} (block one with {BLOCK_VARIABLE})"
@@ -170,6 +242,8 @@ def _collect(
         registry.specs[spec.name] = spec
         registry.providers[spec.name] = name
         added.append(spec.name)
+    if is_builtin(target, dist):
+        registry.builtins.add(name)
     error = "; ".join(errors) if errors else None
     registry.problems.extend(f"plugin {name!r}: {e}" for e in errors)
     return PluginInfo(name, target, dist, backends=tuple(added), error=error)

@@ -184,7 +184,9 @@ def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availabil
     if spec.check is not None:
         try:
             verdict = spec.check(problem, env)
-        except Exception as exc:  # a plugin's bug is reported, not raised into the model
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a plugin's bug (sys.exit included) is reported, not raised into the model
             return Availability(Status.PLUGIN_ERROR, f"its check raised {type(exc).__name__}: {exc}")
         if verdict is not None:
             return verdict  # an ok verdict may carry facts worth showing (e.g. "cached at ...")

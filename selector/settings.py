@@ -112,8 +112,13 @@ _DECLARED = [
     Setting("SELECTOR_CONFIG", "path", None,
             "a YAML file read after the user and project files (prefer / deny / pin); it must exist"),
     Setting("SELECTOR_PLUGINS_ALLOW", "names", frozenset(),
-            "comma list of plugin or backend names to load; every other plugin is skipped (empty: all)"),
+            "comma list of plugin or backend names to load; every other plugin is skipped (empty: all). A "
+            "third-party plugin listed here may replace a built-in backend of the same name"),
     Setting("SELECTOR_PLUGINS_BLOCK", "names", frozenset(), "comma list of plugin or backend names to skip"),
+    Setting("SELECTOR_PLUGIN_TIMEOUT", "float", 30.0,
+            "seconds a plugin's import or selector_backends hook may take before it is reported as not answering "
+            "and skipped (it keeps running in a daemon thread); a bad value means the default",
+            positive=True, on_bad="default"),
     Setting("SELECTOR_VALIDATE", "choice", None,
             "input checks at the experts boundary: full (values every call), first (values on the first call "
             "of each module and shape), shapes, off",

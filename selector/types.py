@@ -86,7 +86,14 @@ class ToolkitRule:
 
 @dataclass(frozen=True)
 class Requirements:
-    """What a backend needs, declared as data so the ranking can explain every exclusion."""
+    """What a backend needs, declared as data so the ranking can explain every exclusion.
+
+    Closed world: a backend runs only the layouts it declares. The defaults describe the plain layout, gated
+    experts with concatenated ``[gate | up]`` weights ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, no
+    bias, no custom gate, no post-expert norm, no expert-parallel sentinel ids; a backend whose forward runs
+    more sets each flag it really runs to True (docs/plugins.md). A flag left False means "auto" never picks
+    the backend for such a layer and an explicit request of it raises ValueError before the forward is called.
+    """
 
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     min_compute_capability: tuple[int, int] | None = None
@@ -98,14 +105,14 @@ class Requirements:
     scale_formats: frozenset[str] = frozenset(SCALE_FORMATS)
     activation_quant: frozenset[str] = frozenset({"dynamic"})
     activations: frozenset[str] | None = None  # None: any activation (the module's act_fn is called)
-    gated: bool = True
-    non_gated: bool = True
-    bias: bool = True
-    transposed: bool = True
-    interleaved: bool = True
-    custom_gate: bool = True  # a module-specific _apply_gate (GPT-OSS's clamped SwiGLU)
-    post_expert_norm: bool = True
-    expert_parallel: bool = True  # the sentinel expert id is honoured
+    gated: bool = True  # act(gate) * up over gate_up_proj [E, 2I, H]
+    non_gated: bool = False  # act(up) over up_proj [E, I, H] (has_gate False)
+    bias: bool = False  # gate_up_proj_bias / up_proj_bias [E, 2I] and down_proj_bias [E, H]
+    transposed: bool = False  # is_transposed: gate_up_proj [E, H, 2I], down_proj [E, I, H]
+    interleaved: bool = False  # is_concatenated False: gate/up channels [g0, u0, g1, u1, ...]
+    custom_gate: bool = False  # a module-specific _apply_gate (GPT-OSS's clamped SwiGLU) is called
+    post_expert_norm: bool = False  # module.post_expert_norm is applied to each expert's output
+    expert_parallel: bool = False  # the sentinel expert id (== num_experts) is honoured: it contributes nothing
     needs_process_group: bool = False
 
 

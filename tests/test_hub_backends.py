@@ -974,7 +974,7 @@ class _CpuFakePlugin:
 
             return _load
 
-        cpu = Requirements(devices=frozenset({"cpu"}), dtypes=frozenset({"bfloat16"}))
+        cpu = Requirements(devices=frozenset({"cpu"}), dtypes=frozenset({"bfloat16"}), bias=True)  # the test's layer is biased
         return [BackendSpec(name="deepgemm_fake_cpu", load=load("deepgemm"), requirements=cpu),
                 BackendSpec(name="sonicmoe_fake_cpu", load=load("sonicmoe"), requirements=cpu)]
 

@@ -639,7 +639,7 @@ class _Fp8Plugin:
         dtypes = frozenset({"bfloat16", "float16", "float32", "float8_e4m3fn"})
         return [selector.BackendSpec(name="fake_fp8", load=lambda: forward, estimate=lambda p, e: 1e-12,
                                      requirements=selector.Requirements(weight_formats=frozenset({"fp8_block"}),
-                                                                        dtypes=dtypes))]
+                                                                        dtypes=dtypes, custom_gate=True))]
 
 
 def test_quantized_auto_takes_a_selector_backend_for_the_format(monkeypatch):

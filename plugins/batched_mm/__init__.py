@@ -40,8 +40,18 @@ def selector_backends() -> Sequence[BackendSpec]:
             load=_load,
             format_loads=quantised_forwards("batched"),
             # fp8_block / fp4 experts run through plugins/quant_kernels (one pair per program, no weight copies)
+            # every layout of selector.layers: the gate, activation and norm run in torch between the matmuls,
+            # sentinel slots compute on expert 0 with weight 0 (quantised experts: not transposed, check_quantized)
             requirements=Requirements(
-                weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS, activation_quant=QUANT_ACTIVATION_QUANT
+                weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
+                activation_quant=QUANT_ACTIVATION_QUANT,
+                non_gated=True,
+                bias=True,
+                transposed=True,
+                interleaved=True,
+                custom_gate=True,
+                post_expert_norm=True,
+                expert_parallel=True,
             ),
             check=check_quantized,
             description="gather one weight copy per (token, expert) pair, then batched matmuls",

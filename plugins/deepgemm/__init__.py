@@ -36,6 +36,13 @@ REQUIREMENTS = Requirements(
     scale_formats=frozenset({"float32", "ue8m0"}),
     activation_quant=frozenset({"dynamic"}),
     # The activation (and any custom gate, bias, post-expert norm) runs in torch between the two GEMMs.
+    non_gated=True,
+    bias=True,
+    transposed=True,  # [E, K, N] weights take the NN kernels
+    interleaved=True,  # the module's _apply_gate splits the channels
+    custom_gate=True,
+    post_expert_norm=True,
+    expert_parallel=True,  # sentinels sort past every block and their rows are zeroed
 )
 
 FIRST_CALL_COST = (

@@ -28,7 +28,17 @@ def selector_backends() -> Sequence[BackendSpec]:
         BackendSpec(
             name="eager",
             load=_load,
-            requirements=Requirements(),
+            # the reference: every layout of selector.layers (biases, transposed, interleaved, non-gated, the
+            # module's own gate, post-expert norm, expert-parallel sentinels skipped)
+            requirements=Requirements(
+                non_gated=True,
+                bias=True,
+                transposed=True,
+                interleaved=True,
+                custom_gate=True,
+                post_expert_norm=True,
+                expert_parallel=True,
+            ),
             description="loop over the experts hit; one matmul pair per expert",
             estimate=_estimate,
             cuda_graph_safe=False,  # the set of experts hit is read on the host

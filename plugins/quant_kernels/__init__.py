@@ -42,6 +42,12 @@ def check_quantized(problem: Problem, env: Environment) -> Availability | None:
     """None for dense problems, or for quantised ones these kernels can run here; else why not and the fix."""
     if problem.weight_format == "dense":
         return None
+    if problem.is_transposed:
+        return Availability(
+            Status.UNSUPPORTED_CONFIG,
+            f"runs {problem.weight_format} experts stored [E, out, in] only, not the transposed layout",
+            "quantise the experts from the untransposed layout (selector.quant.quantize_experts stores [E, out, in])",
+        )
     if problem.weight_format == "fp4" and problem.scale_format not in (None, "ue8m0"):
         return Availability(
             Status.UNSUPPORTED_CONFIG,

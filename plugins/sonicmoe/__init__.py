@@ -53,7 +53,8 @@ REQUIREMENTS = Requirements(
     dtypes=frozenset({"bfloat16"}),
     # activations, gating and custom gates are judged by `_activation` (ImportError, as the issue asks)
     activations=None,
-    custom_gate=True,
+    non_gated=True,  # claimed so that `_activation` answers with the ImportError the design asks for
+    custom_gate=True,  # likewise refused by `_activation`
     bias=True,
     transposed=True,  # copied once into the kernel's (E, 2I, H) layout, cached on the module
     interleaved=True,  # the kernel's own default layout; concatenated gate|up is a flag

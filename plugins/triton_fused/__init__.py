@@ -52,6 +52,11 @@ def selector_backends() -> Sequence[BackendSpec]:
                 weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
                 activation_quant=QUANT_ACTIVATION_QUANT,
                 activations=ACTIVATIONS,
+                non_gated=True,  # act(up) in the epilogue
+                bias=True,  # both biases added in the GEMM epilogues
+                transposed=True,  # the kernel reads either stride order
+                interleaved=True,  # the epilogue pairs [g0, u0, g1, u1, ...] as well as [gate | up]
+                expert_parallel=True,  # align drops sentinel ids; the combine skips their slots
                 custom_gate=False,  # the gate is fused into the GEMM epilogue: only act(gate) * up
                 post_expert_norm=False,
             ),
