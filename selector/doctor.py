@@ -65,6 +65,8 @@ class DoctorReport:
     ranking: Ranking | None = None
     required: list[str] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)  # what makes the exit code 1
+    # shown, not fatal: a plugin nobody asked for that failed (its backends are simply absent)
+    warnings: list[str] = field(default_factory=list)
     usable: list[str] = field(default_factory=list)  # what `auto` may choose for the judged layer, best first
     no_estimate: list[str] = field(default_factory=list)  # runnable backends that give no cost estimate
 
@@ -78,6 +80,7 @@ class DoctorReport:
             "selector_version": selector.__version__,
             "exit_code": self.exit_code,
             "broken": self.broken,
+            "warnings": self.warnings,
             "checks": [c.to_dict() for c in self.checks],
             "backends_for": self.backend_problem.to_dict(),
             "backends": [b.to_dict() for b in self.backends],
@@ -181,7 +184,9 @@ def build_report(
             broken.append(str(exc))
             config = SelectorConfig()
     checks = [_gpu_check(env), _toolkit_check(env), _packages_check(env), _plugins_check(registry)]
-    broken += [f"plugin {p.name}: {p.error}" for p in registry.plugins if p.error]
+    # An installed plugin is not a request: its failure is reported; it breaks only what names its backends
+    # (a --require or a pin of a name it would have provided is then "not registered").
+    warnings = [f"plugin {p.name}: {p.error}" for p in registry.plugins if p.error]
 
     judged = problem or default_problem(env)
     if problem is None and not env.gpu.devices:
@@ -220,6 +225,7 @@ def build_report(
         ranking=ranking if problem is not None else None,
         required=list(required),
         broken=broken,
+        warnings=warnings,
         usable=usable,
         no_estimate=[n for n in usable if not _has_estimate(registry, n, judged, env)],
     )

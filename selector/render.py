@@ -72,6 +72,9 @@ def render_text(report: DoctorReport) -> str:
     if report.ranking is not None:
         lines += ["", *ranking_lines(report.ranking, report.no_estimate)]
     lines.append("")
+    if report.warnings:
+        lines.append(f"{WARN} {len(report.warnings)} warning(s):")
+        lines.extend(f"  - {w}" for w in report.warnings)
     if report.broken:
         lines.append(f"{BAD} {len(report.broken)} problem(s):")
         lines.extend(f"  - {b}" for b in report.broken)
