@@ -208,7 +208,7 @@ def _with_forced_nvcc(facts: ToolkitFacts, value: str) -> ToolkitFacts:
         changes["problem"] = "; ".join(p for p in (facts.problem, bad) if p)
         return _replace(facts, **changes)
     nvcc = _nvcc_in(facts.root) if facts.root else None
-    # The user vouches for an nvcc, so a missing root is no longer a problem.
+    # The user vouches for an nvcc, so a missing root is not a problem.
     changes.update(nvcc_path=nvcc, nvcc_version=version, problem=None)
     return _replace(facts, **changes)
 

@@ -116,6 +116,19 @@ class Requirements:
     needs_process_group: bool = False
 
 
+# Requirements(**EVERY_LAYOUT, ...): a backend whose torch code runs every layout of selector.layers (the gate,
+# activation and norm between its matmuls, sentinel slots skipped).
+EVERY_LAYOUT: Mapping[str, bool] = {
+    "non_gated": True,
+    "bias": True,
+    "transposed": True,
+    "interleaved": True,
+    "custom_gate": True,
+    "post_expert_norm": True,
+    "expert_parallel": True,
+}
+
+
 @dataclass(frozen=True)
 class Problem:
     """One experts layer as the selector sees it. Built from a module (model API) or from flags (doctor, bench)."""

@@ -51,7 +51,7 @@ def test_int32_and_int64_ids_give_the_right_output(backend: str, dtype: torch.dt
 )
 def test_other_id_dtypes_are_refused_with_the_fix(backend: str, dtype: torch.dtype, why: str) -> None:
     module = _layer(backend)
-    # As many ids as experts: the length at which a uint8 mask used to be read silently as the wrong experts.
+    # As many ids as experts: the length at which torch would read a uint8 tensor as a mask over the experts, silently wrong.
     x = torch.randn(4, 32)
     idx, w = random_routing(4, 8, 2)
     with pytest.raises(ExpertsInputError) as info:

@@ -18,6 +18,7 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import ceilings, floor_seconds, tokens, weight_bytes_per_expert
+from selector.types import EVERY_LAYOUT
 
 
 def _load():  # noqa: ANN202
@@ -45,13 +46,7 @@ def selector_backends() -> Sequence[BackendSpec]:
             requirements=Requirements(
                 weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
                 activation_quant=QUANT_ACTIVATION_QUANT,
-                non_gated=True,
-                bias=True,
-                transposed=True,
-                interleaved=True,
-                custom_gate=True,
-                post_expert_norm=True,
-                expert_parallel=True,
+                **EVERY_LAYOUT,
             ),
             check=check_quantized,
             description="gather one weight copy per (token, expert) pair, then batched matmuls",

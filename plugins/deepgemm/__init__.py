@@ -14,12 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from selector.plugins.deepgemm.warmth import (
+    KERNEL,
+    forget_compiled,
+    is_compiled,
+    problem_key,
+    record_compiled,
+    shape_key,
+)
 from selector.probes import Environment
 
 from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
 from selector.costmodel import floor_seconds
-from selector.plugins.deepgemm.warmth import KERNEL, forget_compiled, is_compiled, problem_key, record_compiled, shape_key
-
+from selector.types import EVERY_LAYOUT
 
 HOPPER = ToolkitRule(min_cc=(9, 0), max_cc=(10, 0), nvcc=(12, 3), family="Hopper")
 BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 9), family="Blackwell")
@@ -35,14 +42,9 @@ REQUIREMENTS = Requirements(
     weight_formats=frozenset({"dense", "fp8_block", "fp4"}),
     scale_formats=frozenset({"float32", "ue8m0"}),
     activation_quant=frozenset({"dynamic"}),
-    # The activation (and any custom gate, bias, post-expert norm) runs in torch between the two GEMMs.
-    non_gated=True,
-    bias=True,
-    transposed=True,  # [E, K, N] weights take the NN kernels
-    interleaved=True,  # the module's _apply_gate splits the channels
-    custom_gate=True,
-    post_expert_norm=True,
-    expert_parallel=True,  # sentinels sort past every block and their rows are zeroed
+    # The activation (and any custom gate, bias, post-expert norm) runs in torch between the two GEMMs;
+    # transposed [E, K, N] weights take the NN kernels; sentinels sort past every block, their rows zeroed.
+    **EVERY_LAYOUT,
 )
 
 FIRST_CALL_COST = (

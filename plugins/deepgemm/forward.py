@@ -28,12 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from selector.plugins.deepgemm.warmth import KERNEL, record_compiled, shape_key
 
 from selector import hub, layers
 from selector.environment import current_environment
 from selector.quant import is_ue8m0_tensor, ue8m0_bytes, ue8m0_to_float
-
-from selector.plugins.deepgemm.warmth import KERNEL, record_compiled, shape_key
 
 BF16_SYMBOLS = (
     "m_grouped_bf16_gemm_nt_contiguous",

@@ -8,6 +8,7 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import experts_hit, floor_seconds
+from selector.types import EVERY_LAYOUT
 
 
 def _load():  # noqa: ANN202 - returns the forward function
@@ -31,13 +32,7 @@ def selector_backends() -> Sequence[BackendSpec]:
             # the reference: every layout of selector.layers (biases, transposed, interleaved, non-gated, the
             # module's own gate, post-expert norm, expert-parallel sentinels skipped)
             requirements=Requirements(
-                non_gated=True,
-                bias=True,
-                transposed=True,
-                interleaved=True,
-                custom_gate=True,
-                post_expert_norm=True,
-                expert_parallel=True,
+                **EVERY_LAYOUT,
             ),
             description="loop over the experts hit; one matmul pair per expert",
             estimate=_estimate,

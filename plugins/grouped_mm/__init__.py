@@ -18,6 +18,7 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
+from selector.types import EVERY_LAYOUT
 
 
 def _load():  # noqa: ANN202
@@ -47,13 +48,7 @@ def selector_backends() -> Sequence[BackendSpec]:
                 activation_quant=QUANT_ACTIVATION_QUANT,
                 # every layout of selector.layers: the gate, activation and norm run in torch between the GEMMs,
                 # sentinels sort to the tail and are zeroed (quantised experts: not transposed, check_quantized)
-                non_gated=True,
-                bias=True,
-                transposed=True,
-                interleaved=True,
-                custom_gate=True,
-                post_expert_norm=True,
-                expert_parallel=True,
+                **EVERY_LAYOUT,
             ),
             check=check_quantized,
             description="sort by expert, then torch grouped GEMMs (loop fallback as a custom op)",

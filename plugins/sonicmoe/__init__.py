@@ -48,12 +48,12 @@ from selector.plugins.sonicmoe.warmth import (
 REQUIREMENTS = Requirements(
     devices=frozenset({"cuda"}),
     min_compute_capability=(9, 0),
-    # the set that ran on the H200 (gpu-notes): cutlass-dsl 4.4.2; apache-tvm-ffi is checked in `_packages`
+    # the set measured on the H200: cutlass-dsl 4.4.2; apache-tvm-ffi is checked in `_packages`
     packages={"kernels": hub.KERNELS_MIN_VERSION, "nvidia-cutlass-dsl": "4.4"},
     dtypes=frozenset({"bfloat16"}),
-    # activations, gating and custom gates are judged by `_activation` (ImportError, as the issue asks)
+    # activations, gating and custom gates are judged by `_activation`: an explicit request gets an ImportError
     activations=None,
-    non_gated=True,  # claimed so that `_activation` answers with the ImportError the design asks for
+    non_gated=True,  # claimed so that `_activation` refuses it with a clear ImportError, not a silent skip
     custom_gate=True,  # likewise refused by `_activation`
     bias=True,
     transposed=True,  # copied once into the kernel's (E, 2I, H) layout, cached on the module
