@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from selector import layers
+from selector import layers, settings
 from selector.config import SelectorConfig, load_config
 from selector.environment import current_environment
 from selector.errors import unavailable_error
@@ -64,6 +64,7 @@ class _Resolver:
         self.forwards: dict[tuple[str, str], ExpertsForward] = {}
         self.auto: dict[tuple[Problem, int | None], str] = {}
         self.verdicts: dict[tuple[str, Problem], Any] = {}
+        self.ran: set[tuple[str, Problem]] = set()  # (backend, problem at its token bucket) run in this process
         self.generation += 1  # invalidates the per-module choice caches
 
     def get_registry(self) -> Registry:
@@ -85,7 +86,9 @@ class _Resolver:
     def rank(self, problem: Problem) -> Ranking:
         env = current_environment()
         measured = measured_for(problem, env, tuning_table())
-        return rank(problem, env, self.get_registry(), self.get_config(), measured=measured)
+        warm = {name for name, seen in self.ran if seen == problem}
+        amortize = float(settings.get("SELECTOR_JIT_AMORTIZE_CALLS"))
+        return rank(problem, env, self.get_registry(), self.get_config(), measured, warm, amortize)
 
 
 _RESOLVER = _Resolver()
@@ -203,8 +206,11 @@ def choose_backend(
         requested = requested_implementation(module)
     # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph
     problem = replace(problem_of(module, top_k), compile=torch.compiler.is_compiling(), cuda_graph=capturing)
+    bucket = None if num_tokens is None else token_bucket(num_tokens)
     if requested == AUTO:
-        return _auto_pick(problem, None if num_tokens is None else token_bucket(num_tokens))
+        name = _auto_pick(problem, bucket)
+        _RESOLVER.ran.add((name, problem.with_tokens(bucket)))
+        return name
     # an explicit name may graph-break under torch.compile (the user's call); only auto avoids that
     problem = replace(problem, compile=False)
     key = (requested, problem)
@@ -214,6 +220,7 @@ def choose_backend(
     verdict = _RESOLVER.verdicts[key]
     if not verdict.ok:
         raise unavailable_error(requested, verdict)
+    _RESOLVER.ran.add((requested, problem.with_tokens(bucket)))  # its first-call cost for this shape is paid
     return requested
 
 

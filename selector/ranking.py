@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
+from dataclasses import replace
 
 from selector.config import SelectorConfig
 from selector.probes import Environment
 from selector.registry import Registry
 from selector.requirements import evaluate
+from selector.tuning import Measurement
 from selector.types import Availability, Candidate, Problem, Ranking, Status
 
 UNKNOWN_COST = 1.0  # seconds: a backend that gives no estimate sorts after every one that does
@@ -23,18 +25,44 @@ def _estimate(registry: Registry, name: str, problem: Problem, env: Environment)
         return UNKNOWN_COST
 
 
+def _pending(registry: Registry, name: str, problem: Problem, env: Environment, m: Measurement,
+             warm: Container[str]) -> float:  # fmt: skip
+    """One-time seconds still ahead before `name` runs `problem` at its measured speed in this process."""
+    pending = registry.specs[name].pending_cost
+    if pending is not None:
+        try:
+            return max(0.0, float(pending(problem, env)))
+        except Exception:  # a broken hook must not hide a working backend: assume what tuning saw
+            pass
+    return 0.0 if name in warm else m.first_call_s
+
+
+def _measured_candidate(
+    registry: Registry, name: str, problem: Problem, env: Environment, m: Measurement | float,
+    warm: Container[str], amortize_calls: float,
+) -> Candidate:  # fmt: skip
+    if not isinstance(m, Measurement):
+        m = Measurement(float(m))
+    cost = m.time_s + _pending(registry, name, problem, env, m, warm) / max(amortize_calls, 1.0)
+    return Candidate(name=name, estimate=cost, source="measured", measured_tokens=m.tokens or None, spread=m.spread)
+
+
 def rank(
     problem: Problem,
     env: Environment,
     registry: Registry,
     config: SelectorConfig | None = None,
-    measured: Mapping[str, float] | None = None,
+    measured: Mapping[str, Measurement | float] | None = None,
+    warm: Container[str] = (),
+    amortize_calls: float = 1000.0,
 ) -> Ranking:
     """Order the backends that can run `problem` here, fastest first, and say why each other one cannot.
 
     Every backend is judged once (`Ranking.verdicts`), denied ones too. Order: a pinned backend first, then
-    preferred ones in the config's order, then by measured time (`measured`: backend -> seconds for this
-    problem, e.g. from tuning) or else by the plugin's estimate.
+    preferred ones in the config's order, then by cost: the measured time where `measured` (backend ->
+    Measurement for this problem, from the tuning store) has one, plus the one-time cost still ahead in this
+    process (the backend's `pending_cost`, else the measured first-call cost unless the backend is in `warm`)
+    spread over `amortize_calls` calls; else the plugin's static estimate. Each candidate says which it used.
     """
     config = config or SelectorConfig()
     excluded: dict[str, Availability] = {}
@@ -52,15 +80,12 @@ def rank(
         if not verdict.ok:
             excluded[name] = verdict
             continue
-        cost = (measured or {}).get(name)
-        runnable.append(
-            Candidate(
-                name=name,
-                estimate=cost if cost is not None else _estimate(registry, name, problem, env),
-                pinned=name == config.pin,
-                preferred=name in config.prefer,
-            )
-        )
+        m = (measured or {}).get(name)
+        if m is not None:
+            found = _measured_candidate(registry, name, problem, env, m, warm, amortize_calls)
+        else:
+            found = Candidate(name=name, estimate=_estimate(registry, name, problem, env))
+        runnable.append(replace(found, pinned=name == config.pin, preferred=name in config.prefer))
 
     def order(c: Candidate) -> tuple[int, int, float, str]:
         preference = config.prefer.index(c.name) if c.preferred else len(config.prefer)

@@ -16,7 +16,7 @@ from typing import Any
 from selector import tuning
 from selector.daemon.client import shared_tuning_records
 from selector.probes import Environment
-from selector.tuning import TuningTable, record_key, records_from_bench
+from selector.tuning import Measurement, TuningTable, record_key
 from selector.types import Problem
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
     "known_records",
     "measured_for",
     "read_records",
-    "records_from_bench",
+    "current_fingerprint",
     "reload",
     "tuning_table",
     "user_tuning_path",
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 DATA_DIR = Path(__file__).parent / "tuning_data"
-SCHEMA = "selector.tuning/1"
+SCHEMA = tuning.SCHEMA
 
 
 def user_tuning_path() -> Path:
@@ -68,17 +68,30 @@ def known_records() -> list[dict[str, Any]]:
     return [r for path in paths for r in read_records(path)] + shared_tuning_records()
 
 
+def current_fingerprint() -> str:
+    """The tuning fingerprint of this process: its environment, selector's and every backend plugin's version."""
+    from selector.environment import current_environment
+    from selector.registry import get_registry
+
+    import selector
+
+    versions = {"moe-selector": selector.__version__}
+    for info in get_registry().plugins:
+        versions[f"plugin:{info.name}"] = info.distribution
+    return tuning.tuning_fingerprint(current_environment(), versions)
+
+
 @cache
 def tuning_table() -> TuningTable:
-    """The known records indexed for lookup, gathered once per process (until `reload`)."""
-    return TuningTable.from_records(known_records())
+    """The known records of this fingerprint indexed for lookup, gathered once per process (until `reload`)."""
+    return TuningTable.from_records(known_records(), current_fingerprint())
 
 
 def reload() -> None:
-    """Gather the records again on next use (after a bench wrote new ones)."""
+    """Gather the records again on next use (after a tuning run wrote new ones)."""
     tuning_table.cache_clear()
 
 
-def measured_for(problem: Problem, env: Environment) -> dict[str, float] | None:
-    """{backend: seconds} this node measured for `problem`, if any (the pure lookup over `tuning_table()`)."""
+def measured_for(problem: Problem, env: Environment) -> dict[str, Measurement] | None:
+    """What this node measured for `problem`, if any (the pure lookup over `tuning_table()`)."""
     return tuning.measured_for(problem, env, tuning_table())

@@ -185,6 +185,9 @@ class BackendSpec:
     first_call_cost: str = ""  # e.g. "JIT-compiles 25-144 s on the first call of a shape"
     url: str = ""
     format_loads: Mapping[str, Callable[[], ExpertsForward]] = field(default_factory=dict)
+    # seconds of one-time work (JIT compile, download) still ahead in this process before the backend runs
+    # `problem` at its steady speed; added to a measured time, spread over SELECTOR_JIT_AMORTIZE_CALLS calls
+    pending_cost: Callable[[Problem, Environment], float] | None = None
 
     def loader(self, weight_format: str = "dense") -> Callable[[], ExpertsForward]:
         """What imports the forward this backend runs for `weight_format`."""
@@ -196,9 +199,12 @@ class Candidate:
     """A runnable backend, with the cost estimate it was ordered by."""
 
     name: str
-    estimate: float
+    estimate: float  # seconds per call the order used: measured (plus one-time cost still ahead) or estimated
     pinned: bool = False
     preferred: bool = False
+    source: str = "estimate"  # "measured" (the tuning store's time for this problem) or "estimate" (static)
+    measured_tokens: int | None = None  # the token count the measurement was taken at
+    spread: float | None = None  # the measurement's relative spread over its rounds
 
 
 @dataclass(frozen=True)

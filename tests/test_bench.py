@@ -59,11 +59,16 @@ def test_bench_needs_cuda() -> None:
 
 def _use_as_tuning(result: BenchResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make `result` the only measured timings selector reads (callers tuning.reload() when done)."""
-    path = tmp_path / "tuning.json"
-    tuning.write_records(path, tuning.records_from_bench(result.to_dict()))
-    monkeypatch.setattr(tuning, "DATA_DIR", tmp_path / "none")
-    monkeypatch.setattr(tuning, "user_tuning_path", lambda: path)
+    from selector.bench.grid import records_from_bench
+
+    monkeypatch.setattr(tuning, "current_fingerprint", lambda: "test-fingerprint")
+    records = records_from_bench(result)
+    monkeypatch.setattr(tuning, "known_records", lambda: records)
     tuning.reload()
+
+
+def _times(measured: dict | None) -> dict | None:
+    return None if measured is None else {name: m.time_s for name, m in measured.items()}
 
 
 def test_measured_timings_steer_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +80,7 @@ def test_measured_timings_steer_auto(tmp_path: Path, monkeypatch: pytest.MonkeyP
         env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0", "SELECTOR_PACKAGE_TRITON": "3.6.0", "PATH": ""})
         problem = preset("qwen3-30b-a3b").with_tokens(2)
         measured = tuning.measured_for(problem, env)
-        assert measured == {"triton_fused": 30e-6, "grouped_mm": 10e-6}
+        assert _times(measured) == {"triton_fused": 30e-6, "grouped_mm": 10e-6}
         assert rank(problem, env, build_registry(environ={}), measured=measured).best == "grouped_mm"
         other_gpu = collect_environment({"SELECTOR_GPUS": "NVIDIA A100:8.0", "PATH": ""})
         assert tuning.measured_for(problem, other_gpu) is None
@@ -92,8 +97,8 @@ def test_graph_mode_timings_apply_only_while_capturing(tmp_path: Path, monkeypat
     try:
         env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0", "PATH": ""})
         problem = preset("qwen3-30b-a3b").with_tokens(1)
-        assert tuning.measured_for(problem, env) == {"triton_fused": 30e-6, "grouped_mm": 300e-6}
-        assert tuning.measured_for(replace(problem, cuda_graph=True), env) == {"grouped_mm": 1e-6}
+        assert _times(tuning.measured_for(problem, env)) == {"triton_fused": 30e-6, "grouped_mm": 300e-6}
+        assert _times(tuning.measured_for(replace(problem, cuda_graph=True), env)) == {"grouped_mm": 1e-6}
     finally:
         tuning.reload()
 
@@ -119,8 +124,11 @@ def test_quantised_cells_beside_dense_in_the_table() -> None:
     assert summary.rstrip().endswith("| 0.65 |")
 
 
-def test_quantised_cells_do_not_become_dense_tuning() -> None:
-    records = tuning.records_from_bench(BenchResult("NVIDIA H200", CEILINGS, "", _quant_cells()).to_dict())
+def test_quantised_cells_do_not_become_dense_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from selector.bench.grid import records_from_bench
+
+    monkeypatch.setattr(tuning, "current_fingerprint", lambda: "test-fingerprint")
+    records = records_from_bench(BenchResult("NVIDIA H200", CEILINGS, "", _quant_cells()))
     assert {(r["backend"], r["time_s"]) for r in records} == {("triton_fused", 34e-6), ("grouped_mm", 100e-6)}
 
 

@@ -65,10 +65,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         formats=args.formats,
     )
     paths = write_outputs(result, Path(args.out))
-    from selector.tuning import records_from_bench
+    from selector.bench.grid import records_from_bench
     from selector.tuning_store import user_tuning_path, write_records
 
-    records = records_from_bench(result.to_dict())
+    records = records_from_bench(result)
     write_records(Path(args.out) / "tuning.json", records)
     if args.save_tuning:
         write_records(user_tuning_path(), records)

@@ -83,6 +83,28 @@ def run_bench(
             del os.environ["SELECTOR_VALIDATE"]
 
 
+def records_from_bench(result: BenchResult) -> list[dict[str, Any]]:
+    """Tuning records (`selector.tuning`) of a run's timed cells: selector backends on dense layers, eager and
+    graph modes, under this process's tuning fingerprint."""
+    from selector import tuning
+    from selector.presets import PRESETS
+    from selector.tuning_store import current_fingerprint
+
+    fingerprint, out = current_fingerprint(), []
+    for cell in result.cells:
+        problem = PRESETS.get(cell.shape)
+        if problem is None or cell.mode not in tuning.MODES or not cell.time_s or cell.format != "dense":
+            continue
+        if cell.backend.startswith((PEER_PREFIX, "auto")):
+            continue
+        out.append({
+            "fingerprint": fingerprint, "gpu": result.device, "tokens": cell.tokens, "backend": cell.backend,
+            "problem": tuning.problem_key(replace(problem, dtype=cell.dtype)), "mode": cell.mode,
+            "time_s": cell.time_s, "tool": "selector bench",
+        })
+    return out
+
+
 def fill_peer_ratios(cells: list[Cell]) -> None:
     """vs_best_peer against Transformers' best of the same cell and weight format (peers run dense cells only)."""
     best: dict[tuple[str, int, str, str, str], float] = {}
