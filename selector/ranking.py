@@ -13,6 +13,9 @@ from selector.tuning import Measurement
 from selector.types import Availability, Candidate, Problem, Ranking, Status
 
 UNKNOWN_COST = 1.0  # seconds: a backend that gives no estimate sorts after every one that does
+# A measured first call this long is a JIT build the ranking charges until the backend ran the shape here; shorter
+# ones (a Triton compile, mostly served from Triton's disk cache in later processes) are not charged.
+JIT_SECONDS = 10.0
 
 
 def _estimate(registry: Registry, name: str, problem: Problem, env: Environment) -> float:
@@ -34,7 +37,7 @@ def _pending(registry: Registry, name: str, problem: Problem, env: Environment, 
             return max(0.0, float(pending(problem, env)))
         except Exception:  # a broken hook must not hide a working backend: assume what tuning saw
             pass
-    return 0.0 if name in warm else m.first_call_s
+    return 0.0 if name in warm or m.first_call_s < JIT_SECONDS else m.first_call_s
 
 
 def _measured_candidate(

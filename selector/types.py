@@ -6,7 +6,7 @@ None of these import torch: `selector doctor` must stay fast on a machine where 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -188,6 +188,9 @@ class BackendSpec:
     # seconds of one-time work (JIT compile, download) still ahead in this process before the backend runs
     # `problem` at its steady speed; added to a measured time, spread over SELECTOR_JIT_AMORTIZE_CALLS calls
     pending_cost: Callable[[Problem, Environment], float] | None = None
+    # tunes the backend's kernel parameters (tiles) for `problem` at these token counts on this GPU within a
+    # budget of seconds, keeps them where the backend finds them, and returns a summary for `selector tune`
+    tune_kernels: Callable[[Problem, Sequence[int], float], Mapping[str, Any]] | None = None
 
     def loader(self, weight_format: str = "dense") -> Callable[[], ExpertsForward]:
         """What imports the forward this backend runs for `weight_format`."""
