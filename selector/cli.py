@@ -105,7 +105,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     unknown = [name for name in args.require or () if name not in registry.specs]
     if unknown:
         raise UsageError(f"--require {', '.join(unknown)}: no such backend; registered: {', '.join(registry.names)}")
-    report = build_report(env, registry, problem=problem, required=args.require or ())
+    from selector import tuning_store
+    from selector.registry import plugin_versions
+    from selector.tuning import TuningTable, tuning_fingerprint
+
+    table = TuningTable.from_records(tuning_store.known_records(), tuning_fingerprint(env, plugin_versions(registry)))
+    report = build_report(env, registry, problem=problem, required=args.require or (), tuning=table,
+                          tuning_store=tuning_store.describe_sources())
     renderer = render_json if args.json else render_markdown if args.markdown else render_text
     print(renderer(report))
     return report.exit_code

@@ -62,6 +62,11 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return list(data.get("records", [])) if data.get("schema") == SCHEMA else []
 
 
+def describe_sources() -> str:
+    """Where `known_records` reads from, for people (doctor)."""
+    return f"{user_tuning_path()} (and shipped files in {DATA_DIR}, and the node daemon when one runs)"
+
+
 def known_records() -> list[dict[str, Any]]:
     """Every record this node knows, in override order: shipped files, the user's file, the daemon's."""
     paths = sorted(DATA_DIR.glob("*.json")) + [user_tuning_path()]
@@ -71,14 +76,9 @@ def known_records() -> list[dict[str, Any]]:
 def current_fingerprint() -> str:
     """The tuning fingerprint of this process: its environment, selector's and every backend plugin's version."""
     from selector.environment import current_environment
-    from selector.registry import get_registry
+    from selector.registry import get_registry, plugin_versions
 
-    import selector
-
-    versions = {"moe-selector": selector.__version__}
-    for info in get_registry().plugins:
-        versions[f"plugin:{info.name}"] = info.distribution
-    return tuning.tuning_fingerprint(current_environment(), versions)
+    return tuning.tuning_fingerprint(current_environment(), plugin_versions(get_registry()))
 
 
 @cache
