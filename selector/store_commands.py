@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from selector.tuning_store import TuningStore
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
 
@@ -50,7 +53,7 @@ def _handle(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _show(store: Any, fingerprint: str, as_json: bool) -> int:
+def _show(store: TuningStore, fingerprint: str, as_json: bool) -> int:
     summary = store.summary(fingerprint)
     if as_json:
         print(json.dumps({"schema": "selector.store/1", **summary.to_dict()}, indent=1))
@@ -69,7 +72,7 @@ def _show(store: Any, fingerprint: str, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _export(store: Any, file: Path, fingerprint: str | None) -> int:
+def _export(store: TuningStore, file: Path, fingerprint: str | None) -> int:
     from selector.cli import UsageError
 
     if file.is_dir():
@@ -84,7 +87,7 @@ def _export(store: Any, file: Path, fingerprint: str | None) -> int:
     return EXIT_OK
 
 
-def _import(store: Any, file: Path) -> int:
+def _import(store: TuningStore, file: Path) -> int:
     import warnings
 
     from selector import tuning_store

@@ -75,6 +75,7 @@ _INSERT = (
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _LOCK_POLL_S = 0.02
+_FIX = " (set SELECTOR_TUNING_STORE to a file you may write)"
 
 
 class TuningStoreWarning(UserWarning):
@@ -229,8 +230,8 @@ class TuningStore:
         rows = [(*(r[c] for c in KEY_COLUMNS), json.dumps(r, sort_keys=True), now) for r in kept]
         try:
             with self._transaction(write=True) as conn:
-                assert conn is not None
-                conn.executemany(_INSERT, rows)
+                if conn is not None:  # always one for a write
+                    conn.executemany(_INSERT, rows)
         except _Unusable as exc:
             return PutResult(0, refused + [f"not stored: {exc}"] * len(kept))
         return PutResult(len(kept), refused)
@@ -238,7 +239,7 @@ class TuningStore:
     def records(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
         """The stored records (of `fingerprint` alone when given), oldest write first; none when the store is
         missing or cannot be read."""
-        query, args = "SELECT record FROM records", ()
+        query, args = "SELECT record FROM records", tuple[str, ...]()
         if fingerprint is not None:
             query, args = query + " WHERE fingerprint = ?", (fingerprint,)
         try:
@@ -358,7 +359,7 @@ class TuningStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            return f"cannot use {self.path}: {exc.strerror} (set SELECTOR_TUNING_STORE to a file you may write)"
+            return f"cannot use {self.path}: {exc.strerror}{_FIX}"
         import stat
 
         if stat.S_ISLNK(st.st_mode):
@@ -376,13 +377,13 @@ class TuningStore:
             try:
                 folder.mkdir(parents=True, mode=0o700, exist_ok=True)
             except OSError as exc:
-                raise _Unusable(f"cannot create the folder {folder}: {exc.strerror} (set SELECTOR_TUNING_STORE to a file you may write)") from None
+                raise _Unusable(f"cannot create the folder {folder}: {exc.strerror}{_FIX}") from None
         try:
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         except FileExistsError:
             pass  # another process made it first
         except OSError as exc:
-            raise _Unusable(f"cannot create {self.path}: {exc.strerror} (set SELECTOR_TUNING_STORE to a file you may write)") from None
+            raise _Unusable(f"cannot create {self.path}: {exc.strerror}{_FIX}") from None
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -447,7 +448,7 @@ class TuningStore:
                             return
                         for statement in _CREATE:
                             conn.execute(statement)
-                        conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(STORE_VERSION),))
+                        conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(STORE_VERSION),))
                     yield conn
                     conn.commit()
                     return
@@ -457,6 +458,10 @@ class TuningStore:
             reason = f"{self.path}: {exc}"
             if "readonly" in str(exc) or "unable to open" in str(exc):
                 reason += " (check the permissions of the file and its folder, or set SELECTOR_TUNING_STORE)"
+            self._warn_once(f"tuning store not used: {reason}")
+            raise _Unusable(reason) from None
+        except OSError as exc:  # a lock the filesystem refuses, a folder that went away
+            reason = f"{self.path}: {exc.strerror or exc}"
             self._warn_once(f"tuning store not used: {reason}")
             raise _Unusable(reason) from None
         except _Unusable as exc:
@@ -469,7 +474,8 @@ class TuningStore:
         fd = self._lock_file("store-repair")
         try:
             if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                with contextlib.suppress(OSError):  # a filesystem without flock: repair unguarded, as one process would
+                    fcntl.flock(fd, fcntl.LOCK_EX)
             conn = self._connect()
             try:
                 self._begin(conn, write=False)
@@ -510,8 +516,7 @@ class TuningStore:
     def _delete(self, where: str, args: tuple[Any, ...]) -> int:
         try:
             with self._transaction(write=True) as conn:
-                assert conn is not None
-                return conn.execute("DELETE FROM records" + where, args).rowcount
+                return 0 if conn is None else conn.execute("DELETE FROM records" + where, args).rowcount
         except _Unusable:
             return 0
 

@@ -96,6 +96,24 @@ def test_stale_records_are_counted_and_never_in_the_table(tmp_path: Path, monkey
     assert measured is not None and {b: m.time_s for b, m in measured.items()} == {"grouped_mm": 2e-4}
 
 
+def test_known_records_shipped_then_store_then_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped = tmp_path / "tuning_data"
+    shipped.mkdir()
+    tuning_store.write_export(shipped / "h200.json", [_record(time_s=9e-4), _record(backend="eager", time_s=5e-4)])
+    (shipped / "broken.json").write_text("{not json")
+    monkeypatch.setattr(tuning_store, "DATA_DIR", shipped)
+    monkeypatch.setattr(tuning_store, "shared_tuning_records", lambda: [_record(backend="eager", time_s=1e-5)])
+    monkeypatch.setattr(tuning_store, "current_fingerprint", lambda: FP)
+    monkeypatch.setenv("SELECTOR_TUNING_STORE", str(tmp_path / "tuning.sqlite3"))
+    assert tuning_store.save_records([_record(time_s=2e-4)]).stored == 1
+    with pytest.warns(TuningStoreWarning, match="shipped tuning file skipped: .*broken.json: not JSON"):
+        table = tuning_store.tuning_table()
+    env = collect_environment({"SELECTOR_GPUS": f"{GPU}:9.0:141", "PATH": ""})
+    measured = tuning.measured_for(PROBLEM, env, table)
+    assert measured is not None
+    assert {b: m.time_s for b, m in measured.items()} == {"grouped_mm": 2e-4, "eager": 1e-5}  # later sources win
+
+
 def test_export_then_import_into_a_fresh_store(store: TuningStore, tmp_path: Path) -> None:
     records = [_record(tokens=t, backend=b) for t in (1, 8, 64) for b in ("grouped_mm", "triton_fused")]
     store.put(records + [_record(fingerprint=OLD)])
