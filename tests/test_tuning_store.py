@@ -231,6 +231,32 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
     assert {(r["backend"], r["tokens"]) for r in records} == {(f"worker{n}", t) for n in (0, 1) for t in range(1, 201)}
 
 
+def test_two_processes_finding_one_damaged_store_move_it_aside_once(tmp_path: Path) -> None:
+    path = tmp_path / "tuning.sqlite3"
+    path.write_bytes(os.urandom(4096))
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    workers = [ctx.Process(target=_writer, args=(str(path), n, 20, barrier)) for n in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert len(list(tmp_path.glob("tuning.sqlite3.corrupt-*"))) == 1  # the second found the rebuilt store
+    assert len(TuningStore(path).records()) == 40
+
+
+def test_a_repair_that_comes_second_keeps_the_rebuilt_store(tmp_path: Path) -> None:
+    """The race the test above meets only now and then, played in order: B found the damage before A rebuilt."""
+    path = tmp_path / "tuning.sqlite3"
+    path.write_bytes(os.urandom(4096))
+    first, second = TuningStore(path), TuningStore(path)
+    with pytest.warns(TuningStoreWarning, match="moved it to"):
+        assert first.put([_record()]).stored == 1
+    second._repair("found before the first rebuilt it")
+    assert len(list(tmp_path.glob("tuning.sqlite3.corrupt-*"))) == 1 and second.records() == [_record()]
+
+
 def _tuner(path: str, barrier: Any, measured: Any) -> None:
     """A fake tuner: measures (sleeps, then stores a record) only what the store does not have yet."""
     store = TuningStore(Path(path))
