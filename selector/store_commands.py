@@ -64,8 +64,11 @@ def _show(store: TuningStore, fingerprint: str, as_json: bool) -> int:
         print(f"not usable:  {summary.problem}")
         return EXIT_BROKEN
     others = len(summary.by_fingerprint) - (fingerprint in summary.by_fingerprint)
-    print(f"records:     {summary.current} current, {summary.stale} stale (of {others} other fingerprint"
-          f"{'s' * (others != 1)}: never used; `selector store clear --stale` removes them)")
+    line = f"records:     {summary.current} current, {summary.stale} stale"
+    if summary.stale:
+        line += (f" (of {others} other fingerprint{'s' * (others != 1)}: never used; "
+                 "`selector store clear --stale` removes them)")
+    print(line)
     for p in summary.problems:
         tokens = ",".join(map(str, p.tokens))
         print(f"  {p.gpu} {p.problem} {p.mode}: {p.records} records, tokens {tokens}, backends {', '.join(p.backends)}")
