@@ -565,7 +565,7 @@ def _shipped_records() -> list[dict[str, Any]]:
 
 def describe_sources() -> str:
     """Where `known_records` reads from, for people (doctor)."""
-    return f"{user_tuning_path()} (and shipped files in {DATA_DIR}, and the node daemon when one runs)"
+    return f"{store_path()} (and shipped files in {DATA_DIR}, and the node daemon when one runs)"
 
 
 def known_records() -> list[dict[str, Any]]:
