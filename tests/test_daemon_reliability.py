@@ -416,6 +416,50 @@ def test_bad_records_are_refused_and_never_stored(threaded: DaemonServer) -> Non
     assert client.ping(threaded.path)
 
 
+class FakeStuckStore:
+    """A store whose writes wait until released, as a store does while a tuner holds its lock."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.kept: list[dict] = []
+
+    def put(self, records: list[dict]):
+        self.entered.set()
+        self.release.wait(30)
+        self.kept += records
+        return type("PutResult", (), {"stored": len(records), "refused": []})()
+
+    def records(self, fingerprint: str | None = None) -> list[dict]:
+        return list(self.kept)
+
+
+def test_a_store_waiting_on_its_lock_does_not_stop_pings(tmp_path: Path) -> None:
+    store = FakeStuckStore()
+    env = collect_environment({"SELECTOR_GPUS": GPUS, "PATH": ""})
+    srv = DaemonServer(tmp_path / "run" / "d.sock", env=env, store=store)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    replies: list[dict | None] = []
+    putter = threading.Thread(target=lambda: replies.append(
+        client.request(srv.path, {"op": "tuning_put", "records": [RECORD]}, timeout=10)))
+    try:
+        putter.start()
+        assert store.entered.wait(5)
+        t0 = time.monotonic()
+        assert client.ping(srv.path, timeout=0.5)
+        assert client.environment_from_daemon({wire.SOCKET_VARIABLE: str(srv.path)}) is not None
+        assert time.monotonic() - t0 < 0.5
+        assert not replies  # the put still waits
+        store.release.set()
+        putter.join(5)
+        assert replies[0] is not None and replies[0]["stored"] == 1
+    finally:
+        store.release.set()
+        srv.shutdown()
+        srv.server_close()
+        thread.join(timeout=5)
+
+
 def _raise_nofile(at_least: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft >= at_least:
@@ -678,7 +722,7 @@ def test_a_planted_status_symlink_is_not_followed(tmp_path: Path) -> None:
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     (folder / "d.json").symlink_to(victim)  # the status file's name, pointing at someone's file
-    (folder / ".d.json.tmp").symlink_to(victim)
+    (folder / f".d.json.{os.getpid()}.tmp").symlink_to(victim)  # and the temp name it is written through
     env = collect_environment({"SELECTOR_GPUS": "", "PATH": ""})
     srv = DaemonServer(folder / "d.sock", env=env, store_file=tmp_path / "tuning.sqlite3")
     try:

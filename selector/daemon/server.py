@@ -1,7 +1,7 @@
 """The daemon process: a Unix-socket server holding this node's probe facts and serving the tuning store.
 
 One thread runs a selector loop over every connection, so idle or slow peers cost a slot and a buffer, never a
-thread: at most MAX_CONNECTIONS are open at once (past that the oldest one still sending its request is told
+thread (the store's ops go to STORE_WORKERS threads, as the store may wait on another writer's lock): at most MAX_CONNECTIONS are open at once (past that the oldest one still sending its request is told
 `busy` and closed), each request must arrive whole within REQUEST_DEADLINE_S of the connect (a deadline, not a
 per-read timeout, so a peer dripping bytes cannot hold a slot), and the listen backlog is the system's largest.
 Only processes of this user are answered (SO_PEERCRED). Records are validated on the way in and kept in the
@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import math
+import queue
 import os
 import selectors
 import signal
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,12 +41,14 @@ from selector.probes import Environment, collect_environment
 from selector.tuning import check_record
 
 log = logging.getLogger("selector.daemon")
+_STORE_OPS = (wire.TUNING_GET, wire.TUNING_PUT)
 
 MAX_CONNECTIONS = 256  # open at once; past this the oldest unfinished request is dropped
 MAX_BUFFERED_BYTES = 64 * 2**20  # request bytes held over all connections at once
 REQUEST_DEADLINE_S = 2.0  # a whole request must arrive within this of the connect
 REPLY_DEADLINE_S = 10.0  # a peer gets this long to read its reply
 ACCEPT_BATCH = 64  # connections accepted per wake-up, so the ones already open keep moving
+STORE_WORKERS = 2  # threads that wait on the store (its lock may be held by a tuner), so pings never do
 MAX_REASONS = 20  # refusal reasons sent back per put (the count is always whole)
 START_WAIT_S = 10.0  # the daemon probes once before it answers
 STOP_WAIT_S = 5.0
@@ -72,7 +76,7 @@ def open_store(path: Path | None = None) -> Store:
 class _Conn:
     """One connection: the request bytes so far, then the reply going out."""
 
-    __slots__ = ("sock", "fd", "buf", "need", "accepted", "out", "sent", "reply_deadline", "stop")
+    __slots__ = ("sock", "fd", "buf", "need", "accepted", "pending", "out", "sent", "reply_deadline", "stop")
 
     def __init__(self, sock: socket.socket, now: float) -> None:
         self.sock = sock
@@ -80,6 +84,7 @@ class _Conn:
         self.buf = bytearray()
         self.need: int | None = None  # body length, once the header arrived
         self.accepted = now
+        self.pending = False  # whole, and being answered by a store worker
         self.out: bytes | None = None
         self.sent = 0
         self.reply_deadline = 0.0
@@ -148,6 +153,8 @@ class DaemonServer:
         self._stopping = threading.Event()
         self._serving = threading.Event()
         self._done = threading.Event()
+        self._pool = ThreadPoolExecutor(STORE_WORKERS, thread_name_prefix="selector-daemon-store")
+        self._answered: queue.SimpleQueue[tuple[_Conn, Mapping[str, Any], dict[str, Any]]] = queue.SimpleQueue()
         self.stats = {"served": 0, "bad_requests": 0, "refused_peers": 0, "dropped_busy": 0, "expired": 0}
 
     # --- setting up ------------------------------------------------------------------------------------
@@ -223,21 +230,47 @@ class DaemonServer:
             refused += list(result.refused)
         return {"ok": True, "stored": stored, "refused": len(refused), "reasons": refused[:MAX_REASONS]}
 
-    def _reply_to(self, body: bytes) -> tuple[dict[str, Any], bool]:
-        """The reply to one request frame's body, and whether it asked the daemon to stop."""
+    def _answer_safely(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            return self.answer(message)
+        except Exception as exc:  # a failing store must not take the daemon down with it
+            log.exception("answering %r failed", message.get("op"))
+            return _error(f"internal error: {type(exc).__name__}: {exc}")
+
+    def _on_request(self, conn: _Conn, body: bytes) -> None:
+        """Answer one whole request frame: at once, or through the store's workers for the store's ops."""
         try:
             message = wire.decode(body)
         except wire.WireError as exc:
             self.stats["bad_requests"] += 1
-            return _error(f"bad request: {exc}"), False
-        try:
-            reply = self.answer(message)
-        except Exception as exc:  # a failing store must not take the daemon down with it
-            log.exception("answering %r failed", message.get("op"))
-            reply = _error(f"internal error: {type(exc).__name__}: {exc}")
+            self._reply(conn, _error(f"bad request: {exc}"))
+            return
+        if message.get("op") in _STORE_OPS:  # may wait on the store's lock: never in the loop
+            conn.pending = True
+            self._selector.unregister(conn.sock)
+            self._pool.submit(self._answer_in_pool, conn, message)
+        else:
+            self._finish(conn, message, self._answer_safely(message))
+
+    def _answer_in_pool(self, conn: _Conn, message: Mapping[str, Any]) -> None:
+        self._answered.put((conn, message, self._answer_safely(message)))
+        self._wake()
+
+    def _take_answers(self) -> None:
+        while True:
+            try:
+                conn, message, reply = self._answered.get_nowait()
+            except queue.Empty:
+                return
+            if self._conns.get(conn.fd) is conn:  # still open (not expired or dropped meanwhile)
+                conn.pending = False
+                self._finish(conn, message, reply)
+
+    def _finish(self, conn: _Conn, message: Mapping[str, Any], reply: dict[str, Any]) -> None:
         if not reply.get("ok"):
             self.stats["bad_requests"] += 1
-        return reply, bool(reply.get("ok")) and message.get("op") == wire.STOP
+        conn.stop = bool(reply.get("ok")) and message.get("op") == wire.STOP
+        self._reply(conn, reply)
 
     # --- the loop --------------------------------------------------------------------------------------
 
@@ -255,6 +288,7 @@ class DaemonServer:
                         self._accept()
                     elif key.data == "wake":
                         self._drain_wake()
+                        self._take_answers()
                     elif events & selectors.EVENT_READ:
                         self._on_read(key.data)
                     elif events & selectors.EVENT_WRITE:
@@ -278,16 +312,27 @@ class DaemonServer:
             read_by = conn.accepted + REQUEST_DEADLINE_S
             if read_by >= soonest:
                 break  # younger ones follow, and a reply's deadline is later than its request's
-            soonest = min(soonest, read_by if conn.out is None else conn.reply_deadline)
+            soonest = min(soonest, self._deadline(conn))
         return max(0.0, min(poll_interval, soonest - time.monotonic()))
+
+    @staticmethod
+    def _deadline(conn: _Conn) -> float:
+        if conn.pending:
+            return conn.accepted + REPLY_DEADLINE_S
+        if conn.out is None:
+            return conn.accepted + REQUEST_DEADLINE_S
+        return conn.reply_deadline
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # the pipe is full: the loop wakes anyway
 
     def request_stop(self) -> None:
         """Ask the loop to end (safe from a signal handler or another thread)."""
         self._stopping.set()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
+        self._wake()
 
     def shutdown(self) -> None:
         """End `serve_forever` and wait until it returned."""
@@ -337,7 +382,7 @@ class DaemonServer:
     def _drop_oldest(self) -> bool:
         """Tell the oldest connection still sending its request `busy` and close it; whether there was one."""
         for conn in self._conns.values():
-            if conn.out is None:
+            if conn.out is None and not conn.pending:
                 self.stats["dropped_busy"] += 1
                 _send_now(conn.sock, _error("busy"))
                 self._close(conn)
@@ -373,9 +418,7 @@ class DaemonServer:
             self.stats["bad_requests"] += 1
             self._reply(conn, _error("bad request: bytes after the request (one request per connection)"))
         elif len(conn.buf) == end:
-            reply, stop = self._reply_to(bytes(conn.buf[wire.HEADER.size:]))
-            conn.stop = stop
-            self._reply(conn, reply)
+            self._on_request(conn, bytes(conn.buf[wire.HEADER.size:]))
         elif self._buffered > MAX_BUFFERED_BYTES:
             self.stats["dropped_busy"] += 1
             self._reply(conn, _error("busy"))
@@ -391,7 +434,10 @@ class DaemonServer:
         self.stats["served"] += 1
         self._on_write(conn)
         if conn.fd in self._conns:
-            self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            try:
+                self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            except KeyError:  # unregistered while the store answered it
+                self._selector.register(conn.sock, selectors.EVENT_WRITE, conn)
 
     def _on_write(self, conn: _Conn) -> None:
         assert conn.out is not None
@@ -411,11 +457,11 @@ class DaemonServer:
         for conn in self._conns.values():
             if conn.accepted + REQUEST_DEADLINE_S > now:
                 break  # younger ones follow
-            if conn.out is None or now > conn.reply_deadline:
+            if now >= self._deadline(conn):
                 late.append(conn)
         for conn in late:
             self.stats["expired"] += 1
-            if conn.out is None:
+            if conn.out is None and not conn.pending:
                 _send_now(conn.sock, _error(f"bad request: not whole within {REQUEST_DEADLINE_S:g} s"))
             self._close(conn)
 
@@ -448,6 +494,7 @@ class DaemonServer:
 
     def server_close(self) -> None:
         """Release the daemon's files and sockets (after `serve_forever` returned, or instead of it)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._release()
         self._selector.close()
         self._wake_r.close()
