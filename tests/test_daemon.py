@@ -11,10 +11,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from selector.probes import collect_environment
 
 from selector.daemon import client, wire
 from selector.daemon.server import DaemonError, DaemonServer
-from selector.probes import collect_environment
 
 
 @pytest.fixture

@@ -23,10 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from selector.probes import collect_environment
 
 from selector.daemon import client, server, wire
 from selector.daemon.server import DaemonServer
-from selector.probes import collect_environment
 
 GPUS = "NVIDIA H200:9.0:141"
 NOBODY = 65534

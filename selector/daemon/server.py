@@ -1,9 +1,10 @@
 """The daemon process: a Unix-socket server holding this node's probe facts and serving the tuning store.
 
 One thread runs a selector loop over every connection, so idle or slow peers cost a slot and a buffer, never a
-thread (the store's ops go to STORE_WORKERS threads, as the store may wait on another writer's lock): at most MAX_CONNECTIONS are open at once (past that the oldest one still sending its request is told
-`busy` and closed), each request must arrive whole within REQUEST_DEADLINE_S of the connect (a deadline, not a
-per-read timeout, so a peer dripping bytes cannot hold a slot), and the listen backlog is the system's largest.
+thread; the store's ops go to STORE_WORKERS threads, as the store may wait on another writer's lock. At most
+MAX_CONNECTIONS are open at once (past that the oldest one still sending its request is told `busy` and
+closed), each request must arrive whole within REQUEST_DEADLINE_S of the connect (a deadline, not a per-read
+timeout, so a peer dripping bytes cannot hold a slot), and the listen backlog is the system's largest.
 Only processes of this user are answered (SO_PEERCRED). Records are validated on the way in and kept in the
 `TuningStore`, so they survive a restart.
 
@@ -18,8 +19,8 @@ import fcntl
 import json
 import logging
 import math
-import queue
 import os
+import queue
 import selectors
 import signal
 import socket
@@ -29,8 +30,8 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -76,7 +77,7 @@ def open_store(path: Path | None = None) -> Store:
 class _Conn:
     """One connection: the request bytes so far, then the reply going out."""
 
-    __slots__ = ("sock", "fd", "buf", "need", "accepted", "pending", "out", "sent", "reply_deadline", "stop")
+    __slots__ = ("accepted", "buf", "fd", "need", "out", "pending", "reply_deadline", "sent", "sock", "stop")
 
     def __init__(self, sock: socket.socket, now: float) -> None:
         self.sock = sock
