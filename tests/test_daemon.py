@@ -40,6 +40,14 @@ def test_clients_share_probe_facts(server: DaemonServer) -> None:
     assert stat.S_IMODE(os.lstat(server.path.parent).st_mode) == 0o700
 
 
+def test_facts_probed_for_another_python_or_other_gpus_are_not_used(server: DaemonServer) -> None:
+    environ = {wire.SOCKET_VARIABLE: str(server.path)}
+    assert client.environment_from_daemon(environ) is not None
+    assert client.environment_from_daemon({**environ, "CUDA_VISIBLE_DEVICES": "3"}) is None  # the daemon saw all
+    server.context = {**server.context, "python": "/elsewhere/venv"}  # its packages are not this process's
+    assert client.environment_from_daemon(environ) is None
+
+
 def test_tuning_results_put_by_one_client_are_read_by_another(server: DaemonServer) -> None:
     record = RECORD
     put = client.request(server.path, {"op": "tuning_put", "records": [record]})

@@ -190,6 +190,11 @@ def test_sigkill_mid_request_clients_fall_back_fast(daemon: Daemon) -> None:
     assert client.shared_tuning_records(environ) == []
     assert client.share_tuning_records([RECORD], environ) is None
     assert time.monotonic() - t0 < 2.0
+    again = Daemon(daemon.sock, daemon.store)  # the dead one's lock died with it; its socket is replaced
+    try:
+        assert client.environment_from_daemon(environ) is not None
+    finally:
+        again.stop()
 
 
 # --- slow and broken peers ----------------------------------------------------------------------------------
@@ -256,7 +261,7 @@ def test_slow_daemons_cost_a_client_at_most_its_deadline(tmp_path: Path, behavio
                                (lambda: client.ping(fake.path, timeout=0.5), False)):
             t0 = time.monotonic()
             assert call() == fallback
-            assert time.monotonic() - t0 < 0.8
+            assert time.monotonic() - t0 < 1.0  # the deadline, plus slack for a busy machine
     finally:
         fake.close()
 
@@ -279,7 +284,7 @@ def test_a_full_backlog_is_retried_within_the_deadline(tmp_path: Path) -> None:
         t0 = time.monotonic()
         assert client.request(fake.path, {"op": "ping"}, timeout=0.4) is None
         waited = time.monotonic() - t0
-        assert 0.3 < waited < 0.7  # retried until the deadline, not given up at the first EAGAIN
+        assert 0.3 < waited < 1.0  # retried until the deadline, not given up at the first EAGAIN
         # the daemon catches up within the deadline: a retry gets through
 
         def catch_up() -> None:
@@ -336,7 +341,8 @@ def test_facts_that_do_not_match_their_fingerprint_are_refused(tmp_path: Path) -
     other = collect_environment({"SELECTOR_GPUS": "NVIDIA A100:8.0:80", "PATH": ""})
 
     def lie(conn: socket.socket, stopped: threading.Event) -> None:
-        conn.sendall(wire.encode({"ok": True, "environment": env.to_dict(), "fingerprint": other.fingerprint()}))
+        conn.sendall(wire.encode({"ok": True, "environment": env.to_dict(), "fingerprint": other.fingerprint(),
+                                  "context": wire.process_context()}))
 
     def records_not_a_list(conn: socket.socket, stopped: threading.Event) -> None:
         conn.sendall(wire.encode({"ok": True, "records": {"a": 1}, "stored": "3"}))
@@ -637,6 +643,7 @@ def _fake_facts_reply() -> str:
     """What a convincing fake daemon answers: facts of a GPU this node lacks, with their right fingerprint."""
     fake = collect_environment({"SELECTOR_GPUS": "Fake GPU:9.0:1", "PATH": ""})
     return wire.encode({"ok": True, "environment": fake.to_dict(), "fingerprint": fake.fingerprint(),
+                        "context": wire.process_context(),
                         "records": [RECORD], "stored": 1, "pid": 1}).hex()
 
 

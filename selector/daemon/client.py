@@ -145,11 +145,11 @@ def _ask(payload: Mapping[str, Any], environ: Mapping[str, str] | None, timeout:
 
 
 def environment_from_daemon(environ: Mapping[str, str] | None = None) -> Environment | None:
-    """The daemon's probe facts, or None when no daemon answers or its facts do not match their fingerprint
-    (the caller probes itself)."""
+    """The daemon's probe facts, or None (the caller probes itself) when no daemon answers, its facts do not
+    match their fingerprint, or it probed another Python environment or other visible GPUs than this process's."""
     try:
         reply = _ask({"op": wire.ENVIRONMENT}, environ, quick_timeout(environ))
-        if reply is None:
+        if reply is None or reply.get("context") != wire.process_context(environ):
             return None
         env = Environment.from_dict(reply["environment"])
         return env if env.fingerprint() == reply.get("fingerprint") else None

@@ -136,6 +136,7 @@ class DaemonServer:
             self.env = env or collect_environment()
             self.fingerprint = self.env.fingerprint()
             self._env_dict = self.env.to_dict()
+            self.context = wire.process_context()
             self.store = store if store is not None else open_store(store_file)
             self.store.records(self.fingerprint)  # opens it now: a damaged store is rebuilt (and warned) at start
             self._listener = self._bind()
@@ -198,7 +199,8 @@ class DaemonServer:
                     "version": selector.__version__, "fingerprint": self.fingerprint,
                     "connections": len(self._conns), "uptime_s": round(time.time() - self.started_at, 3)}
         if op == wire.ENVIRONMENT:
-            return {"ok": True, "environment": self._env_dict, "fingerprint": self.fingerprint}
+            return {"ok": True, "environment": self._env_dict, "fingerprint": self.fingerprint,
+                    "context": self.context}
         if op == wire.TUNING_GET:
             fingerprint = message.get("fingerprint")
             if fingerprint is not None and not isinstance(fingerprint, str):

@@ -21,6 +21,7 @@ import os
 import socket
 import stat
 import struct
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -88,6 +89,16 @@ def frame_length(header: bytes, limit: int) -> int:
     if length > limit:
         raise WireError(f"frame of {length} bytes is over the limit of {limit}")
     return length
+
+
+# --- whose facts ---------------------------------------------------------------------------------------------
+
+
+def process_context(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What the probe facts depend on beyond the machine: the Python environment (its packages) and the GPUs
+    CUDA shows (CUDA_VISIBLE_DEVICES). A process uses the daemon's facts only when its own context is the same."""
+    env = os.environ if environ is None else environ
+    return {"python": sys.prefix, "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES")}
 
 
 # --- credentials -----------------------------------------------------------------------------------------
