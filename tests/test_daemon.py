@@ -76,6 +76,20 @@ def test_large_shares_are_split_under_the_limits(server: DaemonServer, monkeypat
     assert sorted(r["tokens"] for r in server.store.records()) == list(range(1, 31))
 
 
+def test_jobs_in_progress_are_the_held_measurement_locks(server: DaemonServer) -> None:
+    environ = {wire.SOCKET_VARIABLE: str(server.path)}
+    assert client.jobs_in_progress(environ) == []
+    with server.store.measurement_lock("gpu-1", timeout_s=1) as got:
+        assert got
+        with server.store.measurement_lock("gpu-0", timeout_s=1):
+            assert client.jobs_in_progress(environ) == ["gpu-0", "gpu-1"]
+        assert client.jobs_in_progress(environ) == ["gpu-1"]
+        with server.store.measurement_lock("gpu-1", timeout_s=0) as again:
+            assert not again  # the probe left the lock as it found it
+    assert client.jobs_in_progress(environ) == []
+    assert client.jobs_in_progress({wire.SOCKET_VARIABLE: str(server.path.parent / "none.sock")}) is None
+
+
 def test_bad_requests_get_errors_not_crashes(server: DaemonServer) -> None:
     assert client.request(server.path, {"op": "dance"}) == {"ok": False, "error": "unknown op 'dance'",
                                                             "v": wire.PROTOCOL_VERSION}
@@ -119,7 +133,7 @@ def test_cli_start_status_stop(tmp_path: Path) -> None:
         assert status.returncode == 0
         shown = json.loads(status.stdout)
         assert shown["protocol"] == wire.PROTOCOL_VERSION and shown["store"] == str(tmp_path / "tuning.sqlite3")
-        assert shown["pid"] != os.getpid() and shown["connections"] == 1
+        assert shown["pid"] != os.getpid() and shown["connections"] == 1 and shown["jobs"] == []
     finally:
         assert cli("stop").returncode == 0
     assert not sock.exists()

@@ -24,6 +24,7 @@ from selector.probes import Environment
 
 __all__ = [
     "environment_from_daemon",
+    "jobs_in_progress",
     "ping",
     "request",
     "share_tuning_records",
@@ -197,4 +198,14 @@ def share_tuning_records(records: Iterable[Mapping[str, Any]], environ: Mapping[
             stored += reply["stored"]
         return stored
     except Exception:  # records that are not JSON, a bad setting: sharing is a courtesy, never a failure
+        return None
+
+
+def jobs_in_progress(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The measurement locks held now (e.g. `gpu-0`: a tuning job runs on that GPU), None without a daemon."""
+    try:
+        reply = _ask({"op": wire.JOBS}, environ, quick_timeout(environ))
+        jobs = None if reply is None else reply.get("jobs")
+        return [j for j in jobs if isinstance(j, str)] if isinstance(jobs, list) else None
+    except Exception:  # a bad setting or a strange reply: nothing known
         return None

@@ -42,7 +42,7 @@ from selector.probes import Environment, collect_environment
 from selector.tuning import check_record
 
 log = logging.getLogger("selector.daemon")
-_STORE_OPS = (wire.TUNING_GET, wire.TUNING_PUT)
+_STORE_OPS = (wire.TUNING_GET, wire.TUNING_PUT, wire.JOBS)
 
 MAX_CONNECTIONS = 256  # open at once; past this the oldest unfinished request is dropped
 MAX_BUFFERED_BYTES = 64 * 2**20  # request bytes held over all connections at once
@@ -208,11 +208,37 @@ class DaemonServer:
             return {"ok": True, "records": self.store.records(fingerprint)}
         if op == wire.TUNING_PUT:
             return self._put(message.get("records"))
+        if op == wire.JOBS:
+            return {"ok": True, "jobs": self.jobs()}
         if op == wire.STOP:
             return {"ok": True, "pid": os.getpid()}
         if not isinstance(op, str):
             return _error("bad request: a request names its op")
         return _error(f"unknown op {op!r}")
+
+    def jobs(self) -> list[str]:
+        """The measurement locks held now beside the store (`<store folder>/locks/<name>.lock`, taken by a tuner
+        for each GPU it measures on): a lock this probe cannot share is held. The probe holds a shared lock for
+        an instant, so a tuner trying at that moment tries again at its next poll."""
+        folder = Path(str(getattr(self.store, "path", ""))).parent / "locks"
+        try:
+            names = sorted(p.name for p in os.scandir(folder) if p.name.endswith(".lock") and p.is_file(
+                follow_symlinks=False))
+        except OSError:
+            return []
+        held = []
+        for name in names:
+            try:
+                fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                held.append(name.removesuffix(".lock"))
+            finally:
+                os.close(fd)  # also releases the shared lock, if it was got
+        return held
 
     def _put(self, records: object) -> dict[str, Any]:
         if not isinstance(records, list):
@@ -582,4 +608,7 @@ def read_status(path: Path) -> dict[str, Any] | None:
     if not isinstance(status, dict):
         status = {"status_file": "missing or not trusted"}
     status.update({k: live[k] for k in ("pid", "connections", "uptime_s") if k in live})
+    jobs = request(path, {"op": wire.JOBS}, timeout=2.0)
+    if jobs is not None and jobs.get("ok"):
+        status["jobs"] = jobs.get("jobs", [])
     return status

@@ -6,7 +6,8 @@ Protocol: over a Unix stream socket, one request and one reply per connection. E
 nothing but JSON is ever decoded, so a peer can make a request fail but never make either side run its data.
 
 Requests: {"op": "ping"}, {"op": "environment"}, {"op": "tuning_get", "fingerprint": str | null},
-{"op": "tuning_put", "records": [...]}, {"op": "stop"}. Replies: {"ok": true, ...} or {"ok": false, "error": ...}.
+{"op": "tuning_put", "records": [...]}, {"op": "jobs"} (measurement locks held now: tuning in progress),
+{"op": "stop"}. Replies: {"ok": true, ...} or {"ok": false, "error": ...}.
 
 Files: the daemon's folder (`$XDG_RUNTIME_DIR/selector`, else `<tempdir>/selector-<uid>`) must belong to this
 user, be closed to everyone else and not be a symlink (`check_private_dir`); the socket, its status file, lock
@@ -42,8 +43,9 @@ PING = "ping"
 ENVIRONMENT = "environment"
 TUNING_GET = "tuning_get"
 TUNING_PUT = "tuning_put"
+JOBS = "jobs"
 STOP = "stop"
-OPS = (PING, ENVIRONMENT, TUNING_GET, TUNING_PUT, STOP)
+OPS = (PING, ENVIRONMENT, TUNING_GET, TUNING_PUT, JOBS, STOP)
 
 SOCKET_NAME = "daemon.sock"
 
