@@ -142,8 +142,13 @@ _DECLARED = [
     Setting("SELECTOR_SONICMOE_PAD_TOKENS", "bool", True,
             "sonicmoe pads token counts up to quarter-octave buckets, so fewer token counts JIT-compile"),
     # --- node daemon --------------------------------------------------------------------------------------
-    Setting("SELECTOR_DAEMON_SOCKET", "path", None, "the node daemon's Unix socket",
-            default_text="selector.sock in the runtime dir"),
+    Setting("SELECTOR_DAEMON_SOCKET", "path", None,
+            "the node daemon's Unix socket; its folder must be this user's, mode 0700, not a symlink",
+            default_text="daemon.sock in $XDG_RUNTIME_DIR/selector or <tempdir>/selector-<uid>"),
+    Setting("SELECTOR_DAEMON_TIMEOUT", "float", 0.5,
+            "seconds a library call waits for the node daemon's whole reply before working alone (record "
+            "transfers wait 2 s); a bad value means the default",
+            positive=True, on_bad="default"),
     # --- triton_fused backend (read in plugins/triton_fused) ----------------------------------------------
     Setting("SELECTOR_TRITON_FUSED_CONFIG_DIR", "path", None,
             "folder of tuned tile-configuration files (`<GPU>.json`) for triton_fused",

@@ -1,8 +1,8 @@
 """The node daemon: probes once and shares facts and measured tuning results between the processes of a node.
 
 Apart, so that a library process loads only what it calls:
-- `selector.daemon.wire`: the protocol (framing and encoding of one request and one reply, op names,
-  where the socket and the status file live);
+- `selector.daemon.wire`: the protocol (length-framed, versioned JSON with bounded sizes; op names) and the
+  daemon's files (where they live; the checks that its folder and files are this user's and private);
 - `selector.daemon.client`: what a library process calls (`request`, `ping`, `environment_from_daemon`,
   the shared tuning records); it imports nothing of the server;
 - `selector.daemon.server`: the socket server, its state and status file, run / start / stop;

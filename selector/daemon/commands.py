@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,25 +15,32 @@ from selector.daemon.wire import SOCKET_VARIABLE, socket_path
 
 def register(sub: Any) -> None:
     """Add the `daemon` subcommand to the CLI's subparsers."""
-    daemon = sub.add_parser("daemon", help="share probes and tuning results between processes of this node")
+    daemon = sub.add_parser(
+        "daemon", help="share probes and tuning results between processes of this node",
+        description="run: in the foreground (systemd, containers); start: in the background; one per user and node",
+    )
     daemon.add_argument("action", choices=["run", "start", "stop", "status"])
-    daemon.add_argument("--socket", type=Path, help=f"socket path (default: ${SOCKET_VARIABLE} or the runtime dir)")
+    daemon.add_argument("--socket", type=Path,
+                        help=f"socket path (default: ${SOCKET_VARIABLE}, else daemon.sock in the private folder)")
+    daemon.add_argument("--store", type=Path, help="tuning store file (default: the tuning store's own place)")
     daemon.set_defaults(func=_handle)
 
 
 def _handle(args: argparse.Namespace) -> int:
     path: Path = args.socket or socket_path()
-    if args.action == "run":
-        server.serve(path)
-        return 0
-    if args.action == "start":
-        if ping(path):
-            print(f"already running at {path}")
+    try:
+        if args.action == "run":
+            server.serve(path, store_file=args.store)
             return 0
-        if server.start(path):
+        if args.action == "start":
+            if ping(path):
+                print(f"already running at {path}")
+                return 0
+            server.start(path, store_file=args.store)
             print(f"started at {path}")
             return 0
-        print(f"daemon did not answer at {path}")
+    except server.DaemonError as exc:
+        print(f"selector daemon: {exc}", file=sys.stderr)
         return 1
     if args.action == "stop":
         if not server.stop(path):
