@@ -568,9 +568,10 @@ def describe_sources() -> str:
     return f"{store_path()} (and shipped files in {DATA_DIR}, and the node daemon when one runs)"
 
 
-def known_records() -> list[dict[str, Any]]:
-    """Every record this node knows, in override order: shipped files, the store's, the daemon's."""
-    return _shipped_records() + default_store().records() + shared_tuning_records()
+def known_records(fingerprint: str | None = None) -> list[dict[str, Any]]:
+    """Every record this node knows, in override order: shipped files, the store's, the daemon's (of
+    `fingerprint` only, when given: the others would be stale here anyway)."""
+    return _shipped_records() + default_store().records() + shared_tuning_records(fingerprint=fingerprint)
 
 
 def save_records(records: Iterable[Mapping[str, Any]]) -> PutResult:
@@ -591,7 +592,8 @@ def current_fingerprint() -> str:
 @cache
 def tuning_table() -> TuningTable:
     """The known records of this fingerprint indexed for lookup, gathered once per process (until `reload`)."""
-    return TuningTable.from_records(known_records(), current_fingerprint())
+    fingerprint = current_fingerprint()
+    return TuningTable.from_records(known_records(fingerprint), fingerprint)
 
 
 def reload() -> None:

@@ -63,7 +63,7 @@ def _use_as_tuning(result: BenchResult, tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(tuning, "current_fingerprint", lambda: "test-fingerprint")
     records = records_from_bench(result)
-    monkeypatch.setattr(tuning, "known_records", lambda: records)
+    monkeypatch.setattr(tuning, "known_records", lambda fingerprint=None: records)
     tuning.reload()
 
 

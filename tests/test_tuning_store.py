@@ -77,7 +77,7 @@ def test_invalid_records_are_dropped_with_a_warning(store: TuningStore, bad: dic
 def test_stale_records_are_counted_and_never_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SELECTOR_TUNING_STORE", str(tmp_path / "tuning.sqlite3"))
     monkeypatch.setattr(tuning_store, "DATA_DIR", tmp_path / "no-shipped-files")
-    monkeypatch.setattr(tuning_store, "shared_tuning_records", lambda: [])
+    monkeypatch.setattr(tuning_store, "shared_tuning_records", lambda fingerprint=None: [])
     monkeypatch.setattr(tuning_store, "current_fingerprint", lambda: FP)
     result = tuning_store.save_records([
         _record(backend="grouped_mm", time_s=2e-4),
@@ -102,7 +102,7 @@ def test_known_records_shipped_then_store_then_daemon(tmp_path: Path, monkeypatc
     tuning_store.write_export(shipped / "h200.json", [_record(time_s=9e-4), _record(backend="eager", time_s=5e-4)])
     (shipped / "broken.json").write_text("{not json")
     monkeypatch.setattr(tuning_store, "DATA_DIR", shipped)
-    monkeypatch.setattr(tuning_store, "shared_tuning_records", lambda: [_record(backend="eager", time_s=1e-5)])
+    monkeypatch.setattr(tuning_store, "shared_tuning_records", lambda fingerprint=None: [_record(backend="eager", time_s=1e-5)])
     monkeypatch.setattr(tuning_store, "current_fingerprint", lambda: FP)
     monkeypatch.setenv("SELECTOR_TUNING_STORE", str(tmp_path / "tuning.sqlite3"))
     assert tuning_store.save_records([_record(time_s=2e-4)]).stored == 1
