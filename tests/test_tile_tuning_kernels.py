@@ -12,9 +12,9 @@ import time
 
 import pytest
 import torch
-
 from selector.plugins.triton_fused import configs as C
 from selector.plugins.triton_fused import tune as TU
+
 from selector.types import Problem
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -223,8 +223,7 @@ def tune(
     if out_path is not None:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    _configs.load_table.cache_clear()
-    _configs._get_config_cached.cache_clear()
+    _configs.clear_caches()
     log(f"tuning took {time.perf_counter() - t0:.1f}s")
     doc["_timings"] = timings
     return doc
@@ -407,8 +406,9 @@ class CellSearch:
             key = (task.block_m, task.part)
             if key not in self.best or seconds < self.best[key][0]:
                 self.best[key] = (seconds, task.config)
-            if task.block_m == next(iter(self.plan)) and task.tiles == _cfg_items(self.plan[task.block_m][task.part][0]):
-                self.baseline_s[task.part] = seconds
+            first_bm = next(iter(self.plan))
+            if task.block_m == first_bm and task.tiles == _cfg_items(self.plan[first_bm][task.part][0]):
+                self.baseline_s[task.part] = seconds  # the heuristics' own tiles
         self._fill()
 
     @property
@@ -464,7 +464,7 @@ def run_search(
             before = clock()
             try:
                 seconds = float(measure(task))
-            except Exception as exc:  # tiles this GPU cannot run (resources): the others still count
+            except Exception as exc:  # noqa: BLE001 - tiles this GPU cannot run (resources): the others count
                 _log.info("T=%d BM=%d %s %s: skipped (%s: %s)", task.num_tokens, task.block_m, task.part,
                           task.config, type(exc).__name__, str(exc)[:120])  # fmt: skip
                 seconds = math.inf
@@ -542,13 +542,14 @@ class LayerBench:
             c["aligned"][bm] = k.align(c["ids"], self.e, bm)
         rows, blocks = c["aligned"][bm]
         if task.part == "gate_up":
-            args = dict(a=c["x"], w=self.w1, bias=self.b1, out=c["inter"], topk_w=None, n_out=self.i_dim,
-                        k_dim=self.h, a_div=self.top_k, stride_wn=self.s1[0], stride_wk=self.s1[1],
-                        up_offset=self.i_dim, gated=True, interleaved=self.interleaved, act=self.act, mul_w=False)
+            args = {"a": c["x"], "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
+                    "k_dim": self.h, "a_div": self.top_k, "stride_wn": self.s1[0], "stride_wk": self.s1[1],
+                    "up_offset": self.i_dim, "gated": True, "interleaved": self.interleaved, "act": self.act,
+                    "mul_w": False}  # fmt: skip
         else:
-            args = dict(a=c["inter"], w=self.w2, bias=self.b2, out=c["y"], topk_w=c["tw"], n_out=self.h,
-                        k_dim=self.i_dim, a_div=1, stride_wn=self.s2[0], stride_wk=self.s2[1], up_offset=0,
-                        gated=False, interleaved=False, act=0, mul_w=True)  # fmt: skip
+            args = {"a": c["inter"], "w": self.w2, "bias": self.b2, "out": c["y"], "topk_w": c["tw"], "n_out": self.h,
+                    "k_dim": self.i_dim, "a_div": 1, "stride_wn": self.s2[0], "stride_wk": self.s2[1], "up_offset": 0,
+                    "gated": False, "interleaved": False, "act": 0, "mul_w": True}  # fmt: skip
         cfg = task.config
         return self.timer(lambda: k._launch_gemm(
             args["a"], args["w"], args["bias"], args["out"], rows, blocks, args["topk_w"], num_valid=c["pairs"],
@@ -625,6 +626,9 @@ def tune_kernels(
         summary["skipped"] = f"the shipped tile table for {name} has {key} (force=True tunes it again)"
         return summary
     wanted = token_order(token_counts)
+    if not wanted:
+        summary["skipped"] = "no token count (>= 1) was asked for"
+        return summary
     done = set() if force else _configs.user_tuned_tokens(name, key, str(directory) if directory else None)
     todo = [t for t in wanted if t not in done]
     if not todo:
