@@ -27,16 +27,13 @@ read is ignored with a warning: a broken cache file must never stop a model from
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
-import tempfile
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from selector.plugins import tile_tables
 from selector.plugins.tile_tables import read_table
 
 from selector import settings
@@ -244,74 +241,15 @@ def user_table_path(device_name: str, directory: str | Path | None = None) -> Pa
     return Path(directory or user_config_dir()) / config_file_name(device_name)
 
 
-def _read_user_document(path: Path) -> dict[str, Any]:
-    """The user table's JSON document; {} when absent. Raises ValueError saying why it is unusable."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise ValueError(f"cannot read it ({exc.strerror or exc})") from None
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("configs", {}), dict):
-        raise ValueError('not a tile table (expected an object with a "configs" object)')
-    return doc
-
-
-def _parse_table(doc: Mapping[str, Any]) -> tuple[dict[str, dict[int, dict[str, Any]]], int]:
-    """{shape_key: {token_count: config}} and how many entries were skipped as malformed."""
-    table: dict[str, dict[int, dict[str, Any]]] = {}
-    skipped = 0
-    for key, per_t in (doc.get("configs") or {}).items():
-        if not isinstance(per_t, dict):
-            skipped += 1
-            continue
-        entries = {}
-        for t, cfg in per_t.items():
-            try:
-                entries[int(t)] = normalize(cfg)
-            except (ValueError, TypeError):
-                skipped += 1
-        if entries:
-            table[key] = entries
-    return table, skipped
-
-
 @functools.lru_cache(maxsize=16)
 def load_user_table(device_name: str, directory: str | None = None) -> dict[str, dict[int, dict[str, Any]]]:
     """The user table for one GPU name; empty (with a warning) when it is malformed, silently when absent."""
-    path = user_table_path(device_name, directory)
-    try:
-        doc = _read_user_document(path)
-    except ValueError as exc:
-        warnings.warn(f"triton_fused: ignoring the tuned tile table {path}: {exc}; delete it or run `selector "
-                      "tune` again to rewrite it", RuntimeWarning, stacklevel=2)  # fmt: skip
-        return {}
-    table, skipped = _parse_table(doc)
-    if skipped:
-        warnings.warn(f"triton_fused: ignoring {skipped} malformed entr{'y' if skipped == 1 else 'ies'} of the "
-                      f"tuned tile table {path}", RuntimeWarning, stacklevel=2)  # fmt: skip
-    return table
+    return tile_tables.read_user_table(user_table_path(device_name, directory), normalize, "triton_fused")
 
 
 def user_tuned_tokens(device_name: str, key: str, directory: str | None = None) -> frozenset[int]:
     """Token counts of `key` that the user table holds measured tiles for (not filled in with defaults)."""
-    try:
-        doc = _read_user_document(user_table_path(device_name, directory))
-    except ValueError:
-        return frozenset()
-    listed = doc.get("tuned")
-    return _token_list(listed.get(key) if isinstance(listed, dict) else None)
-
-
-def _token_list(values: Any) -> frozenset[int]:
-    try:
-        return frozenset(int(t) for t in values or ())
-    except (TypeError, ValueError):
-        return frozenset()
+    return tile_tables.tuned_tokens(user_table_path(device_name, directory), key)
 
 
 def shipped_has(device_name: str, key: str) -> bool:
@@ -332,30 +270,9 @@ def write_user_entries(
     file or the new one, never half of one); `tuned` names the token counts that were measured. Clears the
     caches so the new tiles take effect in this process. Returns the file's path."""
     path = user_table_path(device_name, directory)
-    try:
-        doc = _read_user_document(path)
-    except ValueError as exc:
-        warnings.warn(f"triton_fused: replacing the unreadable tuned tile table {path}: {exc}", RuntimeWarning,
-                      stacklevel=2)  # fmt: skip
-        doc = {}
-    configs = doc.get("configs") if isinstance(doc.get("configs"), dict) else {}
-    per_t = configs.get(key) if isinstance(configs.get(key), dict) else {}
-    per_t.update({str(int(t)): normalize(dict(cfg)) for t, cfg in entries.items()})
-    configs[key] = per_t
-    listed = doc.get("tuned") if isinstance(doc.get("tuned"), dict) else {}
-    listed[key] = sorted(_token_list(listed.get(key)) | {int(t) for t in tuned})
-    doc.update({"version": 1, "device": device_name, "dtype": dtype, "configs": configs, "tuned": listed})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    entries = {t: normalize(dict(cfg)) for t, cfg in entries.items()}
+    header = {"version": 1, "device": device_name, "dtype": dtype}
+    tile_tables.merge_entries(path, key, entries, tuned, header, "triton_fused")
     clear_caches()
     return path
 
