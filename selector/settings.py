@@ -147,6 +147,9 @@ _DECLARED = [
     # --- quantised kernels (read in plugins/quant_kernels) ------------------------------------------------
     Setting("SELECTOR_QUANT_GRAPHS", "bool", True,
             "the quantised grouped path records and replays CUDA graphs for small eager calls"),
+    Setting("SELECTOR_QUANT_USER_CONFIG_DIR", "path", None,
+            "folder of the tile tables `selector tune` writes for the quantised grouped kernels (`<GPU>.json`); "
+            "read before the shipped tables", default_text="quant_kernels in selector's user cache folder"),
     *_probe_settings(),
 ]
 

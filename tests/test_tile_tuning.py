@@ -400,3 +400,104 @@ def test_get_config_caches_are_cleared_by_a_write(monkeypatch):
         warnings.simplefilter("error")  # an absent user table is no warning
         C.clear_caches()
         C.get_config(8, 64, 32, 64, 4, device="cuda")
+
+
+# --- the quantised grouped kernels (plugins/quant_kernels/tune.py `tune_kernels`) -----------------------------
+
+FP8 = Problem(num_experts=40, hidden_size=1536, intermediate_size=896, top_k=6, weight_format="fp8_block")
+
+
+@pytest.fixture
+def quant(tmp_path, monkeypatch):
+    from selector.plugins.quant_kernels import configs as QC
+    from selector.plugins.quant_kernels import tune as QT
+
+    monkeypatch.setenv("SELECTOR_QUANT_USER_CONFIG_DIR", str(tmp_path / "quant"))
+    QC.clear_caches()
+    yield QC, QT
+    QC.clear_caches()
+
+
+class FakeTime:
+    """Stands in for the `time` module inside quant_kernels.tune: perf_counter reads a fake clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _fake_cell(clock: FakeTime, seconds: float, seen: list):
+    def cell(tokens, deadline):
+        seen.append((tokens, deadline))
+        clock.now += seconds
+        return {"config": {"BLOCK_M": 128 if tokens >= 512 else 16, "ROUTE": "sorted"}, "time_s": 1e-4}
+
+    return cell
+
+
+def test_quantised_tiles_are_tuned_into_the_user_table_and_read_first(quant, monkeypatch, tmp_path):
+    QC, QT = quant
+    clock, seen = FakeTime(), []
+    monkeypatch.setattr(QT, "time", clock)
+    summary = QT.tune_kernels(FP8, (1, 512, 4096), 60.0, cell=_fake_cell(clock, 5.0, seen), device_name=FAKE_GPU)
+    assert summary["tokens_tuned"] == [4096, 512, 1] and not summary["cut_short"] and summary["seconds"] <= 60
+    assert [t for t, _ in seen] == [4096, 512, 1]
+    assert all(deadline <= 60.0 - QT.START_MARGIN_S for _, deadline in seen)
+    key = QC.shape_key(False, 40, 1536, 896, 6)
+    assert summary["written_to"] == str(tmp_path / "quant" / "Fake_GPU.json")
+    assert QC.tuned(FAKE_GPU, key, 4096)["BLOCK_M"] == 128 and QC.tuned(FAKE_GPU, key, 2)["BLOCK_M"] == 16
+    again = QT.tune_kernels(FP8, (512, 4096), 60.0, cell=_fake_cell(clock, 5.0, seen), device_name=FAKE_GPU)
+    assert "already holds tuned tiles" in again["skipped"]
+
+
+def test_quantised_budget_cut_keeps_what_was_found(quant, monkeypatch):
+    QC, QT = quant
+    clock = FakeTime()
+    monkeypatch.setattr(QT, "time", clock)
+
+    def cell(tokens, deadline):  # as tune_cell: searches until its deadline, ending the candidate it is in
+        clock.now = max(clock.now, deadline) + 1.0
+        return {"config": {"BLOCK_M": 128 if tokens >= 512 else 16}, "time_s": 1e-4}
+
+    summary = QT.tune_kernels(FP8, (1, 64, 4096), 12.0, cell=cell, device_name=FAKE_GPU)
+    assert summary["cut_short"] and clock.now <= 12.0 and summary["seconds"] <= 12.0
+    assert summary["tokens_partial"][0] == 4096 and not summary["tokens_tuned"]
+    key = QC.shape_key(False, 40, 1536, 896, 6)
+    assert QC.tuned(FAKE_GPU, key, 4096)["BLOCK_M"] == 128
+    assert json.loads(open(summary["written_to"]).read())["tuned"][key] == []  # tuned again next time
+    none = QT.tune_kernels(FP8, (1, 4096), 0.0, cell=cell, device_name=FAKE_GPU)
+    assert none["tokens_default"] == [4096, 1] and none["written_to"] is None
+
+
+def test_quantised_shipped_shapes_and_other_formats_are_skipped(quant):
+    QC, QT = quant
+    shipped = Problem(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8, weight_format="fp8_block")
+    if not QC.load_table("NVIDIA H200").get(QC.shape_key(False, 128, 2048, 768, 8)):
+        pytest.skip("no shipped fp8 entry for the Qwen3 shape")
+    summary = QT.tune_kernels(shipped, (4096,), 60.0, cell=lambda t, d: pytest.fail("tuned"), device_name="NVIDIA H200")
+    assert "shipped tile table" in summary["skipped"]
+    dense = QT.tune_kernels(PROBLEM, (4096,), 60.0, cell=lambda t, d: pytest.fail("tuned"), device_name=FAKE_GPU)
+    assert "no quantised tiles" in dense["skipped"]
+
+
+def test_backend_sends_quantised_layers_to_the_quantised_search(monkeypatch):
+    from selector.plugins.quant_kernels import tune as QT
+    from selector.plugins.triton_fused import selector_backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="quant_kernels tune: needs a CUDA GPU"):
+        selector_backends()[0].tune_kernels(FP8, [4096], 60.0)
+    with pytest.raises(RuntimeError, match="triton_fused tune: needs a CUDA GPU"):
+        selector_backends()[0].tune_kernels(PROBLEM, [4096], 60.0)
+    assert QT.NEEDS_CUDA.startswith("quant_kernels tune")
+
+
+def test_malformed_quantised_user_table_is_ignored_with_a_warning(quant):
+    QC, _ = quant
+    path = QC.user_table_file(FAKE_GPU)
+    path.parent.mkdir(parents=True)
+    path.write_text("{broken")
+    with pytest.warns(RuntimeWarning, match="ignoring the tuned tile table"):
+        assert QC.tuned(FAKE_GPU, QC.shape_key(False, 8, 64, 32, 2), 64) is None
