@@ -99,3 +99,26 @@ def test_tune_a_shape_without_a_shipped_table_within_a_minute():
         ref = _reference(x, w1, w2, ids, wts)
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 2e-2, (t, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_tune_a_quantised_shape_without_a_shipped_table_within_a_minute(tmp_path, monkeypatch):
+    """The same shape as fp8 experts: the backend sends it to the quantised search, which keeps to the budget
+    (one candidate may finish past a share's end: START_MARGIN_S covers it) and the layer then reads its tiles."""
+    from selector.plugins.quant_kernels import configs as QC
+    from selector.plugins.quant_kernels.tiles import resolve_config
+    from selector.plugins.triton_fused import selector_backends
+
+    monkeypatch.setenv("SELECTOR_QUANT_USER_CONFIG_DIR", str(tmp_path / "quant"))
+    QC.clear_caches()
+    problem = Problem(num_experts=40, hidden_size=1536, intermediate_size=896, top_k=6, weight_format="fp8_block")
+    t0 = time.perf_counter()
+    summary = selector_backends()[0].tune_kernels(problem, (1, 64, 512, 4096), 60.0)
+    wall = time.perf_counter() - t0
+    assert summary["skipped"] is None and summary["kernels"] == "quant_kernels", summary
+    assert wall <= 62.0, summary
+    assert 4096 in summary["tokens_tuned"] + summary["tokens_partial"], summary
+    got = resolve_config(None, torch.device("cuda"), False, 40, 1536, 896, 4096, 6)
+    assert got == summary["configs"][4096]
+    QC.clear_caches()
