@@ -153,11 +153,17 @@ _DECLARED = [
     Setting("SELECTOR_TRITON_FUSED_CONFIG_DIR", "path", None,
             "folder of tuned tile-configuration files (`<GPU>.json`) for triton_fused",
             default_text="the shipped configs folder"),
+    Setting("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR", "path", None,
+            "folder of the tile tables `selector tune` writes for triton_fused (`<GPU>.json`); read before the "
+            "shipped tables", default_text="triton_fused in selector's user cache folder"),
     Setting("SELECTOR_TRITON_FUSED_GRAPHS", "bool", True,
             "triton_fused records and replays CUDA graphs for small eager calls"),
     # --- quantised kernels (read in plugins/quant_kernels) ------------------------------------------------
     Setting("SELECTOR_QUANT_GRAPHS", "bool", True,
             "the quantised grouped path records and replays CUDA graphs for small eager calls"),
+    Setting("SELECTOR_QUANT_USER_CONFIG_DIR", "path", None,
+            "folder of the tile tables `selector tune` writes for the quantised grouped kernels (`<GPU>.json`); "
+            "read before the shipped tables", default_text="quant_kernels in selector's user cache folder"),
     *_probe_settings(),
 ]
 

@@ -38,7 +38,7 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Files whose tests run Triton kernels; on a CPU that is the interpreter, slow at any size.
 INTERPRETER_FILES = frozenset({
     "test_triton_fused_kernels.py", "test_triton_fused_graphs.py", "test_quant.py", "test_quant_grouped.py",
-    "test_quant_tune.py",
+    "test_quant_tune.py", "test_tile_tuning_kernels.py",
 })  # fmt: skip
 # Fixtures that register the real Triton adapter as a CPU backend, so its kernels run in the interpreter.
 INTERPRETER_FIXTURES = frozenset({"fused_cpu"})
@@ -60,6 +60,7 @@ SLOW_TESTS = frozenset({
     "test_gpu_kernels_real.py::test_sonicmoe_kernel_dir_loads_through_kernels",
     "test_hub_backends.py::test_kernels_itself_loads_what_locate_calls_cached",
     "test_hub_backends.py::test_megamoe_call_path_against_fake",
+    "test_tile_tuning.py::test_cli_without_triton_prints_one_line",
     "test_hub_backends.py::test_megamoe_forward_refuses_missing_group_and_wrong_weights",
     "test_transformers_integration.py::test_backends_match_eager_logits_and_greedy_tokens",
     "test_transformers_integration.py::test_decode_swap_on_accelerator_and_restore",

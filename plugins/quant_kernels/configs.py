@@ -14,6 +14,11 @@ the default for pair blocks; never on the TMA path), or a combine launch does (t
 is not a knob: it is the activation group (the K tile that one activation scale covers). Tables ship as ``configs/<GPU name, spaces as underscores>.json`` in
 triton_fused's layout, keyed ``fp8:E=..,H=..,I=..,k=..`` (fp4 likewise) and then by token count; the entry
 nearest to T in log scale is used. Written by ``python -m selector.plugins.quant_kernels.tune``.
+
+Tiles tuned on this node (``tune.tune_kernels``, run by ``selector tune`` for shapes without a shipped entry)
+go to a user table of the same layout, ``<user cache dir>/selector/quant_kernels/<GPU>.json``
+(SELECTOR_QUANT_USER_CONFIG_DIR moves it); for a shape it has, it wins over the shipped table. One that cannot
+be read is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from selector.plugins import tile_tables
 from selector.plugins.tile_tables import read_table
+
+from selector import settings
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 # SPLIT_K: ops.split_k / finish_split; SWAP: 1 = weights on the MMA's M side (kernels._mma; grouped mode)
@@ -102,9 +110,60 @@ def lookup(table: dict[str, dict[int, dict]], key: str, num_tokens: int) -> dict
     return entry
 
 
+@functools.cache
+def _default_user_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("selector")) / "quant_kernels"
+
+
+def user_config_dir() -> Path:
+    """Folder of the tile tables tuned on this node (SELECTOR_QUANT_USER_CONFIG_DIR, else the cache)."""
+    chosen = settings.get("SELECTOR_QUANT_USER_CONFIG_DIR")
+    return Path(chosen) if chosen else _default_user_dir()
+
+
+def user_table_file(device_name: str, directory: str | Path | None = None) -> Path:
+    return table_file(device_name, str(directory or user_config_dir()))
+
+
+@functools.lru_cache(maxsize=8)
+def load_user_table(device_name: str, directory: str | None = None) -> dict[str, dict[int, dict]]:
+    """The user table for one GPU name; empty (with a warning) when malformed, silently when absent."""
+    return tile_tables.read_user_table(user_table_file(device_name, directory), normalize, "quantised experts")
+
+
+def write_user_entries(device_name: str, key: str, entries: dict[int, dict], tuned_at: list[int],
+                       directory: str | Path | None = None) -> Path:  # fmt: skip
+    """Merge one shape's {token_count: config} into the user table atomically; `tuned_at`: the token counts
+    measured. Clears the caches so the tiles take effect in this process."""
+    path = user_table_file(device_name, directory)
+    normalized = {t: normalize(c) for t, c in entries.items()}
+    tile_tables.merge_entries(path, key, normalized, tuned_at, {"version": 1, "device": device_name},
+                              "quantised experts")  # fmt: skip
+    clear_caches()
+    return path
+
+
+def clear_caches() -> None:
+    load_table.cache_clear()
+    load_user_table.cache_clear()
+    _tuned.cache_clear()
+
+
 @functools.lru_cache(maxsize=4096)
+def _tuned(device_name: str, key: str, num_tokens: int, user_dir: str) -> dict | None:
+    for table in (load_user_table(device_name, user_dir), load_table(device_name)):
+        found = lookup(table, key, num_tokens)
+        if found is not None:
+            return found
+    return None
+
+
 def tuned(device_name: str, key: str, num_tokens: int) -> dict | None:
-    return lookup(load_table(device_name), key, num_tokens)
+    """The tuned entry for a call: this node's table, else the shipped one, if either has the shape."""
+    return _tuned(device_name, key, num_tokens, str(user_config_dir()))
 
 
-__all__ = ["decode", "encode", "load_table", "lookup", "normalize", "shape_key", "tuned"]
+__all__ = ["decode", "encode", "load_table", "load_user_table", "lookup", "normalize", "shape_key", "tuned",
+           "write_user_entries"]  # fmt: skip

@@ -17,6 +17,9 @@ recorded graphs at decode and for repeated calls up to that size, and above it i
 timed back to back instead, single launches measured the host at T=512 on the H200 (align alone 35-100 us).
 fp8 configs serve both scale formats (a scale load differs, not the tile). Stops at --budget-s and writes what
 it has.
+
+``tune_kernels`` (what ``selector tune`` runs for a quantised layer through triton_fused's
+``BackendSpec.tune_kernels``) tunes one layer within a budget into this node's user tile table (configs.py).
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
 import triton.testing
+from selector.plugins import tile_tables
 from selector.plugins.quant_kernels import configs as C
 from selector.plugins.quant_kernels import ops
 from selector.plugins.triton_common.align import run_align
@@ -155,6 +161,8 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
             options = options + (SWAPPED[part] if bm == 16 else ())
             # qx: where x is quantised (gate_up), or where the slots are added (down)
             for option, qx in itertools.product(options, variants):
+                if time.perf_counter() > deadline:  # what was timed so far still counts
+                    break
                 bn, warps, stages = option[:3]
                 split, swap = (option[3] if len(option) > 3 else 1), (option[4] if len(option) > 4 else 0)
                 cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "GROUP_M": 1 if bm <= 32 else 8}
@@ -264,9 +272,101 @@ def tune(shapes: dict, tokens: tuple[int, ...], formats: tuple[str, ...], out: P
     doc["tuned_seconds"] = round(time.perf_counter() - t0, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    C.load_table.cache_clear()
-    C.tuned.cache_clear()
+    C.clear_caches()
     return doc
+
+
+# --- tune_kernels: one layer within a budget (selector tune) ----------------------------------------------------
+
+FORMATS = {"fp8_block": False, "fp4": True}  # weight format -> fp4
+START_MARGIN_S = 2.0  # no candidate starts later than this before its share ends: a compile and its timing
+NEEDS_CUDA = ("quant_kernels tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the "
+              "tiles are for); run it on that GPU's node")  # fmt: skip
+
+
+def _order(token_counts: Iterable[int]) -> list[int]:
+    """Largest first: there tiles matter most; a budget cut leaves the small (weight-bound) ones on defaults."""
+    return sorted({int(t) for t in token_counts if int(t) >= 1}, reverse=True)
+
+
+def _weight(tokens: int) -> float:
+    return 3.0 if tokens >= 512 else 1.0 if tokens >= 64 else 0.5
+
+
+def tune_kernels(
+    problem: Any,
+    token_counts: Sequence[int] = TOKENS,
+    budget_s: float = 60.0,
+    *,
+    force: bool = False,
+    cell: Callable[[int, float], dict | None] | None = None,
+    device_name: str | None = None,
+    directory: str | Path | None = None,
+    log: Callable[..., None] = lambda *a: None,
+) -> dict[str, Any]:
+    """Tune one quantised layer's grouped tiles at these token counts within `budget_s` seconds and merge them
+    into the user tile table, where the layer finds them first.
+
+    Shapes the shipped table has and token counts already tuned are skipped unless `force`. Token counts go
+    largest first, each with a weighted share of the budget left (what one leaves goes to the next); one cut
+    short keeps its best tiles so far ("tokens_partial", tuned again next time), one never reached gets the
+    heuristics ("tokens_default"). `cell(tokens, deadline)`, `device_name` and `directory` replace the GPU
+    search of one token count, the GPU's name and the table's folder (tests). Returns a summary like
+    triton_fused's `tune_kernels`.
+    """
+    start = time.perf_counter()
+    e, h, i, k = problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k
+    fp4 = FORMATS.get(problem.weight_format)
+    key = C.shape_key(bool(fp4), e, h, i, k)
+    summary: dict[str, Any] = {
+        "backend": "triton_fused", "kernels": "quant_kernels", "shape": key, "device": device_name,
+        "budget_s": float(budget_s), "tokens_tuned": [], "tokens_partial": [], "tokens_default": [], "configs": {},
+        "time_us": {}, "seconds": 0.0, "cut_short": False, "written_to": None, "skipped": None,
+    }  # fmt: skip
+    if fp4 is None:
+        summary["skipped"] = f"weight format {problem.weight_format!r} has no quantised tiles (fp8_block, fp4 do)"
+        return summary
+    if cell is None and not torch.cuda.is_available():
+        raise RuntimeError(NEEDS_CUDA)
+    dev = torch.device("cuda", getattr(problem, "device_index", 0))
+    name = device_name or torch.cuda.get_device_name(dev)
+    summary["device"] = name
+    shipped = C.load_table(name).get(key, {})
+    if shipped and not force:
+        summary["skipped"] = f"the shipped tile table for {name} has {key} (force=True tunes it again)"
+        return summary
+    done = set() if force else tile_tables.tuned_tokens(C.user_table_file(name, directory), key)
+    todo = [t for t in _order(token_counts) if t not in done]
+    if not todo:
+        summary["skipped"] = f"the user tile table already holds tuned tiles for {key} at every token count asked"
+        return summary
+    if cell is None:
+        weights = (*_weights(e, 2 * i, h, fp4, dev), *_weights(e, h, i, fp4, dev))
+        cell = lambda t, deadline: tune_cell(*weights, fp4, t, k, deadline, log)  # noqa: E731
+    deadline = start + max(0.0, budget_s)
+    existing = C.load_user_table(name, str(directory) if directory else None).get(key, {})
+    entries: dict[int, dict] = {}
+    for n, t in enumerate(todo):
+        now = time.perf_counter()
+        share_end = now + (deadline - now) * _weight(t) / sum(_weight(u) for u in todo[n:])
+        best = cell(t, share_end - START_MARGIN_S) if share_end - START_MARGIN_S > now else None
+        cut = time.perf_counter() > share_end - START_MARGIN_S
+        summary["cut_short"] |= cut
+        if best is not None:
+            entries[t] = C.normalize(best["config"])
+            summary["tokens_partial" if cut else "tokens_tuned"].append(t)
+            summary["time_us"][t] = round(best["time_s"] * 1e6, 2)
+        else:
+            summary["tokens_default"].append(t)
+            if t not in existing:  # what would run without the user table
+                entries[t] = C.lookup({key: shipped}, key, t) if shipped else C.normalize(None)
+        if t in entries:
+            summary["configs"][t] = entries[t]
+    if summary["tokens_tuned"] or summary["tokens_partial"]:
+        path = C.write_user_entries(name, key, entries, summary["tokens_tuned"], directory)
+        summary["written_to"] = str(path)
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

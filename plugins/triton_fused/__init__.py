@@ -7,7 +7,8 @@ No host synchronisation, so CUDA graphs capture it; a torch custom op, so torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from selector.plugins.quant_kernels import (
     QUANT_ACTIVATION_QUANT,
@@ -38,6 +39,17 @@ def _estimate(problem: Problem, env: Environment) -> float:
     return 25e-6 + 1.15 * floor_seconds(problem, env)
 
 
+def _tune_kernels(problem: Problem, token_counts: Sequence[int], budget_s: float) -> Mapping[str, Any]:
+    # quantised experts run plugins/quant_kernels' grouped tiles, which have their own table and search
+    if problem.weight_format in QUANT_WEIGHT_FORMATS:
+        from selector.plugins.quant_kernels.tune import tune_kernels as tune_quantised
+
+        return tune_quantised(problem, token_counts, budget_s)
+    from selector.plugins.triton_fused.tune import tune_kernels
+
+    return tune_kernels(problem, token_counts, budget_s)
+
+
 @hookimpl
 def selector_backends() -> Sequence[BackendSpec]:
     return [
@@ -65,5 +77,6 @@ def selector_backends() -> Sequence[BackendSpec]:
             "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,
             first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
+            tune_kernels=_tune_kernels,  # tiles for shapes without a shipped table, into a user tile table
         )
     ]

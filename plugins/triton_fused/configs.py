@@ -16,16 +16,24 @@ Tuned configurations ship as JSON in ``configs/<GPU name with spaces as undersco
 
 The entry whose token count is nearest to T (in log scale) is used; shapes or dtypes without an entry get
 ``default_config``. The directory can be overridden with SELECTOR_TRITON_FUSED_CONFIG_DIR.
+
+Tiles tuned on this node (``tune.tune_kernels``, run by ``selector tune``) go to a user table of the same
+format, ``<user cache dir>/selector/triton_fused/<GPU>.json`` (SELECTOR_TRITON_FUSED_USER_CONFIG_DIR moves
+it); its document also lists, per shape, which token counts were measured (``"tuned"``) rather than filled in
+with the heuristics. For a shape it has, the user table wins over the shipped one. A user table that cannot be
+read is ignored with a warning: a broken cache file must never stop a model from running.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from selector.plugins import tile_tables
 from selector.plugins.tile_tables import read_table
 
 from selector import settings
@@ -211,19 +219,86 @@ def lookup(table: dict[str, dict[int, dict[str, Any]]], key: str, num_tokens: in
     return entries[best]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the user table (tiles tuned on this node)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _default_user_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("selector")) / "triton_fused"
+
+
+def user_config_dir() -> Path:
+    """Folder of the tile tables tuned on this node (SELECTOR_TRITON_FUSED_USER_CONFIG_DIR, else the cache)."""
+    chosen = settings.get("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR")
+    return Path(chosen) if chosen else _default_user_dir()
+
+
+def user_table_path(device_name: str, directory: str | Path | None = None) -> Path:
+    return Path(directory or user_config_dir()) / config_file_name(device_name)
+
+
+@functools.lru_cache(maxsize=16)
+def load_user_table(device_name: str, directory: str | None = None) -> dict[str, dict[int, dict[str, Any]]]:
+    """The user table for one GPU name; empty (with a warning) when it is malformed, silently when absent."""
+    return tile_tables.read_user_table(user_table_path(device_name, directory), normalize, "triton_fused")
+
+
+def user_tuned_tokens(device_name: str, key: str, directory: str | None = None) -> frozenset[int]:
+    """Token counts of `key` that the user table holds measured tiles for (not filled in with defaults)."""
+    return tile_tables.tuned_tokens(user_table_path(device_name, directory), key)
+
+
+def shipped_has(device_name: str, key: str) -> bool:
+    """Whether the shipped (or SELECTOR_TRITON_FUSED_CONFIG_DIR) table has tiles for this shape."""
+    return bool(load_table(device_name, str(_config_dir())).get(key))
+
+
+def write_user_entries(
+    device_name: str,
+    key: str,
+    entries: Mapping[int, Mapping[str, Any]],
+    tuned: Sequence[int],
+    *,
+    dtype: str = "bfloat16",
+    directory: str | Path | None = None,
+) -> Path:
+    """Merge one shape's entries ({token_count: config}) into the user table, atomically (a reader sees the old
+    file or the new one, never half of one); `tuned` names the token counts that were measured. Clears the
+    caches so the new tiles take effect in this process. Returns the file's path."""
+    path = user_table_path(device_name, directory)
+    entries = {t: normalize(dict(cfg)) for t, cfg in entries.items()}
+    header = {"version": 1, "device": device_name, "dtype": dtype}
+    tile_tables.merge_entries(path, key, entries, tuned, header, "triton_fused")
+    clear_caches()
+    return path
+
+
+def clear_caches() -> None:
+    """Forget every table read and config chosen, so changed files take effect in this process."""
+    load_table.cache_clear()
+    load_user_table.cache_clear()
+    _get_config_cached.cache_clear()
+
+
 @functools.lru_cache(maxsize=4096)
 def _get_config_cached(
     num_experts: int, hidden: int, intermediate: int, num_tokens: int, top_k: int, dtype: torch.dtype,
-    gated: bool, device_type: str, device_index: int | None, config_dir: str,
+    gated: bool, device_type: str, device_index: int | None, config_dir: str, user_dir: str,
 ) -> dict[str, Any]:  # fmt: skip
     num_sms = 132
     if device_type == "cuda":
         num_sms = _num_sms(device_index)
         name = _device_name(device_index)
         if name and gated and dtype in (torch.bfloat16, torch.float16):
-            cfg = lookup(load_table(name, config_dir), shape_key(num_experts, hidden, intermediate, top_k), num_tokens)
-            if cfg is not None:
-                return cfg
+            key = shape_key(num_experts, hidden, intermediate, top_k)
+            for table in (load_user_table(name, user_dir), load_table(name, config_dir)):
+                cfg = lookup(table, key, num_tokens)
+                if cfg is not None:
+                    return cfg
     return normalize(
         default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated=gated, num_sms=num_sms)
     )
@@ -240,9 +315,10 @@ def get_config(
     gated: bool = True,
     device: torch.device | str | None = None,
 ) -> dict[str, Any]:
-    """The tile config for one call: tuned table for this GPU if it has the shape, else the heuristics."""
+    """The tile config for one call: this node's tuned table, else the shipped table for this GPU, if either has
+    the shape; else the heuristics."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     return _get_config_cached(
         num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated, dev.type, dev.index,
-        str(_config_dir()),
+        str(_config_dir()), str(user_config_dir()),
     )  # fmt: skip

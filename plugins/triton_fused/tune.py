@@ -5,22 +5,32 @@
 For every (shape, token count) it tries each candidate BLOCK_M; for each, it times the gate_up GEMM and the
 down GEMM separately over their candidate tiles (triton.testing.do_bench, median), and keeps the BLOCK_M whose
 align + best gate_up + best down is fastest. Random inputs, uniform top-k routing with distinct experts.
+
+``tune_kernels`` (the backend's ``BackendSpec.tune_kernels``, run by ``selector tune``) is the same search for
+one layer within a budget of seconds, written to this node's user tile table (configs.py); see its docstring.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
+from selector.types import Problem
+
 from . import configs as _configs
-from . import kernels as _k
+
+# The kernels (and triton) are imported where a kernel runs, so the CLI and the search logic load on a machine
+# without them and say what is missing in one line.
 
 PRESETS: dict[str, list[tuple[int, int, int, int]]] = {
     # (E, H, I, k)
@@ -106,6 +116,8 @@ def tune_cell(
     log=print,
 ) -> dict[str, Any]:
     """Best config for one shape (weights w1 [E, 2I, H], w2 [E, H, I]) and token count; with timings."""
+    from . import kernels as _k
+
     e, _, h = w1.shape
     i_dim = w2.shape[2]
     dev, dt = w1.device, w1.dtype
@@ -211,11 +223,459 @@ def tune(
     if out_path is not None:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    _configs.load_table.cache_clear()
-    _configs._get_config_cached.cache_clear()
+    _configs.clear_caches()
     log(f"tuning took {time.perf_counter() - t0:.1f}s")
     doc["_timings"] = timings
     return doc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tune_kernels: one layer, within a budget of seconds (selector tune)
+# ---------------------------------------------------------------------------------------------------------------
+
+_log = logging.getLogger("selector.tune.triton_fused")
+
+SEARCH_WARMUP_MS = 1.0  # do_bench per timing: a few reps are enough to rank tiles that differ by 10% or more
+SEARCH_REP_MS = 5.0
+NEW_KERNEL_GUESS_S = 1.5  # what one not yet compiled tile config costs (JIT compile + timing) until one is seen
+REPEAT_GUESS_S = 0.05  # what a timing of an already compiled one costs until one is seen
+DROP_BLOCK_M_ABOVE = 1.2  # after two rounds a BLOCK_M this much slower than the best one gets no more timings
+LARGE_TOKENS = 512  # from here the GEMMs are compute bound and tiles matter most (the target is set from here)
+GEMM_PARTS = ("gate_up", "down")
+
+
+def token_order(token_counts: Iterable[int]) -> list[int]:
+    """The order token counts are tuned in: largest first (where tiles matter; small T is weight bound, near the
+    heuristics' tiles already), so a budget cut leaves the small ones on defaults."""
+    return sorted({int(t) for t in token_counts if int(t) >= 1}, reverse=True)
+
+
+def token_weight(num_tokens: int) -> float:
+    """A token count's share of the budget, relative to the others still to tune."""
+    return 3.0 if num_tokens >= LARGE_TOKENS else 1.0 if num_tokens >= 64 else 0.5
+
+
+def _cfg_items(cfg: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple((k, int(cfg[k])) for k in _configs._GEMM_KEYS)
+
+
+def prior_winners(table: Mapping[str, Mapping[int, Mapping[str, Any]]], block_m: int, part: str) -> list[dict]:
+    """GEMM tiles that won for this BLOCK_M in shipped tables, most often first: where a new shape's best tile is
+    likely to be, so they are timed before the rest of the candidates."""
+    counts: dict[tuple, int] = {}
+    for per_t in table.values():
+        for cfg in per_t.values():
+            if cfg.get("BLOCK_M") == block_m and part in cfg:
+                items = _cfg_items(cfg[part])
+                counts[items] = counts.get(items, 0) + 1
+    return [dict(items) for items, _ in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
+def candidate_plan(
+    num_experts: int, hidden: int, intermediate: int, top_k: int, num_tokens: int, *, elem: int = 2,
+    prior: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None, num_sms: int = 132,
+) -> dict[int, dict[str, list[dict[str, int]]]]:  # fmt: skip
+    """{BLOCK_M: {"gate_up": [tiles], "down": [tiles]}}, the heuristics' BLOCK_M first, each list most promising
+    first: the heuristics' own tiles (the baseline every tuned entry must beat), then the shipped tables'
+    winners for that BLOCK_M, then the rest of the tuner's candidates."""
+    dtype = torch.float16 if elem == 2 else torch.float32
+    default = _configs.normalize(
+        _configs.default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, num_sms=num_sms)
+    )
+    bms = [default["BLOCK_M"]] + [bm for bm in block_m_candidates(num_tokens, top_k, num_experts)]
+    plan: dict[int, dict[str, list[dict[str, int]]]] = {}
+    for bm in dict.fromkeys(bms):
+        plan[bm] = {}
+        for part in GEMM_PARTS:
+            n_out = intermediate if part == "gate_up" else hidden
+            first = [default[part]] if bm == default["BLOCK_M"] else []
+            ranked = prior_winners(prior or {}, bm, part)
+            rest = gemm_candidates(bm, n_out, part == "gate_up", elem)
+            allowed = {_cfg_items(c) for c in rest}
+            seen: set[tuple] = set()
+            plan[bm][part] = []
+            for cfg in first + [c for c in ranked if _cfg_items(c) in allowed] + rest:
+                if _cfg_items(cfg) not in seen:
+                    seen.add(_cfg_items(cfg))
+                    plan[bm][part].append(dict(cfg))
+    return plan
+
+
+@dataclass(frozen=True)
+class Task:
+    """One timing: the align for a BLOCK_M (part "align"), or one GEMM with one tile config."""
+
+    num_tokens: int
+    block_m: int
+    part: str
+    tiles: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def config(self) -> dict[str, int]:
+        return dict(self.tiles)
+
+    @property
+    def kernel(self) -> tuple:
+        """What Triton compiles once and reuses for every token count."""
+        return (self.block_m, self.part, self.tiles)
+
+
+class CostGuess:
+    """What the next timing will cost in seconds of the budget: a new tile config compiles first, a seen one
+    does not. The largest cost seen so far of each kind, so the budget is not overrun by a slow compile."""
+
+    def __init__(self) -> None:
+        self.new = NEW_KERNEL_GUESS_S
+        self.repeat = REPEAT_GUESS_S
+        self._seen_new = self._seen_repeat = False
+        self.compiled: set[tuple] = set()
+
+    def expect(self, task: Task) -> float:
+        return self.repeat if task.kernel in self.compiled else self.new
+
+    def observe(self, task: Task, seconds: float) -> None:
+        if task.kernel in self.compiled:
+            self.repeat = max(seconds, self.repeat) if self._seen_repeat else seconds
+            self._seen_repeat = True
+        else:
+            self.new = max(seconds, self.new) if self._seen_new else seconds
+            self._seen_new = True
+            self.compiled.add(task.kernel)
+
+
+@dataclass
+class CellSearch:
+    """The search for one token count: timings in rounds (round r times the r-th tile of every GEMM of every
+    BLOCK_M still in the running), so each BLOCK_M has a complete configuration after the first round; from the
+    third round a BLOCK_M far behind the best gets no more timings."""
+
+    num_tokens: int
+    plan: Mapping[int, Mapping[str, Sequence[Mapping[str, int]]]]
+    weight: float = 1.0
+    align_s: dict[int, float] = field(default_factory=dict)
+    best: dict[tuple[int, str], tuple[float, dict[str, int]]] = field(default_factory=dict)
+    baseline_s: dict[str, float] = field(default_factory=dict)
+    measured: int = 0
+    _round: int = 0
+    _queue: list[Task] = field(default_factory=list)
+    _dropped: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._fill()
+
+    def _total(self, bm: int) -> float | None:
+        parts = [self.best.get((bm, p)) for p in GEMM_PARTS]
+        if bm not in self.align_s or any(p is None for p in parts):
+            return None
+        return self.align_s[bm] + sum(p[0] for p in parts if p is not None)
+
+    def _fill(self) -> None:
+        while not self._queue:
+            r = self._round
+            if r >= 2:
+                totals = {bm: self._total(bm) for bm in self.plan if bm not in self._dropped}
+                known = [t for t in totals.values() if t is not None]
+                if known:
+                    best = min(known)
+                    self._dropped |= {bm for bm, t in totals.items() if t is None or t > DROP_BLOCK_M_ABOVE * best}
+            live = [bm for bm in self.plan if bm not in self._dropped]
+            if not any(r < len(self.plan[bm][p]) for bm in live for p in GEMM_PARTS):
+                return
+            for bm in live:
+                if r == 0:
+                    self._queue.append(Task(self.num_tokens, bm, "align"))
+                for p in GEMM_PARTS:
+                    if r < len(self.plan[bm][p]):
+                        self._queue.append(Task(self.num_tokens, bm, p, _cfg_items(self.plan[bm][p][r])))
+            self._round += 1
+
+    def next_task(self) -> Task | None:
+        return self._queue[0] if self._queue else None
+
+    def record(self, task: Task, seconds: float) -> None:
+        """A task's measured kernel time (inf: it did not run here)."""
+        self._queue.pop(0)
+        self.measured += 1
+        if task.part == "align":
+            if math.isfinite(seconds):
+                self.align_s[task.block_m] = seconds
+            else:
+                self._dropped.add(task.block_m)
+                self._queue = [t for t in self._queue if t.block_m != task.block_m]
+        elif math.isfinite(seconds):
+            key = (task.block_m, task.part)
+            if key not in self.best or seconds < self.best[key][0]:
+                self.best[key] = (seconds, task.config)
+            first_bm = next(iter(self.plan))
+            if task.block_m == first_bm and task.tiles == _cfg_items(self.plan[first_bm][task.part][0]):
+                self.baseline_s[task.part] = seconds  # the heuristics' own tiles
+        self._fill()
+
+    @property
+    def done(self) -> bool:
+        return not self._queue
+
+    def result(self) -> tuple[dict[str, Any], float] | None:
+        """(best full config, its align + GEMM seconds), or None before one BLOCK_M is complete."""
+        totals = {bm: t for bm in self.plan if (t := self._total(bm)) is not None}
+        if not totals:
+            return None
+        bm = min(totals, key=totals.__getitem__)
+        cfg = {"BLOCK_M": bm, **{p: dict(self.best[(bm, p)][1]) for p in GEMM_PARTS}}
+        return _configs.normalize(cfg), totals[bm]
+
+    def default_s(self) -> float | None:
+        """The heuristics' own configuration's time, when all of it was measured."""
+        bm = next(iter(self.plan))
+        if bm in self.align_s and all(p in self.baseline_s for p in GEMM_PARTS):
+            return self.align_s[bm] + sum(self.baseline_s[p] for p in GEMM_PARTS)
+        return None
+
+
+@dataclass
+class SearchOutcome:
+    cells: dict[int, CellSearch]
+    seconds: float
+    cut_short: bool
+    measured: int
+
+
+def run_search(
+    cells: Sequence[CellSearch],
+    measure: Callable[[Task], float],
+    budget_s: float,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    start: float | None = None,
+) -> SearchOutcome:
+    """Time the cells' tasks until each is done or the budget is spent; never starts a timing expected to end
+    past the budget. First pass: each cell (most important first) gets its weight's share of what is left, what
+    it does not use goes to the cells after it; second pass: the budget left goes to the cells not done, in the
+    same order. `measure(task)` returns the kernel's seconds (raises when the tiles cannot run here)."""
+    t0 = clock() if start is None else start
+    deadline = t0 + max(0.0, budget_s)
+    cost = CostGuess()
+    order = list(cells)
+
+    def work(cell: CellSearch, until: float) -> None:
+        while (task := cell.next_task()) is not None:
+            if clock() + cost.expect(task) > until:
+                return
+            before = clock()
+            try:
+                seconds = float(measure(task))
+            except Exception as exc:  # noqa: BLE001 - tiles this GPU cannot run (resources): the others count
+                _log.info("T=%d BM=%d %s %s: skipped (%s: %s)", task.num_tokens, task.block_m, task.part,
+                          task.config, type(exc).__name__, str(exc)[:120])  # fmt: skip
+                seconds = math.inf
+            cost.observe(task, clock() - before)
+            cell.record(task, seconds)
+
+    for i, cell in enumerate(order):
+        now = clock()
+        weights = sum(c.weight for c in order[i:])
+        work(cell, min(deadline, now + (deadline - now) * cell.weight / weights))
+    for cell in order:
+        work(cell, deadline)
+    return SearchOutcome(
+        cells={c.num_tokens: c for c in order},
+        seconds=clock() - t0,
+        cut_short=not all(c.done for c in order),
+        measured=sum(c.measured for c in order),
+    )
+
+
+# --- timing on the GPU ------------------------------------------------------------------------------------------
+
+
+def _do_bench_timer(fn: Callable[[], None]) -> float:
+    return _bench(fn, SEARCH_WARMUP_MS, SEARCH_REP_MS)
+
+
+class LayerBench:
+    """Times a problem's align and GEMMs on random weights laid out as the problem stores them (transposed,
+    interleaved, biases): `bench(task) -> seconds`. Inputs for one token count at a time are kept."""
+
+    def __init__(self, problem: Problem, device: torch.device, timer: Callable[[Callable[[], None]], float]) -> None:
+        from selector.plugins.triton_common.activation import ACT_CODE
+
+        from . import kernels as _k
+
+        self._k, self.timer, self.device = _k, timer, device
+        self.dtype = getattr(torch, problem.dtype)
+        e, h, i_dim = problem.num_experts, problem.hidden_size, problem.intermediate_size
+        self.e, self.h, self.i_dim, self.top_k = e, h, i_dim, problem.top_k
+        g = torch.Generator(device=device).manual_seed(0)
+        shape1 = (e, h, 2 * i_dim) if problem.is_transposed else (e, 2 * i_dim, h)
+        shape2 = (e, i_dim, h) if problem.is_transposed else (e, h, i_dim)
+        self.w1 = torch.randn(shape1, device=device, dtype=self.dtype, generator=g) / math.sqrt(h)
+        self.w2 = torch.randn(shape2, device=device, dtype=self.dtype, generator=g) / math.sqrt(i_dim)
+        self.b1 = torch.randn(e, 2 * i_dim, device=device, dtype=self.dtype) if problem.has_bias else None
+        self.b2 = torch.randn(e, h, device=device, dtype=self.dtype) if problem.has_bias else None
+        probe = torch.empty(1, h, device=device, dtype=self.dtype)
+        _, _, self.s1, self.s2 = _k._dims(probe, self.w1, self.w2, True, problem.is_transposed)
+        self.interleaved = problem.interleaved
+        self.act = ACT_CODE.get(problem.activation, ACT_CODE["silu"])
+        self.prec = _k._dot_precision(self.dtype)
+        self._cell: tuple[int, dict[str, Any]] | None = None
+
+    def _inputs(self, num_tokens: int) -> dict[str, Any]:
+        if self._cell is None or self._cell[0] != num_tokens:
+            self._cell = None  # free the last token count's buffers first
+            g = torch.Generator(device=self.device).manual_seed(num_tokens)
+            ids, tw = _routing(num_tokens, self.top_k, self.e, self.device, g)
+            pairs = num_tokens * self.top_k
+            self._cell = (num_tokens, {
+                "x": torch.randn(num_tokens, self.h, device=self.device, dtype=self.dtype, generator=g),
+                "ids": ids.reshape(-1).contiguous(), "tw": tw.reshape(-1).contiguous(), "pairs": pairs,
+                "inter": torch.randn(pairs, self.i_dim, device=self.device, dtype=self.dtype, generator=g),
+                "y": torch.empty(pairs, self.h, device=self.device, dtype=self.dtype), "aligned": {},
+            })  # fmt: skip
+        return self._cell[1]
+
+    def __call__(self, task: Task) -> float:
+        k, c = self._k, self._inputs(task.num_tokens)
+        bm = task.block_m
+        if task.part == "align":
+            return self.timer(lambda: k.align(c["ids"], self.e, bm))
+        if bm not in c["aligned"]:
+            c["aligned"][bm] = k.align(c["ids"], self.e, bm)
+        rows, blocks = c["aligned"][bm]
+        if task.part == "gate_up":
+            args = {"a": c["x"], "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
+                    "k_dim": self.h, "a_div": self.top_k, "stride_wn": self.s1[0], "stride_wk": self.s1[1],
+                    "up_offset": self.i_dim, "gated": True, "interleaved": self.interleaved, "act": self.act,
+                    "mul_w": False}  # fmt: skip
+        else:
+            args = {"a": c["inter"], "w": self.w2, "bias": self.b2, "out": c["y"], "topk_w": c["tw"], "n_out": self.h,
+                    "k_dim": self.i_dim, "a_div": 1, "stride_wn": self.s2[0], "stride_wk": self.s2[1], "up_offset": 0,
+                    "gated": False, "interleaved": False, "act": 0, "mul_w": True}  # fmt: skip
+        cfg = task.config
+        return self.timer(lambda: k._launch_gemm(
+            args["a"], args["w"], args["bias"], args["out"], rows, blocks, args["topk_w"], num_valid=c["pairs"],
+            n_out=args["n_out"], k_dim=args["k_dim"], a_div=args["a_div"], block_m=bm, stride_wn=args["stride_wn"],
+            stride_wk=args["stride_wk"], up_offset=args["up_offset"], gated=args["gated"],
+            interleaved=args["interleaved"], act=args["act"], mul_w=args["mul_w"], cfg=cfg, dot_prec=self.prec,
+        ))  # fmt: skip
+
+
+# --- the entry point --------------------------------------------------------------------------------------------
+
+NEEDS_CUDA = ("triton_fused tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the tiles "
+              "are for); run it on that GPU's node")  # fmt: skip
+
+
+def _not_tunable(problem: Problem) -> str | None:
+    if problem.weight_format != "dense":
+        return (f"{problem.weight_format} experts run plugins/quant_kernels' tiles; tune them with "
+                "`python -m selector.plugins.quant_kernels.tune`")  # fmt: skip
+    if not problem.gated:
+        return "the tile tables hold gated experts only; non-gated layers run the heuristics' tiles"
+    if problem.dtype not in ("bfloat16", "float16"):
+        return f"the tile tables hold bfloat16 / float16 layers only, not {problem.dtype}"
+    return None
+
+
+def _prior() -> dict[str, dict[int, dict[str, Any]]]:
+    from selector.plugins.tile_tables import read_table
+
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for path in sorted(_configs.CONFIG_DIR.glob("*.json")):
+        for key, per_t in read_table(path, _configs.normalize).items():
+            table.setdefault(f"{path.stem}:{key}", per_t)
+    return table
+
+
+def tune_kernels(
+    problem: Problem,
+    token_counts: Sequence[int] = TOKEN_COUNTS,
+    budget_s: float = 60.0,
+    *,
+    force: bool = False,
+    measure: Callable[[Task], float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    device_name: str | None = None,
+    directory: str | Path | None = None,
+) -> dict[str, Any]:
+    """Tune the tiles of one layer at these token counts on this GPU within `budget_s` seconds (compiles
+    included) and merge them into the user tile table, where `configs.get_config` finds them first.
+
+    Shapes the shipped table has are left alone, and token counts the user table already holds measured
+    tiles for are skipped, unless `force`. Largest token counts first, each with its share of the budget; a
+    budget cut keeps the best tiles measured so far ("tokens_partial": tuned again next time) and writes the
+    tiles that would run anyway for the token counts it never reached ("tokens_default"). `measure`, `clock`,
+    `device_name` and `directory` replace the GPU timing, the clock, the GPU's name and the user table's folder
+    (tests). Returns a summary: tokens tuned and left on defaults, the configs chosen with their times and the
+    defaults' times, seconds spent, whether the budget cut it short, and where it was written.
+    """
+    start = clock()
+    key = _configs.shape_key(problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k)
+    summary: dict[str, Any] = {
+        "backend": "triton_fused", "shape": key, "device": device_name, "budget_s": float(budget_s),
+        "tokens_tuned": [], "tokens_partial": [], "tokens_default": [], "configs": {}, "time_us": {},
+        "default_us": {}, "seconds": 0.0, "cut_short": False, "written_to": None, "skipped": _not_tunable(problem),
+    }  # fmt: skip
+    if summary["skipped"]:
+        return summary
+    device = torch.device("cuda", problem.device_index)
+    if measure is None and not torch.cuda.is_available():
+        raise RuntimeError(NEEDS_CUDA)
+    name = device_name or torch.cuda.get_device_name(device)
+    summary["device"] = name
+    if not force and _configs.shipped_has(name, key):
+        summary["skipped"] = f"the shipped tile table for {name} has {key} (force=True tunes it again)"
+        return summary
+    wanted = token_order(token_counts)
+    if not wanted:
+        summary["skipped"] = "no token count (>= 1) was asked for"
+        return summary
+    done = set() if force else _configs.user_tuned_tokens(name, key, str(directory) if directory else None)
+    todo = [t for t in wanted if t not in done]
+    if not todo:
+        summary["skipped"] = f"the user tile table already holds tuned tiles for {key} at every token count asked"
+        return summary
+    elem = 2
+    num_sms = _configs._num_sms(problem.device_index) if measure is None else 132
+    prior = _prior()
+    cells = [
+        CellSearch(t, candidate_plan(problem.num_experts, problem.hidden_size, problem.intermediate_size,
+                                     problem.top_k, t, elem=elem, prior=prior, num_sms=num_sms), token_weight(t))
+        for t in todo
+    ]  # fmt: skip
+    if measure is None:
+        measure = LayerBench(problem, device, _do_bench_timer)
+    outcome = run_search(cells, measure, budget_s - (clock() - start), clock=clock)
+    existing = _configs.load_user_table(name, str(directory) if directory else None).get(key, {})
+    shipped = _configs.load_table(name, str(_configs._config_dir())).get(key, {}) if force else {}
+    dtype = getattr(torch, problem.dtype)
+    entries: dict[int, dict[str, Any]] = {}
+    for t in todo:
+        cell = outcome.cells[t]
+        found = cell.result()
+        if found is not None:
+            entries[t] = found[0]
+            summary["tokens_tuned" if cell.done else "tokens_partial"].append(t)
+            summary["time_us"][t] = round(found[1] * 1e6, 2)
+            if (base := cell.default_s()) is not None:
+                summary["default_us"][t] = round(base * 1e6, 2)
+        else:
+            summary["tokens_default"].append(t)
+            if t not in existing:  # what would run without the user table (a token count tuned before stays)
+                entries[t] = _configs.lookup({key: shipped}, key, t) if shipped else _configs.normalize(
+                    _configs.default_config(problem.num_experts, problem.hidden_size, problem.intermediate_size,
+                                            t, problem.top_k, dtype, num_sms=num_sms))  # fmt: skip
+        if t in entries:
+            summary["configs"][t] = entries[t]
+    if summary["tokens_tuned"] or summary["tokens_partial"]:
+        # only finished searches count as tuned: a later run picks up where a budget cut stopped
+        path = _configs.write_user_entries(name, key, entries, summary["tokens_tuned"], dtype=problem.dtype,
+                                           directory=directory)  # fmt: skip
+        summary["written_to"] = str(path)
+    summary["cut_short"] = outcome.cut_short
+    summary["seconds"] = round(clock() - start, 3)
+    _log.info("%s on %s: tuned T=%s in %.1fs%s", key, name, summary["tokens_tuned"], summary["seconds"],
+              " (budget cut it short)" if outcome.cut_short else "")  # fmt: skip
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

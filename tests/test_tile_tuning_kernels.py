@@ -1,0 +1,124 @@
+"""Tile tuning with real kernels: the Triton interpreter on a CPU (tiny shapes), the compiled kernels on a GPU.
+
+The search logic itself is tested with fake timers in test_tile_tuning.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+from selector.plugins.triton_fused import configs as C
+from selector.plugins.triton_fused import tune as TU
+
+from selector.types import Problem
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.fixture(autouse=True)
+def _tables(tmp_path, monkeypatch):
+    monkeypatch.delenv("SELECTOR_TRITON_FUSED_CONFIG_DIR", raising=False)
+    monkeypatch.setenv("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR", str(tmp_path / "user"))
+    C.clear_caches()
+    yield
+    C.clear_caches()
+
+
+def _wall_timer(fn) -> float:
+    """One call, timed on the host: the interpreter has no events, and one call is enough to rank nothing."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="runs the kernels on CPU tensors through TRITON_INTERPRET=1")
+def test_one_real_tuning_call_in_the_interpreter(tmp_path):
+    problem = Problem(num_experts=4, hidden_size=32, intermediate_size=32, top_k=2, dtype="float16", device="cpu")
+    bench = TU.LayerBench(problem, torch.device("cpu"), _wall_timer)
+    summary = TU.tune_kernels(problem, (2, 16), 60.0, measure=bench, device_name="Interpreter GPU")
+    assert summary["skipped"] is None and not summary["cut_short"]
+    assert summary["tokens_tuned"] == [16, 2]
+    path = tmp_path / "user" / C.config_file_name("Interpreter GPU")
+    assert summary["written_to"] == str(path)
+    table = C.load_user_table("Interpreter GPU")[C.shape_key(4, 32, 32, 2)]
+    assert set(table) == {2, 16}
+    assert all(table[t] == summary["configs"][t] for t in (2, 16))
+    assert json.loads(path.read_text())["tuned"][C.shape_key(4, 32, 32, 2)] == [2, 16]
+
+
+def _reference(x, w1, w2, ids, wts):
+    """float64 on the GPU, expert by expert, from the definition: sum_j w_j * down(silu(gate(x)) * up(x))."""
+    x, w1, w2, wts = x.double(), w1.double(), w2.double(), wts.double()
+    i_dim = w2.shape[2]
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok] @ w1[e].T
+        inter = torch.nn.functional.silu(h[:, :i_dim]) * h[:, i_dim:]
+        out.index_add_(0, tok, (inter @ w2[e].T) * wts[tok, slot][:, None])
+    return out
+
+
+@pytest.mark.gpu
+def test_tune_a_shape_without_a_shipped_table_within_a_minute():
+    """E=40, H=1536, I=896, k=6 has no shipped entry: tuned within 60 s, the tiles it chose are the ones that run,
+    and the layer is right against float64."""
+    from selector.plugins.triton_fused import selector_backends
+    from selector.plugins.triton_fused.kernels import fused_experts
+
+    e, h, i_dim, k = 40, 1536, 896, 6
+    problem = Problem(num_experts=e, hidden_size=h, intermediate_size=i_dim, top_k=k)
+    spec = selector_backends()[0]
+    t0 = time.perf_counter()
+    summary = spec.tune_kernels(problem, TU.TOKEN_COUNTS, 60.0)
+    wall = time.perf_counter() - t0
+    assert summary["skipped"] is None, summary
+    assert wall <= 62.0 and summary["seconds"] <= 60.0, summary
+    large = [t for t in TU.TOKEN_COUNTS if t >= TU.LARGE_TOKENS]
+    assert set(large) <= set(summary["tokens_tuned"]) | set(summary["tokens_partial"]), summary
+    for t in summary["tokens_tuned"]:
+        assert summary["time_us"][t] <= summary["default_us"].get(t, math.inf) * 1.05, summary  # noise: one rep set
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    w1 = torch.randn(e, 2 * i_dim, h, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(h)
+    w2 = torch.randn(e, h, i_dim, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(i_dim)
+    for t in (512, 4096):
+        assert C.get_config(e, h, i_dim, t, k, torch.bfloat16, device=dev) == summary["configs"][t]
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=g)
+        wts, ids = torch.topk(torch.rand(t, e, device=dev, generator=g), k, dim=-1)
+        wts = wts / wts.sum(-1, keepdim=True)
+        out = fused_experts(x, w1, w2, ids, wts, num_experts=e)
+        ref = _reference(x, w1, w2, ids, wts)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, (t, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_tune_a_quantised_shape_without_a_shipped_table_within_a_minute(tmp_path, monkeypatch):
+    """The same shape as fp8 experts: the backend sends it to the quantised search, which keeps to the budget
+    (one candidate may finish past a share's end: START_MARGIN_S covers it) and the layer then reads its tiles."""
+    from selector.plugins.quant_kernels import configs as QC
+    from selector.plugins.quant_kernels.tiles import resolve_config
+    from selector.plugins.triton_fused import selector_backends
+
+    monkeypatch.setenv("SELECTOR_QUANT_USER_CONFIG_DIR", str(tmp_path / "quant"))
+    QC.clear_caches()
+    problem = Problem(num_experts=40, hidden_size=1536, intermediate_size=896, top_k=6, weight_format="fp8_block")
+    t0 = time.perf_counter()
+    summary = selector_backends()[0].tune_kernels(problem, (1, 64, 512, 4096), 60.0)
+    wall = time.perf_counter() - t0
+    assert summary["skipped"] is None and summary["kernels"] == "quant_kernels", summary
+    assert wall <= 62.0, summary
+    assert 4096 in summary["tokens_tuned"] + summary["tokens_partial"], summary
+    got = resolve_config(None, torch.device("cuda"), False, 40, 1536, 896, 4096, 6)
+    assert got == summary["configs"][4096]
+    QC.clear_caches()
