@@ -246,8 +246,9 @@ def test_dry_run_lists_cells_and_measures_nothing(tmp_path: Path) -> None:
 
 
 def test_graph_cells_stop_at_graph_max_tokens() -> None:
-    from selector.environment import set_environment
     from selector.probes import collect_environment
+
+    from selector.environment import set_environment
     from selector.registry import get_registry
     from selector.tune import plan_cells
 

@@ -102,11 +102,14 @@ def records_from_bench(result: BenchResult) -> list[dict[str, Any]]:
             continue
         if cell.backend.startswith((PEER_PREFIX, "auto")):
             continue
-        out.append({
+        record = {
             "fingerprint": fingerprint, "gpu": result.device, "tokens": cell.tokens, "backend": cell.backend,
             "problem": tuning.problem_key(replace(problem, dtype=cell.dtype)), "mode": cell.mode,
             "time_s": cell.time_s, "tool": "selector bench",
-        })
+        }
+        if cell.spread is not None and cell.rounds:
+            record.update(spread=cell.spread, rounds=cell.rounds)
+        out.append(record)
     return out
 
 
