@@ -198,7 +198,7 @@ def test_bench_formats_runs_on_the_cpu_through_the_interpreter(tmp_path: Path) -
     tiny = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=256, intermediate_size=128, top_k=2)
     ceilings = {**CEILINGS, "fp8_flops": 1500e12}
     result = run_bench({"tiny": tiny}, [3], dtype_name="float32", backends=["grouped_mm", "batched_mm"],
-                       modes=["eager", "graph"], with_peers=False, formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"], rounds=2,
+                       modes=["eager", "graph"], with_peers=False, formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"], rounds=1,
                        device="cpu", ceilings=ceilings)  # fmt: skip
     timed = {(c.format, c.backend) for c in result.cells if c.time_s}
     assert {("dense", "grouped_mm"), ("fp8-f32", "grouped_mm"), ("fp8-ue8m0", "batched_mm"), ("fp4", "grouped_mm"),

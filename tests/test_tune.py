@@ -179,8 +179,8 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     store = TuneStore(tmp_path / "tuning.json")
     backends = ["eager", "batched_mm", "grouped_mm", "fake_tunable", "fake_wrong", "fake_broken_tuner"]
     seen: list[tuple[str, int, int]] = []
-    result = run_tune([_tiny()], tokens=[1, 4], backends=backends, device="cpu", store=store, rounds=3,
-                      sample_s=0.0, kernel_budget_s=30, progress=lambda what, done, total: seen.append((what, done, total)))  # fmt: skip
+    result = run_tune([_tiny()], tokens=[1, 4], backends=backends, device="cpu", store=store, rounds=3, sample_s=0.0,
+                      kernel_budget_s=30, progress=lambda what, done, total: seen.append((what, done, total)))  # fmt: skip
     assert seen == [("E4-H64-I32-k2 T=1 eager", 1, 2), ("E4-H64-I32-k2 T=4 eager", 2, 2)]  # no graph mode on a CPU
     (problem, counts, budget), = _TunableFake.calls
     assert counts == (1, 4) and 0 < budget <= 30 and problem.num_tokens is None

@@ -66,7 +66,8 @@ def choice_table(cells: list[Cell]) -> str:
     lines = ["", f"Choice quality: auto within {q['within']:.0%} of the fastest selector backend of the same "
                  f"interleaved run in {q['within_count']} of {q['cells']} cells ({q['share_within']:.0%}).", ""]
     if q["worst"]:
-        lines += ["| shape | T | mode | format | auto [ran] | fastest | auto / fastest | spread |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["| shape | T | mode | format | auto [ran] | fastest | auto / fastest | spread |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in q["worst"]:
             lines.append(f"| {r['shape']} | {r['tokens']} | {r['mode']} | {r['format']} | {fmt_time(r['auto_s'])} "
                          f"[{r['picked'] or '-'}] | {fmt_time(r['fastest_s'])} {r['fastest']} | {r['ratio']:.2f} | "

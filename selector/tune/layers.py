@@ -55,8 +55,10 @@ def make_tune_layer(torch: Any, problem: Problem, device: Any, seed: int = 0) ->
         data = torch.randn(*shape, device=device, dtype=dtype, generator=gen) * scale
         return torch.nn.Parameter(data, requires_grad=False)
 
+    gate_fn = clamped_swiglu if problem.custom_gate else None
+
     @selector.experts(has_bias=problem.has_bias, is_transposed=problem.is_transposed,
-                      is_concatenated=not problem.interleaved, gate_fn=clamped_swiglu if problem.custom_gate else None)  # fmt: skip
+                      is_concatenated=not problem.interleaved, gate_fn=gate_fn)  # fmt: skip
     class TuneExperts(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
