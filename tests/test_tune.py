@@ -327,3 +327,13 @@ def test_gpu_run_times_both_modes_and_saves_records(tmp_path: Path) -> None:
     assert keys == {(t, m, b) for t in (1, 64) for m in ("eager", "graph") for b in ("grouped_mm", "batched_mm")}
     assert all(0 < r["time_s"] < 0.1 and r["spread"] >= 0 for r in result.records)
     assert {p.mode for p in result.plans} == {"eager", "graph"} and not result.errors
+
+
+def test_a_backend_over_the_memory_cap_is_left_out_when_planning(tmp_path: Path) -> None:
+    """Left out before measuring, so the cell still counts as measured next time (a dropped backend has no record)."""
+    cap = 10 * 2 * 3 * 64 * 32 * 4  # dense batched_mm copies 3·H·I float32 weights per (token, slot): 10 tokens' worth
+    result = run_tune([_tiny()], tokens=[1, 64], backends=["eager", "batched_mm"], device="cpu",
+                      store=TuneStore(tmp_path / "tuning.json"), dry_run=True, memory_cap_gb=cap / 2**30)  # fmt: skip
+    by_t = {c.tokens: c for c in result.cells}
+    assert by_t[1].backends == ["eager", "batched_mm"] and not by_t[1].left_out
+    assert by_t[64].backends == ["eager"] and "more than" in by_t[64].left_out["batched_mm"]

@@ -90,6 +90,8 @@ def summary_lines(result: Any) -> list[str]:
                 state = "no backend can run it here"
             lines.append(f"  {c.target} T={c.tokens} {c.mode}: {', '.join(c.backends) or '-'} ({state}; static pick "
                          f"{c.static or '-'})")
+            for name, why in c.left_out.items():
+                lines.append(f"    left out {name}: {why}")
         return lines
     lines += [render_plan(plan) for plan in result.plans]
     for target, firsts in result.first_calls.items():
@@ -99,6 +101,12 @@ def summary_lines(result: Any) -> list[str]:
         from selector.tune.runner import _describe
 
         lines.append(f"kernel tuning {entry['target']} {entry['backend']}: {_describe(entry)}")
+    left: dict[tuple[str, str, str], list[int]] = {}
+    for c in result.cells:
+        for name, why in c.left_out.items():
+            left.setdefault((c.target, name, why), []).append(c.tokens)
+    for (target, name, why), counts in left.items():
+        lines.append(f"left out {name} from {target} at T={','.join(map(str, sorted(set(counts))))}: {why}")
     for e in result.errors:
         lines.append(f"dropped {e['backend']} from {e['target']} T={e['tokens']} {e['mode']}: {e['error']}")
     per = ", ".join(f"{name} {s:.1f}s" for name, s in result.durations.items())

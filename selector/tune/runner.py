@@ -43,10 +43,11 @@ class TuneCell:
     backends: list[str]
     static: str | None
     measured: bool = False  # every backend already has a record under this fingerprint
+    left_out: dict[str, str] = field(default_factory=dict)  # runnable here, but not timed: why
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "tokens": self.tokens, "mode": self.mode, "backends": self.backends,
-                "static": self.static, "already_measured": self.measured}  # fmt: skip
+                "static": self.static, "already_measured": self.measured, "left_out": self.left_out}  # fmt: skip
 
 
 @dataclass
@@ -96,6 +97,7 @@ def plan_cells(
     fingerprint: str,
     gpu: str,
     config: Any = None,
+    memory_cap_gb: float = 40.0,
 ) -> list[TuneCell]:
     """Every cell to time: graph mode only up to `graph_max_tokens`; per cell the backends whose verdict here is
     ok (restricted to `backends`), and the static pick (the ranking without measurements). A cell is already
@@ -104,8 +106,11 @@ def plan_cells(
     from selector.ranking import rank
     from selector.tuning import problem_key
 
+    from selector.bench.layer import temp_bytes_estimate
+
     cells = []
     for target in targets:
+        elem = 4 if target.problem.dtype == "float32" else 2
         key = problem_key(target.problem)
         for t in tokens:
             for mode in modes:
@@ -114,9 +119,16 @@ def plan_cells(
                 problem = cell_problem(target.problem, t, mode)
                 ranking = rank(problem, env, registry, config)
                 names = backends if backends is not None else registry.names
-                runnable = [n for n in names if n in ranking.verdicts and ranking.verdicts[n].ok]
+                runnable, left_out = [], {}
+                for n in names:
+                    if n not in ranking.verdicts or not ranking.verdicts[n].ok:
+                        continue
+                    if temp_bytes_estimate(n, t, problem, elem) > memory_cap_gb * 2**30:
+                        left_out[n] = f"needs more than {memory_cap_gb:g} GB of temporaries (--memory-cap-gb)"
+                    else:
+                        runnable.append(n)
                 measured = bool(runnable) and all(store.has(fingerprint, gpu, key, mode, t, b) for b in runnable)
-                cells.append(TuneCell(target.name, problem, t, mode, runnable, ranking.best, measured))
+                cells.append(TuneCell(target.name, problem, t, mode, runnable, ranking.best, measured, left_out))
     return cells
 
 
@@ -178,11 +190,12 @@ def run_tune(
     gpu = _gpu_name(env, torch, device)
     fingerprint = store.fingerprint()
     targets = [replace(t, problem=replace(t.problem, device=device)) for t in targets]
-    cells = plan_cells(targets, counts, modes, graph_max_tokens, backends, env, registry, store, fingerprint, gpu, config)
+    cells = plan_cells(targets, counts, modes, graph_max_tokens, backends, env, registry, store, fingerprint, gpu, config,
+                       memory_cap_gb)  # fmt: skip
     result = TuneResult(device, gpu, fingerprint, list(targets), cells, dry_run=dry_run, force=force)
     if not dry_run:
         assert torch is not None
-        run = _Run(torch, result, registry, store, rounds, sample_s, memory_cap_gb, progress, say)
+        run = _Run(torch, result, registry, store, rounds, sample_s, progress, say)
         with store.measurement_lock(gpu, lock_timeout_s) as got:
             if not got:
                 raise TuneUnavailable(f"another process is measuring on {gpu} (lock {store.lock_path(gpu)}): wait "
@@ -236,9 +249,9 @@ class _Run:
     """The measuring state of one run: torch, the result so far, the store, the options."""
 
     def __init__(self, torch: Any, result: TuneResult, registry: Any, store: TuneStore, rounds: int, sample_s: float,
-                 memory_cap_gb: float, progress: Progress | None, say: Callable[[str], None]) -> None:  # fmt: skip
+                 progress: Progress | None, say: Callable[[str], None]) -> None:  # fmt: skip
         self.torch, self.result, self.registry, self.store = torch, result, registry, store
-        self.rounds, self.sample_s, self.memory_cap_gb = max(1, rounds), sample_s, memory_cap_gb
+        self.rounds, self.sample_s = max(1, rounds), sample_s
         self.cuda = result.device == "cuda"
         self.device = torch.device(result.device)
         self.progress, self.say = progress, say
@@ -324,7 +337,6 @@ class _Run:
     def measure(self, target: TuneTarget, cell: TuneCell, layer: Any, inputs: tuple[Any, ...]) -> list[dict[str, Any]]:
         """One cell: each backend's first call (timed: JIT, autotuning) checked against the reference, then all
         of them in interleaved rounds; the records of those that finished."""
-        from selector.bench.layer import temp_bytes_estimate
         from selector.bench.timing import time_interleaved
         from selector.dispatch import backend_forward
         from selector.tuning import problem_key
@@ -334,9 +346,6 @@ class _Run:
         runners: dict[str, Callable[[], Any]] = {}
         firsts = self.result.first_calls.setdefault(target.name, {})
         for name in cell.backends:
-            if temp_bytes_estimate(name, cell.tokens, cell.problem, x.element_size()) > self.memory_cap_gb * 2**30:
-                self.drop(cell, name, f"needs more than {self.memory_cap_gb:g} GB of temporaries")
-                continue
             try:
                 fn = backend_forward(name, cell.problem.weight_format)
                 runner = (lambda fn=fn: fn(layer, x, index, weights))

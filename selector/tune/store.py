@@ -49,7 +49,10 @@ class TuneStore:
         if self.path is None:
             from selector.daemon.client import share_tuning_records
 
-            share_tuning_records(clean)  # the node's other processes see them at once, where a daemon runs
+            try:  # the node's other processes see them at once, where a daemon runs
+                share_tuning_records(clean)
+            except (OSError, ValueError):  # a daemon that stopped answering: the file has them already
+                pass
         tuning_store.reload()
         if self._keys is not None:
             self._keys |= {tuning.record_key(r) for r in clean}
