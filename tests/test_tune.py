@@ -179,7 +179,7 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     store = TuneStore(tmp_path / "tuning.json")
     backends = ["eager", "batched_mm", "grouped_mm", "fake_tunable", "fake_wrong", "fake_broken_tuner"]
     seen: list[tuple[str, int, int]] = []
-    result = run_tune([_tiny()], tokens=[1, 4], backends=backends, device="cpu", store=store, rounds=3, sample_s=0.0,
+    result = run_tune([_tiny()], tokens=[1, 4], backends=backends, device="cpu", store=store, rounds=3, sample_s=1e-3,
                       kernel_budget_s=30, progress=lambda what, done, total: seen.append((what, done, total)))  # fmt: skip
     assert seen == [("E4-H64-I32-k2 T=1 eager", 1, 2), ("E4-H64-I32-k2 T=4 eager", 2, 2)]  # no graph mode on a CPU
     (problem, counts, budget), = _TunableFake.calls
@@ -204,6 +204,15 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     assert result.durations["E4-H64-I32-k2"] > 0 and result.total_s >= result.durations["E4-H64-I32-k2"]
     data = result.to_dict()
     assert data["schema"] == "selector.tune/1" and data["plans"][0]["mode"] == "eager"
+    from selector.tune.cli import summary_lines
+
+    text = "\n".join(summary_lines(result))
+    assert "E4-H64-I32-k2 (E4-H64-I32-k2/float32/dense/silu/gated), eager" in text and "| T | best |" in text
+    assert "first call (JIT, autotuning) on E4-H64-I32-k2: " in text
+    assert "kernel tuning E4-H64-I32-k2 fake_tunable: " in text and "best_tile=16x32" in text
+    assert "kernel tuning E4-H64-I32-k2 fake_broken_tuner: failed after" in text
+    assert "dropped fake_wrong from E4-H64-I32-k2 T=1 eager: wrong result" in text
+    assert "tuning time: " in text and "10 records stored for cpu" in text
 
     # again without the backend that gave a wrong result (it has no record, so its cells would be measured again):
     # every cell is measured under this fingerprint, so nothing is timed or tuned
@@ -211,6 +220,7 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     again = run_tune([_tiny()], tokens=[1, 4], backends=[b for b in backends if b != "fake_wrong"], device="cpu",
                      store=TuneStore(tmp_path / "tuning.json"), rounds=3, sample_s=0.0)  # fmt: skip
     assert again.stored == 0 and not _TunableFake.calls and all(c.measured for c in again.cells)
+    assert not again.records and not again.kernel_tuning
     assert [row.tokens for row in again.plans[0].rows] == [1, 4]  # the plan from the stored records
     # a new token count is measured, the old ones are not; --force measures them all again
     more = run_tune([_tiny()], tokens=[1, 4, 8], backends=["eager", "grouped_mm"], device="cpu",
@@ -337,3 +347,12 @@ def test_a_backend_over_the_memory_cap_is_left_out_when_planning(tmp_path: Path)
     by_t = {c.tokens: c for c in result.cells}
     assert by_t[1].backends == ["eager", "batched_mm"] and not by_t[1].left_out
     assert by_t[64].backends == ["eager"] and "more than" in by_t[64].left_out["batched_mm"]
+
+
+def test_a_record_the_schema_refuses_is_reported_not_fatal(tmp_path: Path) -> None:
+    store = TuneStore(tmp_path / "tuning.json")
+    good = {"fingerprint": "f", "gpu": "cpu", "problem": "p", "mode": "eager", "tokens": 1, "backend": "eager",
+            "time_s": 1e-5, "spread": 0.1}  # fmt: skip
+    saved = store.save([good, {**good, "tokens": 2, "spread": 150.0}])  # 150x: a sample hit a pause
+    assert saved.stored == 1 and saved.refused[0][1] == "spread or first_call_s out of range"
+    assert store.has("f", "cpu", "p", "eager", 1, "eager") and not store.has("f", "cpu", "p", "eager", 2, "eager")

@@ -291,8 +291,13 @@ class _Run:
         finally:
             del layer
             self.release()
-            self.result.stored += self.store.save(records)  # what was measured is kept, even after a failure
-            self.result.records += records
+            saved = self.store.save(records)  # what was measured is kept, even after a failure
+            self.result.stored += saved.stored
+            for record, why in saved.refused:
+                self.result.errors.append({"target": target.name, "tokens": record.get("tokens"), "mode": record.get(
+                    "mode"), "backend": record.get("backend"), "error": f"record refused by the store: {why}"})  # fmt: skip
+            refused = {id(r) for r, _ in saved.refused}
+            self.result.records += [r for r in records if id(r) not in refused]
             self.result.durations[target.name] = time.perf_counter() - started
 
     def tune_kernels(self, target: TuneTarget, todo: Sequence[TuneCell], budget_s: float) -> None:

@@ -12,12 +12,19 @@ import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from selector import tuning, tuning_store
 
 LOCK_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Saved:
+    stored: int
+    refused: list[tuple[Mapping[str, Any], str]]  # (the record as given, why)
 
 
 class TuneStore:
@@ -40,11 +47,19 @@ class TuneStore:
             self._keys = {tuning.record_key(r) for r in self.records() if tuning.is_valid_record(r)}
         return (fingerprint, gpu, problem_key, mode, int(tokens), backend) in self._keys
 
-    def save(self, records: Iterable[Mapping[str, Any]]) -> int:
-        """Validate and keep `records`; shared with the node daemon (default store); how many were stored."""
-        clean = [tuning.clean_record(r) for r in records]
+    def save(self, records: Iterable[Mapping[str, Any]]) -> Saved:
+        """Keep the valid ones of `records`, shared with the node daemon (default store); what was stored and
+        what was refused (a record the schema refuses, e.g. a spread of 100x, is not kept: its cell is measured
+        again next time)."""
+        clean, refused = [], []
+        for r in records:
+            reason = tuning.check_record(r)
+            if reason is None:
+                clean.append(tuning.clean_record(r))
+            else:
+                refused.append((r, reason))
         if not clean:
-            return 0
+            return Saved(0, refused)
         tuning_store.write_records(self.path or tuning_store.user_tuning_path(), clean)
         if self.path is None:
             from selector.daemon.client import share_tuning_records
@@ -56,7 +71,7 @@ class TuneStore:
         tuning_store.reload()
         if self._keys is not None:
             self._keys |= {tuning.record_key(r) for r in clean}
-        return len(clean)
+        return Saved(len(clean), refused)
 
     def lock_path(self, name: str) -> Path:
         folder = (self.path or tuning_store.user_tuning_path()).parent
