@@ -247,6 +247,12 @@ def test_a_gpt_oss_layout_is_built_checked_and_timed(tmp_path: Path) -> None:
     assert result.records[0]["problem"].endswith("gated+has_bias+is_transposed+interleaved+custom_gate")
 
 
+def test_a_quantised_gpt_oss_layer_is_a_usage_error(tmp_path: Path) -> None:
+    oss = with_overrides(preset_targets(["gpt-oss-20b"])[0], None, "fp8-f32", "cpu")
+    with pytest.raises(TuneInputError, match="gpt-oss-20b: quantised weights .* plain layout only.*--format dense"):
+        run_tune([oss], tokens=[1], device="cpu", store=TuneStore(tmp_path / "tuning.json"), dry_run=True)
+
+
 def test_dry_run_lists_cells_and_measures_nothing(tmp_path: Path) -> None:
     result = run_tune([_tiny()], tokens=[2, 1024], backends=["eager", "grouped_mm"], device="cpu",
                       store=TuneStore(tmp_path / "tuning.json"), dry_run=True)  # fmt: skip

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from selector.tune.inputs import TuneInputError, TuneTarget, token_counts
+from selector.tune.layers import is_plain
 from selector.tune.plan import ModePlan, Timed, build_plan
 from selector.tune.store import TuneStore
 from selector.types import Problem
@@ -190,6 +191,10 @@ def run_tune(
     gpu = _gpu_name(env, torch, device)
     fingerprint = store.fingerprint()
     targets = [replace(t, problem=replace(t.problem, device=device)) for t in targets]
+    for t in targets:
+        if t.problem.weight_format != "dense" and not is_plain(t.problem):
+            raise TuneInputError(f"{t.name}: quantised weights ({t.problem.weight_format}) are built in the plain "
+                                 "layout only, and this layer has another: pass --format dense")  # fmt: skip
     cells = plan_cells(targets, counts, modes, graph_max_tokens, backends, env, registry, store, fingerprint, gpu, config,
                        memory_cap_gb)  # fmt: skip
     result = TuneResult(device, gpu, fingerprint, list(targets), cells, dry_run=dry_run, force=force)
