@@ -259,6 +259,9 @@ def test_dry_run_lists_cells_and_measures_nothing(tmp_path: Path) -> None:
     assert [(c.tokens, c.mode, c.backends) for c in result.cells] == [(2, "eager", ["eager", "grouped_mm"]),
                                                                       (1024, "eager", ["eager", "grouped_mm"])]  # fmt: skip
     assert not result.records and not (tmp_path / "tuning.json").exists()
+    twice = run_tune([_tiny(), _tiny()], tokens=[2], backends=["eager"], device="cpu",
+                     store=TuneStore(tmp_path / "tuning.json"), dry_run=True)  # fmt: skip
+    assert [t.name for t in twice.targets] == ["E4-H64-I32-k2", "E4-H64-I32-k2#2"]  # reports are keyed by name
 
 
 def test_graph_cells_stop_at_graph_max_tokens() -> None:

@@ -190,7 +190,7 @@ def run_tune(
         config = None
     gpu = _gpu_name(env, torch, device)
     fingerprint = store.fingerprint()
-    targets = [replace(t, problem=replace(t.problem, device=device)) for t in targets]
+    targets = _unique_names([replace(t, problem=replace(t.problem, device=device)) for t in targets])
     for t in targets:
         if t.problem.weight_format != "dense" and not is_plain(t.problem):
             raise TuneInputError(f"{t.name}: quantised weights ({t.problem.weight_format}) are built in the plain "
@@ -210,6 +210,16 @@ def run_tune(
     result.plans = plans_of(result, store)
     result.total_s = time.perf_counter() - started
     return result
+
+
+def _unique_names(targets: Sequence[TuneTarget]) -> list[TuneTarget]:
+    """Targets named apart (two config files of one model type), since reports and timings are keyed by name."""
+    seen: dict[str, int] = {}
+    out = []
+    for t in targets:
+        seen[t.name] = seen.get(t.name, 0) + 1
+        out.append(t if seen[t.name] == 1 else replace(t, name=f"{t.name}#{seen[t.name]}"))
+    return out
 
 
 def _gpu_name(env: Any, torch: Any, device: str) -> str:
