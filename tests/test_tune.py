@@ -204,6 +204,7 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     assert result.durations["E4-H64-I32-k2"] > 0 and result.total_s >= result.durations["E4-H64-I32-k2"]
     data = result.to_dict()
     assert data["schema"] == "selector.tune/1" and data["plans"][0]["mode"] == "eager"
+    assert len(data["timings"]) == 10 and {t["backend"] for t in data["timings"]} >= {"eager", "fake_tunable"}
     from selector.tune.cli import summary_lines
 
     text = "\n".join(summary_lines(result))

@@ -79,6 +79,10 @@ class TuneResult:
             "first_call_s": self.first_calls, "errors": self.errors, "records_stored": self.stored,
             "seconds": {"total": self.total_s, "per_target": self.durations},
             "plans": [p.to_dict() for p in self.plans],
+            "timings": [{"target": target, "mode": mode, "tokens": t, "backend": b, "time_s": m.time_s,
+                         "spread": m.spread}
+                        for (target, mode), by_t in self.timings.items() for t, by_b in sorted(by_t.items())
+                        for b, m in sorted(by_b.items(), key=lambda item: item[1].time_s)],
         }  # fmt: skip
 
 
