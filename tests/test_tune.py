@@ -173,7 +173,30 @@ def _tiny(device: str = "cpu"):
     return with_overrides(flag_target(4, 64, 32, 2), "float32", None, device)
 
 
-def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry) -> None:
+FIXED_S = {"eager": 4e-4, "batched_mm": 2e-4, "grouped_mm": 3e-4, "fake_tunable": 1e-4, "fake_broken_tuner": 5e-4}
+
+
+@pytest.fixture
+def fixed_timings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The interleaved timer made deterministic (a loaded CPU's host clock is not): every runner still runs once
+    per round, in the real rotated order, and reads its FIXED_S time. Returns the names in the order run."""
+    from selector.bench import timing
+
+    ran: list[str] = []
+
+    def fake(torch, runners, mode, rounds=5, sample_s=0.02, device="cuda", errors=None, clock=None):
+        names = list(runners)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                runners[name]()
+                ran.append(name)
+        return {name: timing.timing_of([FIXED_S[name]] * rounds) for name in names}
+
+    monkeypatch.setattr(timing, "time_interleaved", fake)
+    return ran
+
+
+def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry, fixed_timings: list[str]) -> None:
     fresh_registry(fake_tune_backends=_TunableFake)
     _TunableFake.calls.clear()
     store = TuneStore(tmp_path / "tuning.json")
@@ -199,8 +222,12 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     assert r["problem"] == tuning.problem_key(_tiny().problem) and r["rounds"] == 3 and r["mode"] == "eager"
     assert {rec["backend"] for rec in records} == {"eager", "batched_mm", "grouped_mm", "fake_tunable", "fake_broken_tuner"}
     assert set(result.first_calls["E4-H64-I32-k2"]) >= {"eager", "batched_mm", "grouped_mm"}
+    assert fixed_timings[:5] == ["eager", "batched_mm", "grouped_mm", "fake_tunable", "fake_broken_tuner"]
+    assert {r["time_s"] for r in records if r["backend"] == "grouped_mm"} == {3e-4}
     (plan,) = result.plans
-    assert [row.tokens for row in plan.rows] == [1, 4] and plan.ranges and plan.ranges[-1].high is None
+    assert [row.tokens for row in plan.rows] == [1, 4]
+    assert [(r.backend, r.low, r.high) for r in plan.ranges] == [("fake_tunable", 1, None)] and not plan.crossovers
+    assert all(row.static in FIXED_S and row.gain == pytest.approx(FIXED_S[row.static] / 1e-4) for row in plan.rows)
     assert result.durations["E4-H64-I32-k2"] > 0 and result.total_s >= result.durations["E4-H64-I32-k2"]
     data = result.to_dict()
     assert data["schema"] == "selector.tune/1" and data["plans"][0]["mode"] == "eager"
