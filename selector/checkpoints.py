@@ -358,6 +358,33 @@ def _stack_projection(ckpt: _Checkpoint, prefix: str, proj: str, num_experts: in
     return weights, scales, act
 
 
+def _stack_activation_scales(prefix: str, proj: str, scales: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """[E] float32 static activation scales of one projection, None when no expert has one. Refuses a set with some
+    experts missing, a tensor that is not one value, not floating point, not finite or not positive: each names
+    the tensor, as a wrong activation scale quantises every activation of that expert wrongly."""
+    present = [e for e, t in enumerate(scales) if t is not None]
+    if not present:
+        return None
+    if len(present) != len(scales):
+        missing = next(e for e, t in enumerate(scales) if t is None)
+        raise ValueError(f"{prefix}.{missing}.{proj}: no activation_scale tensor, but expert {present[0]} has one "
+                         "(static activation quantisation needs one per expert and projection)")  # fmt: skip
+    for e, t in enumerate(scales):
+        _check_activation_scale(f"{prefix}.{e}.{proj}.activation_scale", t, 1)  # type: ignore[arg-type]
+    return torch.stack([t.reshape(()).float() for t in scales])  # type: ignore[union-attr]
+
+
+def _check_activation_scale(name: str, t: torch.Tensor, count: int) -> None:
+    """`t` holds `count` finite positive floating-point values, or a ValueError naming `name`."""
+    if t.numel() != count:
+        raise ValueError(f"{name}: expected {count} activation scale value(s), found shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name}: activation scales must be floating point, found {t.dtype}")
+    values = t.float()
+    if not torch.isfinite(values).all() or not (values > 0).all():
+        raise ValueError(f"{name}: activation scales must be finite and positive, found {values.flatten()[:4].tolist()}")
+
+
 def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, gated: bool, interleaved: bool,
                              qc: Mapping[str, Any] | None = None, declared: bool = False) -> dict:  # fmt: skip
     """{up, up_scale, down, down_scale, act1, act2} stacked over experts; scales None for dense checkpoints.
@@ -381,6 +408,12 @@ def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, g
         }  # fmt: skip
         if not _check_fused(ckpt, prefix, fused, fused_up, qc, declared):
             fused["up_scale"] = fused["down_scale"] = None
+        for key, name in (("act1", "gate_up_proj"), ("act2", "down_proj")):
+            if (fused["act1"] is None) != (fused["act2"] is None):
+                raise ValueError(f"{prefix}: static activation scales for only one of gate_up_proj and down_proj")
+            if fused[key] is not None:
+                _check_activation_scale(f"{prefix}.{name}_activation_scale", fused[key], num_experts)
+                fused[key] = fused[key].reshape(num_experts).float()
         fused["up"], fused["down"] = _as_weight(fused["up"]), _as_weight(fused["down"])
         return fused
     dw, ds, da = _stack_projection(ckpt, prefix, "down_proj", num_experts)
@@ -406,16 +439,19 @@ def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, g
         else:
             up = torch.stack([torch.cat([g, u]) for g, u in zip(gw, uw)])
             up_scale = torch.stack([torch.cat([a, b]) for a, b in zip(gs, us)]) if quantised else None
-        act1 = [g if g is not None else u for g, u in zip(ga, ua)]
+        # gate and up read the same activations: one scale serves both (the gate's, where the checkpoint has it)
+        gate_act, up_act = _stack_activation_scales(prefix, "gate_proj", ga), _stack_activation_scales(prefix, "up_proj", ua)
+        act1 = gate_act if gate_act is not None else up_act
     else:
         up = torch.stack(uw)
         up_scale = torch.stack(us) if quantised else None
-        act1 = ua
-    act2 = da
-    stack_act = lambda xs: None if xs[0] is None else torch.stack([x.reshape(()).float() for x in xs])  # noqa: E731
+        act1 = _stack_activation_scales(prefix, "up_proj", ua)
+    acts = act1, _stack_activation_scales(prefix, "down_proj", da)
+    if (acts[0] is None) != (acts[1] is None):
+        raise ValueError(f"{prefix}: static activation scales for only one of the up and down projections")
     return {
         "up": up, "up_scale": up_scale, "down": torch.stack(dw), "down_scale": torch.stack(ds) if quantised else None,
-        "act1": stack_act(act1), "act2": stack_act(act2),
+        "act1": acts[0], "act2": acts[1],
     }  # fmt: skip
 
 

@@ -105,7 +105,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     unknown = [name for name in args.require or () if name not in registry.specs]
     if unknown:
         raise UsageError(f"--require {', '.join(unknown)}: no such backend; registered: {', '.join(registry.names)}")
-    report = build_report(env, registry, problem=problem, required=args.require or ())
+    from selector import tuning_store
+    from selector.registry import plugin_versions
+    from selector.tuning import TuningTable, tuning_fingerprint
+
+    table = TuningTable.from_records(tuning_store.known_records(), tuning_fingerprint(env, plugin_versions(registry)))
+    report = build_report(env, registry, problem=problem, required=args.require or (), tuning=table,
+                          tuning_store=tuning_store.describe_sources())
     renderer = render_json if args.json else render_markdown if args.markdown else render_text
     print(renderer(report))
     return report.exit_code
@@ -159,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
-    """Commands that live in their own modules (bench, daemon, tune), registered without importing torch."""
+    """Commands that live in their own modules (bench, daemon, store, tune), registered without importing torch."""
     from importlib import util
 
-    for module in ("selector.bench", "selector.daemon.commands", "selector.tune"):
+    for module in ("selector.bench", "selector.daemon.commands", "selector.store_commands", "selector.tune"):
         if util.find_spec(module) is not None:
             __import__(module, fromlist=["register"]).register(sub)
 

@@ -14,6 +14,7 @@ from selector.config import ConfigError, SelectorConfig, load_config
 from selector.probes import Environment
 from selector.ranking import rank
 from selector.registry import Registry
+from selector.tuning import TuningTable, measured_for
 from selector.types import Availability, Problem, Ranking, Status
 
 SCHEMA = "selector.doctor/1"  # bump on any incompatible change to the JSON layout
@@ -146,6 +147,21 @@ def _packages_check(env: Environment) -> Check:
     return Check("packages", "torch" in " ".join(present), title, tuple(detail))
 
 
+def _tuning_check(table: TuningTable, where: str) -> Check:
+    """How many measured times this environment has, and how many are stale (measured under another one)."""
+    detail = [f"store: {where}", f"fingerprint: {table.fingerprint}"]
+    if table.stale:
+        detail.append(f"{table.stale} record(s) measured in another environment (GPU, driver, CUDA, torch, triton, "
+                      "selector or a plugin changed): not trusted; run `selector tune` again")
+    if table.invalid:
+        detail.append(f"{table.invalid} record(s) that do not validate: skipped")
+    if not len(table):
+        detail.append("auto ranks by static estimates here: `selector tune --preset <model>` measures them")
+        return Check("tuning", True, "Tuning: no measured times for this environment", tuple(detail), warning=True)
+    return Check("tuning", True, f"Tuning: {len(table)} measured time(s) for this environment", tuple(detail),
+                 warning=bool(table.stale or table.invalid))
+
+
 def _plugins_check(registry: Registry) -> Check:
     failed = [p for p in registry.plugins if p.error]
     skipped = [p for p in registry.plugins if p.skipped]
@@ -171,8 +187,12 @@ def build_report(
     problem: Problem | None = None,
     required: Sequence[str] = (),
     config: SelectorConfig | None = None,
+    tuning: TuningTable | None = None,
+    tuning_store: str = "",
 ) -> DoctorReport:
     """Everything doctor shows, computed once. `problem` adds a ranking; `required` backends must run here.
+    `tuning`: the measured times of this environment (the ranking uses them where they cover the problem, and
+    says so); `tuning_store`: where they were read from.
 
     The backend lines are the ranking's verdicts on the judged problem (one judgement, the one `auto` makes).
     """
@@ -184,6 +204,8 @@ def build_report(
             broken.append(str(exc))
             config = SelectorConfig()
     checks = [_gpu_check(env), _toolkit_check(env), _packages_check(env), _plugins_check(registry)]
+    if tuning is not None:
+        checks.append(_tuning_check(tuning, tuning_store or "(given)"))
     # An installed plugin is not a request: its failure is reported; it breaks only what names its backends
     # (a --require or a pin of a name it would have provided is then "not registered").
     warnings = [f"plugin {p.name}: {p.error}" for p in registry.plugins if p.error]
@@ -191,7 +213,8 @@ def build_report(
     judged = problem or default_problem(env)
     if problem is None and not env.gpu.devices:
         judged = replace(judged, device="cpu")
-    ranking = rank(judged, env, registry, config)
+    measured = None if tuning is None or problem is None else measured_for(judged, env, tuning)
+    ranking = rank(judged, env, registry, config, measured=measured)
     backends = []
     for name in registry.names:
         spec = registry.specs[name]
@@ -227,7 +250,8 @@ def build_report(
         broken=broken,
         warnings=warnings,
         usable=usable,
-        no_estimate=[n for n in usable if not _has_estimate(registry, n, judged, env)],
+        no_estimate=[c.name for c in ranking.candidates
+                     if c.source != "measured" and not _has_estimate(registry, c.name, judged, env)],
     )
 
 

@@ -78,6 +78,18 @@ class Registry:
             ) from None
 
 
+def plugin_versions(registry: Registry) -> dict[str, str]:
+    """selector's version and each loaded plugin's distribution ("name version"): what measured times depend on
+    besides the machine (part of the tuning fingerprint)."""
+    import selector
+
+    versions = {"moe-selector": selector.__version__}
+    for info in registry.plugins:
+        if not info.error and not info.skipped:
+            versions[f"plugin:{info.name}"] = info.distribution
+    return versions
+
+
 def _distribution_of(ep: metadata.EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     if dist is None:

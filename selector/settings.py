@@ -127,6 +127,15 @@ _DECLARED = [
             "over how many calls auto spreads a backend's one-time cost (download, JIT compile) in its estimate; "
             "a bad value means the default",
             positive=True, on_bad="default"),
+    # --- tuning store -------------------------------------------------------------------------------------
+    Setting("SELECTOR_TUNING_STORE", "path", None,
+            "the tuning store (a SQLite file of measured times); a shared folder serves a cluster where its "
+            "filesystem has working POSIX locks",
+            default_text="tuning.sqlite3 in the user cache dir"),
+    Setting("SELECTOR_TUNING_STORE_TIMEOUT", "float", 10.0,
+            "seconds a write to the tuning store waits for other writers before it is refused; a bad value means "
+            "the default",
+            positive=True, on_bad="default"),
     # --- hub kernels --------------------------------------------------------------------------------------
     Setting("SELECTOR_KERNELS_LOCK", "path", None,
             "a kernels.lock (from `kernels lock`): hub kernel pins resolve to its commits"),

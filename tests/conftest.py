@@ -127,6 +127,14 @@ def _probed_environment() -> Environment:
     return current_environment()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_tuning_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test reads or writes the user's own tuning store."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SELECTOR_TUNING_STORE", str(tmp_path_factory.mktemp("store") / "tuning.sqlite3"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_selection_state(_probed_environment: Environment) -> Iterator[None]:
     """Every test starts from the process's own state: no cached registry, config, verdicts, picks or measured

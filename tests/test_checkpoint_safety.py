@@ -187,3 +187,43 @@ def test_fused_naming_without_down_proj_is_named(tmp_path: Path) -> None:
     source = write(tmp_path, drop(fused_tensors(), f"{P}.down_proj", f"{P}.down_proj_scale_inv"))
     with pytest.raises(KeyError, match=rf"checkpoint has {P}\.gate_up_proj but no {P}\.down_proj"):
         load(source)
+
+
+def static_fp8_tensors() -> dict[str, torch.Tensor]:
+    module = make_experts(E, H, I, seed=3)
+    x = torch.randn(16, H)
+    idx = torch.randint(0, E, (16, 2))
+    scales = Q.calibrate_activation_scales(module, x, idx)
+    Q.quantize_experts(module, "fp8_block", "float32", (32, 32), activation_quant="static", activation_scales=scales)
+    return C.experts_state_dict(module, P)
+
+
+def test_intact_static_checkpoint_loads_its_activation_scales(tmp_path: Path) -> None:
+    t = static_fp8_tensors()
+    assert f"{P}.1.down_proj.activation_scale" in t
+    module = load(write(tmp_path, t))
+    assert Q.quant_format(module).activation_quant == "static"
+
+
+def test_one_expert_without_its_activation_scale_is_named(tmp_path: Path) -> None:
+    t = static_fp8_tensors()
+    source = write(tmp_path, drop(t, f"{P}.2.down_proj.activation_scale"))
+    with pytest.raises(ValueError, match=rf"{P}\.2\.down_proj: no activation_scale tensor, but expert 0 has one"):
+        load(source)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (torch.ones(2), r"expected 1 activation scale value\(s\), found shape \(2,\)"),
+        (torch.ones((), dtype=torch.int32), "activation scales must be floating point, found torch.int32"),
+        (torch.tensor(float("nan")), "activation scales must be finite and positive"),
+        (torch.tensor(-0.5), r"activation scales must be finite and positive, found \[-0.5\]"),
+        (torch.tensor(0.0), "activation scales must be finite and positive"),
+    ],
+)
+def test_a_misshapen_mistyped_or_bad_activation_scale_is_named(tmp_path: Path, bad: torch.Tensor, message: str) -> None:
+    t = static_fp8_tensors()
+    t[f"{P}.1.up_proj.activation_scale"] = bad
+    with pytest.raises(ValueError, match=rf"{P}\.1\.up_proj\.activation_scale: {message}"):
+        load(write(tmp_path, t))

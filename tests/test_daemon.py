@@ -102,7 +102,7 @@ def test_shared_timings_reach_the_tuning_store(server: DaemonServer, tmp_path: P
     assert client.shared_tuning_records({wire.SOCKET_VARIABLE: str(tmp_path / "none.sock")}) == []
     monkeypatch.setenv(wire.SOCKET_VARIABLE, str(server.path))
     monkeypatch.setattr(tuning_store, "DATA_DIR", tmp_path / "none")
-    monkeypatch.setattr(tuning_store, "user_tuning_path", lambda: tmp_path / "tuning.json")
+    monkeypatch.setenv("SELECTOR_TUNING_STORE", str(tmp_path / "tuning.sqlite3"))
     assert tuning_store.known_records() == [record]
 
 

@@ -113,3 +113,24 @@ def test_a_cold_backend_pays_its_first_call_unless_warm() -> None:
     assert cold.best == "grouped_mm"  # 2.4 ms + 100 s / 1000 calls loses
     warm = rank(problem, env, registry, measured=measured, warm={"triton_fused"}, amortize_calls=1000)
     assert warm.best == "triton_fused"
+
+
+def test_doctor_ranks_by_measurements_and_reports_stale_ones() -> None:
+    from selector.doctor import build_report
+    from selector.render import render_text
+
+    env = collect_environment(ENV)
+    registry = build_registry(environ={})
+    problem = QWEN3.with_tokens(512)
+    rows = [record(tokens=512, time_s=2e-4, spread=0.04), record(tokens=512, backend="triton_fused", time_s=4e-4),
+            record(fingerprint="old" * 8)]
+    report = build_report(env, registry, problem=problem, tuning=TuningTable.from_records(rows, FP), tuning_store="t")
+    check = next(c for c in report.checks if c.section == "tuning")
+    assert check.title == "Tuning: 2 measured time(s) for this environment" and check.warning
+    assert any("1 record(s) measured in another environment" in d for d in check.detail)
+    assert report.usable[:2] == ["grouped_mm", "triton_fused"]
+    text = render_text(report)
+    assert "grouped_mm       measured 200 µs at T=512 (±2%)" in text
+    empty = build_report(env, registry, problem=problem, tuning=TuningTable(FP))
+    assert "no measured times" in next(c for c in empty.checks if c.section == "tuning").title
+    assert all(c.source == "estimate" for c in empty.ranking.candidates)

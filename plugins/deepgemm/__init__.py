@@ -100,9 +100,13 @@ def _estimate(problem: Problem, env: Environment) -> float:
     activation quantisation, gate and combine run as ~40 torch ops), plus about twice the floor (the M padding
     to 128 rows per expert, and those passes). The fit is within ~25% of every cell, over-estimating bf16 at
     T=4096. Plus the JIT and download still ahead, spread over SELECTOR_JIT_AMORTIZE_CALLS calls. Measured
-    tuning records replace it."""
-    pending = (0.0 if is_compiled(problem) else JIT_SECONDS) + hub.pending_download_seconds(KERNEL, env)
-    return 1.1e-3 + 2.0 * floor_seconds(problem, env) + pending / hub.amortize_calls()
+    tuning records replace the steady part; the JIT still ahead is added to them the same way."""
+    return 1.1e-3 + 2.0 * floor_seconds(problem, env) + _pending(problem, env) / hub.amortize_calls()
+
+
+def _pending(problem: Problem, env: Environment) -> float:
+    """Seconds of JIT and download still ahead in this process before `problem` runs at steady speed."""
+    return (0.0 if is_compiled(problem) else JIT_SECONDS) + hub.pending_download_seconds(KERNEL, env)
 
 
 def _load():  # noqa: ANN202
@@ -118,6 +122,7 @@ SPEC = BackendSpec(
     description=f"DeepGEMM M-grouped GEMMs from {KERNEL} (bf16, FP8; FP4 on Blackwell)",
     check=hub.kernel_check(KERNEL, machine=machine_check, config=config_check),
     estimate=_estimate,
+    pending_cost=_pending,
     compile_compatible=False,  # an opaque hub kernel: torch.compile breaks the graph around it
     cuda_graph_safe=False,  # its JIT compiles on first call of a shape: not capturable cold; not verified warm
     first_call_cost=FIRST_CALL_COST,

@@ -18,7 +18,7 @@ Two things follow here:
   `SELECTOR_JIT_AMORTIZE_CALLS` calls (default 1000). So
   `auto` does not pick a cold SonicMoE unless it would still win after paying the compile; it picks a warm
   one (compiled by an explicit `sonicmoe` run or `warm_up()`) where it is fastest. Measured tuning results
-  replace estimates entirely and say nothing of the compile: tune in the serving process, or warm up.
+  replace the steady part of the estimate; the compile still ahead in this process is added to them the same way.
 
 Nothing here imports torch.
 """
@@ -73,12 +73,16 @@ FIRST_CALL_COST = (
     f"that over {AMORTIZE_VARIABLE} (1000) calls, so it waits for a warm shape (selector.plugins.sonicmoe.warm_up)"
 )
 
+def _pending(problem: Problem, env: Environment) -> float:
+    """Seconds of compile and download still ahead in this process before `problem` runs at steady speed."""
+    return pending_compile_seconds(problem) + hub.pending_download_seconds(KERNEL, env)
+
+
 def _estimate(problem: Problem, env: Environment) -> float:
     """max(host time, 1.65 x the floor of the padded token count) + (pending compile + download) / calls."""
     padded = problem if problem.num_tokens is None else problem.with_tokens(padded_tokens(tokens(problem)))
     steady = max(HOST_SECONDS, EFFICIENCY * floor_seconds(padded, env))
-    pending = pending_compile_seconds(problem) + hub.pending_download_seconds(KERNEL, env)
-    return steady + pending / hub.amortize_calls()
+    return steady + _pending(problem, env) / hub.amortize_calls()
 
 
 def _packages(problem: Problem, env: Environment) -> Availability | None:
@@ -147,6 +151,7 @@ SPEC = BackendSpec(
     description=f"SonicMoE fused gated MoE (CuTe DSL) from {KERNEL}",
     check=hub.kernel_check(KERNEL, machine=_packages, config=_activation),
     estimate=_estimate,
+    pending_cost=_pending,
     compile_compatible=False,  # the kernel asserts it is not being compiled
     cuda_graph_safe=False,  # JIT on first call of a shape/token bucket; capture not verified
     first_call_cost=FIRST_CALL_COST,

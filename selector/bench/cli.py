@@ -67,13 +67,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     paths = write_outputs(result, Path(args.out))
     from selector.bench.grid import records_from_bench
-    from selector.tuning_store import user_tuning_path, write_records
+    from selector.tuning_store import default_store, save_records, write_export
 
     records = records_from_bench(result)
-    write_records(Path(args.out) / "tuning.json", records)
+    write_export(Path(args.out) / "tuning.json", records)
+    paths.append(Path(args.out) / "tuning.json")
     if args.save_tuning:
-        write_records(user_tuning_path(), records)
-        paths.append(user_tuning_path())
+        saved = save_records(records)
+        print(f"tuning store {default_store().path}: stored {saved.stored}, refused {len(saved.refused)}")
         from selector.daemon.client import share_tuning_records
 
         share_tuning_records(records)  # with the other processes of this node at once, where a daemon runs

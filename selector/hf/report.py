@@ -66,7 +66,8 @@ class ScopeSelection:
         if self.by_tokens:
             out.append("  per token count: " + ", ".join(f"T={t}: {n}" for t, n in self.by_tokens.items()))
         if self.ranking is not None:
-            others = [f"{c.name} (est. {c.estimate * 1e6:.0f} us)" for c in self.ranking.candidates]
+            others = [f"{c.name} ({'measured' if c.source == 'measured' else 'est.'} {c.estimate * 1e6:.0f} us)"
+                      for c in self.ranking.candidates]
             if others:
                 out.append("  runnable, best first: " + ", ".join(others))
             for name, why in self.ranking.excluded.items():

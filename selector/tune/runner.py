@@ -132,7 +132,7 @@ def plan_cells(
                         left_out[n] = f"needs more than {memory_cap_gb:g} GB of temporaries (--memory-cap-gb)"
                     else:
                         runnable.append(n)
-                measured = bool(runnable) and all(store.has(fingerprint, gpu, key, mode, t, b) for b in runnable)
+                measured = bool(runnable) and store.is_measured(fingerprint, gpu, key, mode, t, runnable)
                 cells.append(TuneCell(target.name, problem, t, mode, runnable, ranking.best, measured, left_out))
     return cells
 
@@ -205,15 +205,29 @@ def run_tune(
     if not dry_run:
         assert torch is not None
         run = _Run(torch, result, registry, store, rounds, sample_s, progress, say)
-        with store.measurement_lock(gpu, lock_timeout_s) as got:
+        lock = lock_name(env, device)
+        with store.measurement_lock(lock, lock_timeout_s) as got:
             if not got:
-                raise TuneUnavailable(f"another process is measuring on {gpu} (lock {store.lock_path(gpu)}): wait "
-                                      "for it to finish, or raise --lock-timeout")  # fmt: skip
+                raise TuneUnavailable(f"another process is measuring on {gpu} (lock {lock!r} beside the tuning store "
+                                      f"{store.path}), or the lock cannot be taken there: wait for it to finish, "
+                                      "raise --lock-timeout, or set SELECTOR_TUNING_STORE to a folder you may "
+                                      "write")  # fmt: skip
             for target in targets:
                 run.target(target, counts, kernel_budget_s, force)
     result.plans = plans_of(result, store)
     result.total_s = time.perf_counter() - started
     return result
+
+
+def lock_name(env: Any, device: str) -> str:
+    """The measurement lock of the GPU this process times on: by UUID (or NVML index) where the probe has it, so
+    that two processes with different CUDA_VISIBLE_DEVICES that both see `cuda:0` do not wait on each other."""
+    if device != "cuda" or not env.gpu.devices:
+        return device
+    d = env.gpu.devices[0]
+    if d.uuid:
+        return d.uuid
+    return f"gpu-{d.nvml_index if d.nvml_index is not None else d.index}"
 
 
 def _unique_names(targets: Sequence[TuneTarget]) -> list[TuneTarget]:
@@ -288,6 +302,7 @@ class _Run:
     def target(self, target: TuneTarget, counts: Sequence[int], budget_s: float, force: bool) -> None:
         """One layer: its backends' kernel tuning, then every cell not yet measured, records saved at the end."""
         from selector.tune.layers import make_tune_layer
+        from selector.tuning import check_record
 
         todo = [c for c in self.result.cells if c.target == target.name and force_or_new(c, force)]
         if not todo:
@@ -310,13 +325,19 @@ class _Run:
         finally:
             del layer
             self.release()
-            saved = self.store.save(records)  # what was measured is kept, even after a failure
+            valid = []
+            for r in records:  # e.g. a spread of 100x (a sample hit a pause): its cell is measured again next time
+                why = check_record(r)
+                if why is None:
+                    valid.append(r)
+                else:
+                    self.result.errors.append({"target": target.name, "tokens": r["tokens"], "mode": r["mode"],
+                                               "backend": r["backend"], "error": f"record refused: {why}"})  # fmt: skip
+            saved = self.store.save(valid)  # what was measured is kept, even after a failure
             self.result.stored += saved.stored
-            for record, why in saved.refused:
-                self.result.errors.append({"target": target.name, "tokens": record.get("tokens"), "mode": record.get(
-                    "mode"), "backend": record.get("backend"), "error": f"record refused by the store: {why}"})  # fmt: skip
-            refused = {id(r) for r, _ in saved.refused}
-            self.result.records += [r for r in records if id(r) not in refused]
+            self.result.errors += [{"target": target.name, "tokens": None, "mode": None, "backend": None,
+                                    "error": f"the tuning store refused a record: {why}"} for why in saved.refused]  # fmt: skip
+            self.result.records += valid
             self.result.durations[target.name] = time.perf_counter() - started
 
     def tune_kernels(self, target: TuneTarget, todo: Sequence[TuneCell], budget_s: float) -> None:

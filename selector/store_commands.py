@@ -1,0 +1,113 @@
+"""The `selector store show|export|import|clear` subcommand: the tuning store seen from this process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from selector.tuning_store import TuningStore
+
+EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
+
+
+def register(sub: Any) -> None:
+    """Add the `store` subcommand to the CLI's subparsers."""
+    store = sub.add_parser(
+        "store", help="the tuning store: show, export, import or clear measured times",
+        description="The tuning store holds measured times (from `selector bench --save-tuning` and tuners) "
+        "that auto trusts for this environment fingerprint. Its file is $SELECTOR_TUNING_STORE, else "
+        "tuning.sqlite3 in the user cache dir.",
+    )  # fmt: skip
+    actions = store.add_subparsers(dest="action", required=True)
+    show = actions.add_parser("show", help="where the store is, this process's fingerprint, counts per problem")
+    show.add_argument("--json", action="store_true", help="machine-readable summary")
+    export = actions.add_parser("export", help="write the records to a file (schema selector.tuning/2)")
+    export.add_argument("file", type=Path)
+    export.add_argument("--current", action="store_true", help="only the records of this fingerprint")
+    imp = actions.add_parser("import", help="store the records of an export file (a later record replaces)")
+    imp.add_argument("file", type=Path)
+    clear = actions.add_parser("clear", help="delete the records (all of them, or the stale ones)")
+    clear.add_argument("--stale", action="store_true", help="only records of other fingerprints")
+    store.set_defaults(func=_handle)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from selector import tuning_store
+
+    store = tuning_store.default_store()
+    if args.action == "show":
+        return _show(store, tuning_store.current_fingerprint(), args.json)
+    if args.action == "export":
+        return _export(store, args.file, tuning_store.current_fingerprint() if args.current else None)
+    if args.action == "import":
+        return _import(store, args.file)
+    if args.stale:
+        removed = store.clear_stale(tuning_store.current_fingerprint())
+    else:
+        removed = store.clear()
+    tuning_store.reload()
+    print(f"removed {removed} record{'s' * (removed != 1)} from {store.path}")
+    return EXIT_OK
+
+
+def _show(store: TuningStore, fingerprint: str, as_json: bool) -> int:
+    summary = store.summary(fingerprint)
+    if as_json:
+        print(json.dumps({"schema": "selector.store/1", **summary.to_dict()}, indent=1))
+        return EXIT_OK if summary.problem is None else EXIT_BROKEN
+    print(f"store:       {summary.path}")
+    print(f"fingerprint: {summary.fingerprint} (this process)")
+    if summary.problem is not None:
+        print(f"not usable:  {summary.problem}")
+        return EXIT_BROKEN
+    others = len(summary.by_fingerprint) - (fingerprint in summary.by_fingerprint)
+    line = f"records:     {summary.current} current, {summary.stale} stale"
+    if summary.stale:
+        line += (f" (of {others} other fingerprint{'s' * (others != 1)}: never used; "
+                 "`selector store clear --stale` removes them)")
+    print(line)
+    for p in summary.problems:
+        tokens = ",".join(map(str, p.tokens))
+        print(f"  {p.gpu} {p.problem} {p.mode}: {p.records} records, tokens {tokens}, backends {', '.join(p.backends)}")
+    return EXIT_OK
+
+
+def _export(store: TuningStore, file: Path, fingerprint: str | None) -> int:
+    from selector.cli import UsageError
+
+    if file.is_dir():
+        raise UsageError(f"{file} is a folder; give a file name, e.g. {file / 'tuning.json'}")
+    if not file.parent.is_dir():
+        raise UsageError(f"cannot write {file}: no folder {file.parent}; create it or pick another path")
+    try:
+        written = store.export(file, fingerprint)
+    except OSError as exc:
+        raise UsageError(f"cannot write {file}: {exc.strerror}; pick a writable folder") from None
+    print(f"exported {written} record{'s' * (written != 1)} to {file}")
+    return EXIT_OK
+
+
+def _import(store: TuningStore, file: Path) -> int:
+    import warnings
+
+    from selector import tuning_store
+    from selector.cli import UsageError
+
+    try:
+        records = tuning_store.read_export(file)
+    except ValueError as exc:
+        raise UsageError(f"{exc}; give a file written by `selector store export` or `selector bench`") from None
+    with warnings.catch_warnings(record=True) as caught:  # the refusals are printed below, once each
+        warnings.simplefilter("always", tuning_store.TuningStoreWarning)
+        result = store.put(records)
+    for w in caught:
+        if not issubclass(w.category, tuning_store.TuningStoreWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    tuning_store.reload()
+    print(f"stored {result.stored}, refused {len(result.refused)} (from {file} into {store.path})")
+    for reason in sorted(set(result.refused)):
+        print(f"  refused {result.refused.count(reason)}: {reason}")
+    return EXIT_OK if result.stored or not result.refused else EXIT_BROKEN
