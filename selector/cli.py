@@ -168,7 +168,7 @@ def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
     """Commands that live in their own modules (bench, daemon, store, tune), registered without importing torch."""
     from importlib import util
 
-    for module in ("selector.bench", "selector.daemon.commands", "selector.store_commands", "selector.tune_cli"):
+    for module in ("selector.bench", "selector.daemon.commands", "selector.store_commands", "selector.tune"):
         if util.find_spec(module) is not None:
             __import__(module, fromlist=["register"]).register(sub)
 

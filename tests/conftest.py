@@ -65,6 +65,7 @@ SLOW_TESTS = frozenset({
     "test_transformers_integration.py::test_backends_match_eager_logits_and_greedy_tokens",
     "test_transformers_integration.py::test_decode_swap_on_accelerator_and_restore",
     "test_transformers_integration.py::test_quantized_explicit_name_runs_or_fails_loudly",
+    "test_tune.py::test_a_cpu_run_measures_tunes_saves_and_plans",
 })
 
 

@@ -43,7 +43,7 @@ def test_peer_ratio_and_table() -> None:
 def test_outputs_written(tmp_path: Path) -> None:
     paths = write_outputs(_result(), tmp_path)
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert data["schema"] == "selector.bench/1" and len(data["cells"]) == 6
+    assert data["schema"] == "selector.bench/2" and len(data["cells"]) == 6
     assert data["cells"][0]["time_over_floor"] == pytest.approx(30 / 18)
     assert (tmp_path / "bench.md").read_text().startswith("Device: NVIDIA H200")
     assert tmp_path / "bench.json" in paths
@@ -198,7 +198,7 @@ def test_bench_formats_runs_on_the_cpu_through_the_interpreter(tmp_path: Path) -
     tiny = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=256, intermediate_size=128, top_k=2)
     ceilings = {**CEILINGS, "fp8_flops": 1500e12}
     result = run_bench({"tiny": tiny}, [3], dtype_name="float32", backends=["grouped_mm", "batched_mm"],
-                       modes=["eager", "graph"], with_peers=False, formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"],
+                       modes=["eager", "graph"], with_peers=False, formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"], rounds=1,
                        device="cpu", ceilings=ceilings)  # fmt: skip
     timed = {(c.format, c.backend) for c in result.cells if c.time_s}
     assert {("dense", "grouped_mm"), ("fp8-f32", "grouped_mm"), ("fp8-ue8m0", "batched_mm"), ("fp4", "grouped_mm"),
@@ -218,3 +218,118 @@ def test_bench_formats_runs_on_the_cpu_through_the_interpreter(tmp_path: Path) -
 def test_a_cpu_bench_run_needs_its_ceilings() -> None:
     with pytest.raises(ValueError, match="pass the ceilings"):
         run_bench(["qwen3-30b-a3b"], [1], device="cpu")
+
+
+class _FakeClock:
+    """A host clock that moves only when a fake runner says how long it took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_interleaved_rounds_rotate_the_order_and_drop_a_failing_runner() -> None:
+    from selector.bench import time_interleaved
+
+    clock, calls = _FakeClock(), []
+
+    def runner(name: str, seconds: list[float], fail_on: int | None = None):
+        def run() -> None:
+            calls.append(name)
+            if fail_on is not None and calls.count(name) == fail_on:
+                raise RuntimeError("boom in the kernel")
+            clock.now += seconds[(calls.count(name) - 1) % len(seconds)]
+
+        return run
+
+    errors: dict[str, str] = {}
+    timings = time_interleaved(None, {"a": runner("a", [1.0, 2.0, 3.0]), "b": runner("b", [2.0]),
+                                      "c": runner("c", [1.0], fail_on=2)},
+                               "eager", rounds=3, sample_s=0, device="cpu", errors=errors, clock=clock)  # fmt: skip
+    assert calls == ["a", "b", "c", "b", "c", "a", "a", "b"]  # A B C, B C A, C A B with c dropped after failing
+    assert list(timings) == ["a", "b"] and errors == {"c": "RuntimeError: boom in the kernel"}
+    assert timings["a"].median_s == 2.0 and timings["a"].spread == pytest.approx(1.0)  # (3 - 1) / 2
+    assert timings["b"].samples == (2.0, 2.0, 2.0) and timings["b"].spread == 0.0 and timings["b"].rounds == 3
+
+
+def test_interleaved_samples_fill_the_sample_time() -> None:
+    from selector.bench import time_interleaved
+
+    clock, calls = _FakeClock(), []
+
+    def run() -> None:
+        calls.append(1)
+        clock.now += 0.001
+
+    timings = time_interleaved(None, {"a": run}, "eager", rounds=2, sample_s=0.01, device="cpu", clock=clock)
+    assert len(calls) == 2 + 2 * 10  # one warm call, one timed call, then two samples of 10 calls
+    assert timings["a"].median_s == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="graph mode needs CUDA"):
+        time_interleaved(None, {"a": run}, "graph", device="cpu")
+    with pytest.raises(ValueError, match="expected eager, graph or compile"):
+        time_interleaved(None, {"a": run}, "replay", device="cpu")
+
+
+def test_choice_quality_compares_auto_with_the_fastest_of_its_run() -> None:
+    from selector.bench import choice_quality
+
+    def cells(t: int, auto: float, fused: float, grouped: float) -> list[Cell]:
+        shape = "qwen3-30b-a3b"
+        return [
+            Cell(shape, t, "bfloat16", "triton_fused", "eager", time_s=fused, floor_s=1e-5, spread=0.02),
+            Cell(shape, t, "bfloat16", "grouped_mm", "eager", time_s=grouped, floor_s=1e-5, spread=0.04),
+            Cell(shape, t, "bfloat16", "hf:grouped_mm", "eager", time_s=grouped / 10, floor_s=1e-5),  # a peer
+            Cell(shape, t, "bfloat16", "auto", "eager", time_s=auto, floor_s=1e-5, picked="triton_fused", spread=0.01),
+        ]
+
+    q = choice_quality(cells(1, 31e-6, 30e-6, 90e-6) + cells(512, 130e-6, 120e-6, 100e-6) + cells(8, 1e-4, 1e-4, 2e-4))
+    assert q["cells"] == 3 and q["within_count"] == 2 and q["share_within"] == pytest.approx(2 / 3)
+    (worst,) = q["worst"]
+    assert (worst["tokens"], worst["fastest"], worst["picked"]) == (512, "grouped_mm", "triton_fused")
+    assert worst["ratio"] == pytest.approx(1.3) and worst["spread"] == 0.04
+    result = BenchResult("NVIDIA H200", CEILINGS, "", cells(512, 130e-6, 120e-6, 100e-6))
+    assert result.to_dict()["choice_quality"]["worst"][0]["ratio"] == pytest.approx(1.3)
+    table = markdown_table(result)
+    assert "auto within 5% of the fastest selector backend of the same interleaved run in 0 of 1 cells" in table
+    assert "| qwen3-30b-a3b | 512 | eager | dense | 130µs [triton_fused] | 100µs grouped_mm | 1.30 | 4% |" in table
+
+
+def test_bench_times_every_backend_and_auto_interleaved_on_the_cpu() -> None:
+    """A dense CPU run: every cell of a mode timed in the same rounds, auto's row after each backend's first call,
+    its pick read off the layer, and the choice quality computed from that run."""
+    pytest.importorskip("torch")
+    from dataclasses import replace
+
+    tiny = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=64, intermediate_size=32, top_k=2)
+    result = run_bench({"tiny": tiny}, [4], dtype_name="float32", backends=["eager", "batched_mm", "grouped_mm"],
+                       modes=["eager"], with_peers=False, device="cpu", ceilings=CEILINGS, rounds=3)  # fmt: skip
+    rows = {c.backend: c for c in result.cells}
+    assert set(rows) == {"eager", "batched_mm", "grouped_mm", "auto"}
+    assert all(c.rounds == 3 and c.spread is not None and c.time_s for c in rows.values())
+    assert all(c.rel_error is not None and c.rel_error < 1e-4 for c in rows.values())
+    picked = rows["auto"].picked
+    assert picked in ("eager", "batched_mm", "grouped_mm") and rows[picked].auto_pick
+    q = result.to_dict()["choice_quality"]
+    assert q["cells"] == 1 and q["rows"][0]["picked"] == picked
+
+
+@pytest.mark.gpu
+def test_interleaved_on_the_gpu_in_both_modes() -> None:
+    torch = pytest.importorskip("torch")
+    from selector.bench import time_interleaved
+
+    small = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def broken() -> None:
+        raise RuntimeError("a kernel that fails")
+
+    runners = {"small": lambda: small @ small, "big": lambda: big @ big, "broken": broken}
+    for mode in ("eager", "graph"):
+        errors: dict[str, str] = {}
+        timings = time_interleaved(torch, runners, mode, rounds=3, sample_s=0.005, errors=errors)
+        assert set(timings) == {"small", "big"} and errors["broken"] == "RuntimeError: a kernel that fails"
+        assert timings["big"].median_s > 4 * timings["small"].median_s  # 8x the FLOPs
+        assert all(t.rounds == 3 and 0 <= t.spread < 1 for t in timings.values())

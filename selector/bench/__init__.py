@@ -8,7 +8,10 @@ their floor counts the bytes as stored (scales included) and, for compute, the e
 same run (the kernels multiply e4m3 tiles); their reference is float64 from the dequantised weights with the
 activations quantised as the kernels do, and Transformers' peers run dense cells only. Modes: `eager` (calls
 back to back, events around the whole run, as a decode loop runs), `graph` (one call captured in a CUDA graph,
-replays back to back) and `compile` (torch.compile, then like eager). Output: a markdown table, JSON, and a PNG
+replays back to back) and `compile` (torch.compile, then like eager). Within a cell and mode every backend, the
+peers and `auto` are timed together in interleaved rounds (A B C, B C A, ...: the GPU's clocks drift 5-10%
+between two passes), so each cell has a median and a spread, and a choice-quality summary sets `auto` against
+the fastest selector backend of the same run. Output: a markdown table, JSON, and a PNG
 plot of time/floor against tokens.
 
 Modules, one job each: `cells` (what a run records), `timing` (ceilings and timers), `layer` (a cell's layer,
@@ -18,7 +21,16 @@ Importing this package imports no torch.
 
 from __future__ import annotations
 
-from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, PEER_PREFIX, SCHEMA, BenchResult, Cell
+from selector.bench.cells import (
+    DEFAULT_PRESETS,
+    DEFAULT_TOKENS,
+    FORMATS,
+    PEER_PREFIX,
+    SCHEMA,
+    BenchResult,
+    Cell,
+    choice_quality,
+)
 from selector.bench.cli import register
 from selector.bench.grid import fill_peer_ratios, peer_functions, run_bench
 from selector.bench.layer import (
@@ -33,14 +45,17 @@ from selector.bench.layer import (
     reference_rows,
     temp_bytes_estimate,
 )
-from selector.bench.render import fmt_time, formats_table, markdown_table, plot, summarise, write_outputs
+from selector.bench.render import choice_table, fmt_time, formats_table, markdown_table, plot, summarise, write_outputs
 from selector.bench.timing import (
+    Timing,
     calls_for,
+    capture_graph,
     measure_ceilings,
     time_back_to_back,
     time_first_call,
     time_graph,
     time_host,
+    time_interleaved,
 )
 
 __all__ = [
@@ -51,8 +66,12 @@ __all__ = [
     "SCHEMA",
     "BenchResult",
     "Cell",
+    "Timing",
     "bytes_moved",
     "calls_for",
+    "capture_graph",
+    "choice_quality",
+    "choice_table",
     "compute_ceiling",
     "fill_peer_ratios",
     "floor_seconds",
@@ -76,5 +95,6 @@ __all__ = [
     "time_first_call",
     "time_graph",
     "time_host",
+    "time_interleaved",
     "write_outputs",
 ]

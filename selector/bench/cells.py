@@ -14,7 +14,8 @@ FORMATS: dict[str, tuple[str, str] | None] = {  # --formats name: (weight format
     "fp4": ("fp4", "ue8m0"),
 }
 PEER_PREFIX = "hf:"  # Transformers' own backends are listed as hf:eager, hf:batched_mm, hf:grouped_mm
-SCHEMA = "selector.bench/1"
+SCHEMA = "selector.bench/2"  # /2: times are medians of interleaved rounds, with their spread
+WITHIN = 0.05  # choice quality: auto within 5% of the fastest backend of the same run
 
 
 @dataclass
@@ -35,6 +36,8 @@ class Cell:
     vs_best_peer: float | None = None  # best peer time / this time: > 1 means faster than Transformers
     auto_pick: bool = False  # the backend selector's "auto" picks for this cell
     picked: str | None = None  # for the "auto" row: the backend it ran
+    spread: float | None = None  # (max - min) / median over the interleaved rounds
+    rounds: int | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -57,4 +60,35 @@ class BenchResult:
             "command": self.command,
             "cells": [{**asdict(c), "time_over_floor": c.ratio} for c in self.cells],
             "environment": self.environment,
+            "choice_quality": choice_quality(self.cells),
         }
+
+
+def choice_quality(cells: list[Cell], within: float = WITHIN, worst: int = 10) -> dict[str, Any]:
+    """How close `auto` came to the fastest selector backend timed in the same interleaved run, per (shape, T,
+    mode, format): auto's time / the fastest's, which was fastest, the larger of the two spreads; the share of
+    cells within `within`, and the `worst` cells (ratio above 1 + within), slowest first."""
+    auto: dict[tuple[str, int, str, str, str], Cell] = {}
+    fastest: dict[tuple[str, int, str, str, str], Cell] = {}
+    for c in cells:
+        if not c.time_s:
+            continue
+        key = (c.shape, c.tokens, c.mode, c.format, c.dtype)
+        if c.backend == "auto":
+            auto[key] = c
+        elif not c.backend.startswith(PEER_PREFIX) and (key not in fastest or c.time_s < (fastest[key].time_s or 0)):
+            fastest[key] = c
+    rows = []
+    for key, a in auto.items():
+        best = fastest.get(key)
+        if best is None or not a.time_s or not best.time_s:
+            continue
+        rows.append({
+            "shape": key[0], "tokens": key[1], "mode": key[2], "format": key[3], "dtype": key[4],
+            "auto_s": a.time_s, "picked": a.picked, "fastest": best.backend, "fastest_s": best.time_s,
+            "ratio": a.time_s / best.time_s, "spread": max(a.spread or 0.0, best.spread or 0.0),
+        })  # fmt: skip
+    close = sum(1 for r in rows if r["ratio"] <= 1 + within)
+    slow = sorted((r for r in rows if r["ratio"] > 1 + within), key=lambda r: -r["ratio"])
+    return {"within": within, "cells": len(rows), "within_count": close,
+            "share_within": close / len(rows) if rows else None, "worst": slow[:worst], "rows": rows}  # fmt: skip

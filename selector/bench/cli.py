@@ -63,6 +63,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with_peers=not args.no_peers,
         progress=_progress(),
         formats=args.formats,
+        rounds=args.rounds,
     )
     paths = write_outputs(result, Path(args.out))
     from selector.bench.grid import records_from_bench
@@ -91,6 +92,7 @@ def register(sub: Any) -> None:
     bench.add_argument("--backends", type=_names, help="comma list of selector backends (default: all registered)")
     bench.add_argument("--modes", type=_names, default=["eager", "graph"], help="comma list of eager,graph,compile")
     bench.add_argument("--graph-max-tokens", type=int, default=4096)
+    bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (all backends each round)")
     bench.add_argument("--memory-cap-gb", type=float, default=40.0, help="skip cells needing more temporaries")
     bench.add_argument("--no-peers", action="store_true", help="leave out Transformers' backends")
     bench.add_argument("--formats", type=_formats, default=["dense"],

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,7 +25,7 @@ from selector.bench.layer import (
     reference,
     temp_bytes_estimate,
 )
-from selector.bench.timing import calls_for, measure_ceilings, time_back_to_back, time_graph, time_host
+from selector.bench.timing import measure_ceilings, time_interleaved
 
 Forward = Callable[..., Any]  # Transformers' experts signature: fn(module, hidden_states, top_k_index, top_k_weights)
 
@@ -58,12 +57,17 @@ def run_bench(
     formats: Sequence[str] = ("dense",),
     device: str = "cuda",
     ceilings: dict[str, float] | None = None,
+    rounds: int = 5,
+    sample_s: float = 0.02,
 ) -> BenchResult:
     """Time the grid, with the per-call value checks off (`SELECTOR_VALIDATE=shapes` unless set): the layer is
     timed, not them. `presets`: preset names, or shape names mapped to their `Problem`.
 
+    Per (cell, mode) every backend, the peers and `auto` are timed together, `rounds` interleaved rounds of
+    samples of about `sample_s` each (`time_interleaved`); each cell records the median and the spread.
+
     `device="cpu"` (with `ceilings` given) runs the same grid on the CPU to check the harness, e.g. the Triton
-    kernels under the interpreter: one call per cell on the host clock, no graph mode; its times mean nothing.
+    kernels under the interpreter: one call per sample on the host clock, no graph mode; its times mean nothing.
     Raises ValueError for an unknown format or a CPU run without ceilings, RuntimeError without a CUDA GPU."""
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
@@ -73,6 +77,7 @@ def run_bench(
     try:
         grid = _Grid(dtype_name, backends, modes, graph_max_tokens, memory_cap_gb, with_peers, progress, formats,
                      device, ceilings)  # fmt: skip
+        grid.rounds, grid.sample_s = max(1, rounds), sample_s
         shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
         for shape, problem in shapes.items():
             grid.run_shape(shape, tokens, problem)
@@ -97,11 +102,14 @@ def records_from_bench(result: BenchResult) -> list[dict[str, Any]]:
             continue
         if cell.backend.startswith((PEER_PREFIX, "auto")):
             continue
-        out.append({
+        record = {
             "fingerprint": fingerprint, "gpu": result.device, "tokens": cell.tokens, "backend": cell.backend,
             "problem": tuning.problem_key(replace(problem, dtype=cell.dtype)), "mode": cell.mode,
             "time_s": cell.time_s, "tool": "selector bench",
-        })
+        }
+        if cell.spread is not None and cell.rounds:
+            record.update(spread=cell.spread, rounds=cell.rounds)
+        out.append(record)
     return out
 
 
@@ -164,6 +172,7 @@ class _Grid:
         self.registry = get_registry()
         self.peers = peer_functions() if with_peers else {}
         self.say = progress or (lambda _msg: None)
+        self.rounds, self.sample_s = 5, 0.02
         if ceilings is None:
             ceilings = measure_ceilings(torch, self.device, fp8=any(FORMATS[f] for f in formats))
         self.result = BenchResult(
@@ -249,15 +258,16 @@ class _Grid:
         return Cell(cell.shape, cell.x.shape[0], self.dtype_name, name, mode, format=cell.fmt, **kw)
 
     def run_cells(self, cell: _Inputs) -> None:
-        """Every backend's cells for one layer (one weight format) and one token count, appended to the result."""
+        """Every backend's cells for one layer (one weight format) and one token count, appended to the result:
+        per mode, every backend, the peers and `auto` timed together in interleaved rounds."""
         import selector
-        from selector.dispatch import AUTO, last_backend
+        from selector.dispatch import AUTO
 
-        # what "auto" picks for this cell, through the model API itself
+        # what "auto" picks for this cell, through the model API itself (its eager pick; graph mode may differ)
         selector.set_experts_implementation(cell.layer, AUTO)
         cell.layer(cell.x, cell.index, cell.weights)
-        auto_name = last_backend(cell.layer)
         t, elem = cell.x.shape[0], cell.x.element_size()
+        timed: dict[str, Forward] = {}
         for name, fn in self.candidates(cell).items():
             if fn is None:
                 continue
@@ -266,29 +276,62 @@ class _Grid:
                     self.new_cell(cell, name, mode, skipped=f"needs more than {self.memory_cap_gb:g} GB of temporaries")
                     for mode in self.modes)  # fmt: skip
                 continue
-            for mode in self.modes:
-                out = self.new_cell(cell, name, mode, floor_s=cell.floor_s, auto_pick=name == auto_name)
-                if name == AUTO:
-                    out.picked = auto_name
-                self.say(f"{cell.shape} T={t} {cell.fmt} {name} {mode}")
-                self.time_cell(out, cell, fn)
-                self.result.cells.append(out)
-                self.release()
+            timed[name] = fn
+        for mode in self.modes:
+            self.say(f"{cell.shape} T={t} {cell.fmt} {mode}")
+            self.run_mode(cell, mode, timed)
+            self.release()
 
-    def time_cell(self, out: Cell, cell: _Inputs, fn: Forward) -> None:
-        """One backend in one mode: peak extra memory and error on the first call, then the time; a failure is
-        recorded in the cell, never raised (one failing cell must not lose the run)."""
-        torch, t = self.torch, out.tokens
+    def mode_skip(self, name: str, mode: str, tokens: int) -> str | None:
+        """Why `name` is not timed in `mode` at all, if it is not."""
+        if mode == "graph" and tokens > self.graph_max_tokens:
+            return f"graph mode only up to T={self.graph_max_tokens}"
+        if mode == "graph" and name.endswith("eager"):
+            return "reads expert ids on the host: cannot be captured"
+        if mode == "graph" and not self.cuda:
+            return "graph mode needs CUDA"
+        return None
+
+    def run_mode(self, cell: _Inputs, mode: str, fns: Mapping[str, Forward]) -> None:
+        """One mode of one cell: each backend's first call (memory, error against the reference), `auto`'s last
+        so that every backend it may pick has run once, then all of them timed in interleaved rounds."""
+        from selector.dispatch import AUTO, last_backend
+
+        rows: dict[str, Cell] = {}
+        runners: dict[str, Callable[[], Any]] = {}
+        for name, fn in sorted(fns.items(), key=lambda item: item[0] == AUTO):  # auto last
+            out = self.new_cell(cell, name, mode, floor_s=cell.floor_s)
+            self.result.cells.append(out)
+            out.skipped = self.mode_skip(name, mode, out.tokens)
+            if out.skipped is None:
+                runner = self.first_call(out, cell, fn)
+                if runner is not None:
+                    runners[name], rows[name] = runner, out
+        errors: dict[str, str] = {}
+        if not runners:
+            return
+        timings = time_interleaved(self.torch, runners, mode, rounds=self.rounds,
+                                   sample_s=self.sample_s if self.cuda else 0.0, device=self.device.type,
+                                   errors=errors)  # fmt: skip
+        self.sync()
+        pick = last_backend(cell.layer)  # auto's runner ran (or was captured) last in this mode
+        for name, out in rows.items():
+            out.auto_pick = name == pick
+            if name == AUTO:
+                out.picked = pick
+            if name in errors:
+                out.skipped = f"failed: {errors[name]}"
+                continue
+            timing = timings[name]
+            out.time_s, out.spread, out.rounds = timing.median_s, timing.spread, timing.rounds
+            out.tflops = cell.flops / out.time_s / 1e12
+            out.gbps = cell.moved / out.time_s / 1e9
+
+    def first_call(self, out: Cell, cell: _Inputs, fn: Forward) -> Callable[[], Any] | None:
+        """One backend's first call in one mode: peak extra memory and error against the reference; the runner
+        to time, or None with the failure recorded in the cell (one failing backend must not lose the run)."""
+        torch = self.torch
         try:
-            if out.mode == "graph" and t > self.graph_max_tokens:
-                out.skipped = f"graph mode only up to T={self.graph_max_tokens}"
-                return
-            if out.mode == "graph" and out.backend.endswith("eager"):
-                out.skipped = "reads expert ids on the host: cannot be captured"
-                return
-            if out.mode == "graph" and not self.cuda:
-                out.skipped = "graph mode needs CUDA"
-                return
             runner: Callable[[], Any] = lambda: cell.call(fn)
             if out.mode == "compile":
                 compiled = torch.compile(fn, dynamic=False)
@@ -304,16 +347,7 @@ class _Grid:
             if cell.sample:
                 diff = (result[: cell.sample].double() - cell.ref).norm() / cell.ref.norm().clamp_min(1e-30)
                 out.rel_error = float(diff)
-            if self.cuda:
-                first = time.perf_counter()
-                runner()
-                self.sync()
-                n = calls_for(time.perf_counter() - first)
-                timer = time_graph if out.mode == "graph" else time_back_to_back
-                out.time_s = timer(torch, runner, n)
-            else:
-                out.time_s = time_host(runner, calls=1, repeats=1)
-            out.tflops = cell.flops / out.time_s / 1e12
-            out.gbps = cell.moved / out.time_s / 1e9
+            return runner
         except Exception as exc:
             out.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            return None

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from selector.bench.cells import FORMATS, PEER_PREFIX, BenchResult, Cell
+from selector.bench.cells import FORMATS, PEER_PREFIX, BenchResult, Cell, choice_quality
 
 
 def fmt_time(s: float | None) -> str:
@@ -28,10 +28,12 @@ def markdown_table(result: BenchResult) -> str:
     c = result.ceilings
     lines = [
         f"Device: {result.device}. Ceilings measured in this run: copy {c['bandwidth_Bps'] / 1e12:.2f} TB/s, "
-        f"bf16 matmul {c['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: time (time / floor); `*` marks auto's pick, [name] what the auto row ran.",
+        f"bf16 matmul {c['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: time (time / floor), the median of interleaved "
+        "rounds; `*` marks auto's pick, [name] what the auto row ran; spread: the largest (max - min) / median of "
+        "the row's backends.",
         "",
-        "| shape | T | mode | format | " + " | ".join(backends) + " | best | auto vs best hf |",
-        "|---|---|---|---|" + "---|" * (len(backends) + 2),
+        "| shape | T | mode | format | " + " | ".join(backends) + " | spread | best | auto vs best hf |",
+        "|---|---|---|---|" + "---|" * (len(backends) + 3),
     ]
     for shape, t, mode, fmt in rows:
         cells = [by_key.get((shape, t, mode, fmt, b)) for b in backends]
@@ -49,8 +51,28 @@ def markdown_table(result: BenchResult) -> str:
         best_name = best.backend if best else "-"
         auto = next((x for x in timed if x.backend == "auto"), None)
         standing = f"{auto.vs_best_peer:.2f}x faster" if auto and auto.vs_best_peer else "-"
-        lines.append(f"| {shape} | {t} | {mode} | {fmt} | " + " | ".join(texts) + f" | {best_name} | {standing} |")
-    return "\n".join(lines) + "\n" + formats_table(result.cells)
+        spreads = [x.spread for x in timed if x.spread is not None]
+        spread = f"{max(spreads):.0%}" if spreads else "-"
+        lines.append(f"| {shape} | {t} | {mode} | {fmt} | " + " | ".join(texts) + f" | {spread} | {best_name} | {standing} |")
+    return "\n".join(lines) + "\n" + choice_table(result.cells) + formats_table(result.cells)
+
+
+def choice_table(cells: list[Cell]) -> str:
+    """The choice-quality summary: auto's time over the fastest selector backend of the same interleaved run,
+    the share of cells within 5%, and the worst cells. Empty without an auto row beside a timed backend."""
+    q = choice_quality(cells)
+    if not q["cells"]:
+        return ""
+    lines = ["", f"Choice quality: auto within {q['within']:.0%} of the fastest selector backend of the same "
+                 f"interleaved run in {q['within_count']} of {q['cells']} cells ({q['share_within']:.0%}).", ""]
+    if q["worst"]:
+        lines += ["| shape | T | mode | format | auto [ran] | fastest | auto / fastest | spread |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in q["worst"]:
+            lines.append(f"| {r['shape']} | {r['tokens']} | {r['mode']} | {r['format']} | {fmt_time(r['auto_s'])} "
+                         f"[{r['picked'] or '-'}] | {fmt_time(r['fastest_s'])} {r['fastest']} | {r['ratio']:.2f} | "
+                         f"{r['spread']:.0%} |")
+    return "\n".join(lines) + "\n"
 
 
 def formats_table(cells: Iterable[Cell]) -> str:

@@ -1,0 +1,176 @@
+"""The `selector tune` command: arguments, the run with its progress, the plan table and the JSON file.
+
+Exit codes as every selector command: 0 done, 1 measuring cannot run here (no CUDA GPU, the GPU's lock held),
+2 a usage error (a bad flag, config file or preset name). Errors are one line with the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from selector.tune.inputs import DTYPES, FORMATS, GRID
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of integers, e.g. 1,8,64") from None
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+class _Progress:
+    """A tqdm bar when tqdm is installed, else one stderr line per cell; `line` prints beside either."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if self.bar is None:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                self.bar = False
+            else:
+                self.bar = tqdm(total=total, unit="cell", file=sys.stderr)
+        if self.bar is False:
+            print(f"[{done}/{total}] {what}", file=sys.stderr, flush=True)
+        else:
+            self.bar.set_description(what)
+            self.bar.update(1)
+
+    def line(self, text: str) -> None:
+        if self.bar:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+
+
+def targets_from_args(args: argparse.Namespace, device: str) -> list[Any]:
+    """The layers the arguments name: config files or model directories, presets, or the size flags."""
+    from selector.tune.inputs import TuneInputError, flag_target, preset_targets, read_config, with_overrides
+
+    targets = [read_config(path) for path in args.config or ()]
+    targets += preset_targets(args.preset or ())
+    sizes = (args.experts, args.hidden, args.intermediate, args.top_k)
+    if any(v is not None for v in sizes):
+        if any(v is None for v in sizes):
+            raise TuneInputError("give all of --experts --hidden --intermediate --top-k (or a config.json, or --preset)")
+        targets.append(flag_target(*sizes))
+    if not targets:
+        raise TuneInputError("nothing to tune: give a model's config.json (or its directory), --preset NAME "
+                             "(grid: the perf grid), or --experts --hidden --intermediate --top-k")  # fmt: skip
+    return [with_overrides(t, args.dtype, args.format, device) for t in targets]
+
+
+def summary_lines(result: Any) -> list[str]:
+    """What the run did, after the plans: first calls, kernel tuning, dropped backends, time spent, files."""
+    from selector.tune.plan import render_plan
+
+    lines = []
+    for target in result.targets:
+        for note in target.notes:
+            lines.append(f"note: {target.name}: {note}")
+    if result.dry_run:
+        lines.append(f"dry run on {result.gpu}: {sum(1 for c in result.cells if c.backends)} cells")
+        for c in result.cells:
+            state = "already measured, skipped" if c.measured and not result.force else "to measure"
+            if not c.backends:
+                state = "no backend can run it here"
+            lines.append(f"  {c.target} T={c.tokens} {c.mode}: {', '.join(c.backends) or '-'} ({state}; static pick "
+                         f"{c.static or '-'})")
+            for name, why in c.left_out.items():
+                lines.append(f"    left out {name}: {why}")
+        return lines
+    lines += [render_plan(plan) for plan in result.plans]
+    for target, firsts in result.first_calls.items():
+        text = ", ".join(f"{b} {s:.2f}s" for b, s in sorted(firsts.items(), key=lambda kv: -kv[1]))
+        lines.append(f"first call (JIT, autotuning) on {target}: {text}")
+    for entry in result.kernel_tuning:
+        from selector.tune.runner import _describe
+
+        lines.append(f"kernel tuning {entry['target']} {entry['backend']}: {_describe(entry)}")
+    left: dict[tuple[str, str, str], list[int]] = {}
+    for c in result.cells:
+        for name, why in c.left_out.items():
+            left.setdefault((c.target, name, why), []).append(c.tokens)
+    for (target, name, why), counts in left.items():
+        lines.append(f"left out {name} from {target} at T={','.join(map(str, sorted(set(counts))))}: {why}")
+    for e in result.errors:
+        lines.append(f"dropped {e['backend']} from {e['target']} T={e['tokens']} {e['mode']}: {e['error']}")
+    per = ", ".join(f"{name} {s:.1f}s" for name, s in result.durations.items())
+    lines.append(f"tuning time: {result.total_s:.1f}s in all" + (f" ({per})" if per else "") +
+                 f"; {result.stored} records stored for {result.gpu}")  # fmt: skip
+    return lines
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from selector.cli import UsageError
+    from selector.tune.inputs import TuneInputError
+    from selector.tune.runner import TuneUnavailable, run_tune
+
+    progress = _Progress()
+    try:
+        targets = targets_from_args(args, "cuda")
+        result = run_tune(
+            targets, tokens=args.tokens, batch_sizes=args.batch_sizes or (), modes=args.modes,
+            graph_max_tokens=args.graph_max_tokens, backends=args.backends, kernel_budget_s=args.kernel_budget_s,
+            force=args.force, dry_run=args.dry_run, rounds=args.rounds, progress=progress, log=progress.line,
+            lock_timeout_s=args.lock_timeout, memory_cap_gb=args.memory_cap_gb,
+        )  # fmt: skip
+    except TuneInputError as exc:
+        raise UsageError(str(exc)) from exc
+    except TuneUnavailable as exc:
+        print(f"selector tune: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        progress.close()
+    print("\n".join(summary_lines(result)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the `tune` subcommand to the CLI's subparsers."""
+    tune = sub.add_parser(
+        "tune", help="measure every backend on this GPU for a model's layers, so that auto picks from measurements",
+        description="Times every backend that can run each layer here, per token count and mode, in interleaved "
+        "rounds; saves the records auto ranks by (skipping cells already measured under this environment's "
+        "fingerprint) and prints the plan: which backend for which token range and the gain over the static "
+        "choice. Exit 0: done; 1: cannot measure here (no CUDA GPU, the GPU's lock held); 2: usage error.",
+    )  # fmt: skip
+    tune.add_argument("config", nargs="*", help="a Transformers config.json, or a model directory holding one")
+    tune.add_argument("--preset", action="append", help=f"a known shape (repeatable); grid: {', '.join(GRID)}")
+    tune.add_argument("--experts", type=int, help="number of experts E")
+    tune.add_argument("--hidden", type=int, help="hidden size H")
+    tune.add_argument("--intermediate", type=int, help="intermediate size I per expert")
+    tune.add_argument("--top-k", type=int, help="experts per token k")
+    tune.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the config's, else bfloat16)")
+    tune.add_argument("--format", choices=list(FORMATS), help="weight format (default: the config's, else dense)")
+    tune.add_argument("--tokens", type=_ints, help="comma list of token counts (default: every power of two 1..16384)")
+    tune.add_argument("--batch-sizes", type=_ints, help="the model's own batch sizes, added to the token counts")
+    tune.add_argument("--modes", type=_names, default=["eager", "graph"], help="comma list of eager,graph")
+    tune.add_argument("--graph-max-tokens", type=int, default=512, help="graph mode up to this token count")
+    tune.add_argument("--backends", type=_names, help="comma list of backends (default: every one that can run here)")
+    tune.add_argument("--kernel-budget-s", type=float, default=60.0, help="seconds per layer for kernel tuning hooks")
+    tune.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
+    tune.add_argument("--memory-cap-gb", type=float, default=40.0, help="leave out a backend needing more temporaries")
+    tune.add_argument("--lock-timeout", type=float, default=600.0, help="seconds to wait for another tuner on the GPU")
+    tune.add_argument("--force", action="store_true", help="measure cells already measured under this fingerprint")
+    tune.add_argument("--dry-run", action="store_true", help="list what would be measured; measure nothing")
+    tune.add_argument("--json", metavar="FILE", help="write the run and the plan as JSON (schema selector.tune/1)")
+    tune.set_defaults(func=_cmd_tune)
+

@@ -1,0 +1,99 @@
+"""The layer `selector tune` times for a problem: random weights in the problem's layout (GPT-OSS's biases,
+transposed weights, interleaved gate/up and clamped SwiGLU included), quantised where the problem says, and a
+float64 reference on a sample of tokens to check each backend's result before it is timed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from selector.types import Problem
+
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
+def clamped_swiglu(module: Any, gate_up: Any) -> Any:
+    """GPT-OSS's gate over interleaved channels: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=GPT_OSS_LIMIT)
+    up = up.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
+    return (up + 1) * gate * (gate * GPT_OSS_ALPHA).sigmoid()
+
+
+def is_plain(problem: Problem) -> bool:
+    return problem.gated and not (problem.has_bias or problem.is_transposed or problem.interleaved
+                                  or problem.custom_gate or problem.post_expert_norm or problem.expert_parallel)  # fmt: skip
+
+
+def _activation(torch: Any, name: str) -> Any:
+    return {"gelu": torch.nn.GELU(), "gelu_tanh": torch.nn.GELU(approximate="tanh"), "relu": torch.nn.ReLU()}.get(
+        name, torch.nn.SiLU()
+    )
+
+
+def make_tune_layer(torch: Any, problem: Problem, device: Any, seed: int = 0) -> Any:
+    """A decorated experts module for `problem` (its dtype, layout, activation, weight format) on `device`.
+    ValueError for a quantised format on a layout other than the plain one (selector quantises plain layers)."""
+    import selector
+    from selector.bench.layer import make_layer
+
+    dtype = getattr(torch, problem.dtype)
+    if is_plain(problem):
+        layer = make_layer(torch, problem, dtype, device, seed)
+        layer.act_fn = _activation(torch, problem.activation)
+        if problem.weight_format != "dense":
+            from selector import quant
+
+            layer = quant.quantize_experts(layer, problem.weight_format, problem.scale_format)
+        return layer
+    if problem.weight_format != "dense" or not problem.gated or problem.post_expert_norm or problem.expert_parallel:
+        raise ValueError("selector tune builds quantised, non-gated, post-norm and expert-parallel layers in the "
+                         "plain layout only: drop --format or the layout flags")  # fmt: skip
+    e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def param(*shape: int, scale: float) -> Any:
+        data = torch.randn(*shape, device=device, dtype=dtype, generator=gen) * scale
+        return torch.nn.Parameter(data, requires_grad=False)
+
+    gate_fn = clamped_swiglu if problem.custom_gate else None
+
+    @selector.experts(has_bias=problem.has_bias, is_transposed=problem.is_transposed,
+                      is_concatenated=not problem.interleaved, gate_fn=gate_fn)  # fmt: skip
+    class TuneExperts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = e
+            t = problem.is_transposed
+            self.gate_up_proj = param(*((e, h, 2 * i) if t else (e, 2 * i, h)), scale=h**-0.5)
+            self.down_proj = param(*((e, i, h) if t else (e, h, i)), scale=i**-0.5)
+            if problem.has_bias:
+                self.gate_up_proj_bias = param(e, 2 * i, scale=0.1)
+                self.down_proj_bias = param(e, h, scale=0.1)
+            self.act_fn = _activation(torch, problem.activation)
+
+    return TuneExperts()
+
+
+def reference_of(torch: Any, layer: Any, problem: Problem, x: Any, index: Any, weights: Any, rows: int) -> Any:
+    """float64 result for the first `rows` tokens, from the definition (quantised: `selector.bench`'s reference
+    from the dequantised weights)."""
+    from selector import layers
+
+    if is_plain(problem):
+        from selector.bench.layer import reference
+
+        return reference(torch, layer, x, index, weights, rows)
+    x64, idx, w = x[:rows].double(), index[:rows], weights[:rows].double()
+    out = torch.zeros_like(x64)
+    for e in idx.unique().tolist():
+        t, j = torch.where(idx == e)
+        up_w, down_w = layer.gate_up_proj[e].double(), layer.down_proj[e].double()
+        up = x64[t] @ (up_w if problem.is_transposed else up_w.T)
+        if problem.has_bias:
+            up = up + layer.gate_up_proj_bias[e].double()
+        h = layers.activate(layer, up)
+        y = h @ (down_w if problem.is_transposed else down_w.T)
+        if problem.has_bias:
+            y = y + layer.down_proj_bias[e].double()
+        out.index_add_(0, t, y * w[t, j].unsqueeze(-1))
+    return out
