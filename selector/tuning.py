@@ -196,8 +196,13 @@ class TuningTable:
         return dict(by_tokens[_nearest(by_tokens, problem.num_tokens or 512)])
 
 
+CPU = "cpu"  # the `gpu` field of records measured on the host's CPU
+
+
 def gpu_of(problem: Problem, env: Environment) -> str | None:
-    """The name of the GPU `problem` runs on, None for a CPU layer or an index the probe did not see."""
+    """The name of the GPU `problem` runs on ("cpu" for a CPU layer), None for an index the probe did not see."""
+    if problem.device == "cpu":
+        return CPU
     devices = env.gpu.devices
     if problem.device != "cuda" or not 0 <= problem.device_index < len(devices):
         return None
@@ -205,6 +210,6 @@ def gpu_of(problem: Problem, env: Environment) -> str | None:
 
 
 def measured_for(problem: Problem, env: Environment, table: TuningTable) -> dict[str, Measurement] | None:
-    """{backend: Measurement} measured for `problem` on its GPU (CUDA layers only), if any."""
+    """{backend: Measurement} measured for `problem` on its device, if any."""
     gpu = gpu_of(problem, env)
     return None if gpu is None else table.lookup(gpu, problem)

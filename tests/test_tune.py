@@ -406,3 +406,59 @@ def test_a_record_the_schema_refuses_is_reported_not_fatal(tmp_path: Path, monke
     (error,) = result.errors
     assert error["backend"] == "eager" and error["error"] == "record refused: spread or first_call_s out of range"
     assert not result.cells[0].measured
+
+
+def test_auto_follows_what_tune_measured(tmp_path: Path, fresh_registry, fixed_timings: list[str]) -> None:
+    """The loop a user runs: `selector tune` stores times, and the next auto choice for that layer takes the
+    measured fastest and says it was measured (here batched_mm, which the static estimate ranks last)."""
+    from experts_fixtures import make_experts, random_routing
+
+    from selector.dispatch import explain_module, last_backend, reset_selection_caches
+    from selector.tuning_store import reload
+
+    fresh_registry()
+    module = make_experts(4, 64, 32, seed=1)  # the layer of _tiny(): E=4 H=64 I=32 k=2, float32 on the CPU
+    x = torch_randn(3, 64)
+    index, weights = random_routing(3, 4, 2)
+    static = explain_module(module, num_tokens=3, top_k=2)
+    assert static.best != "batched_mm" and all(c.source == "estimate" for c in static.candidates)
+    run_tune([_tiny()], tokens=[1, 4], backends=["eager", "batched_mm", "grouped_mm"], device="cpu", rounds=2,
+             sample_s=0.0)  # into the process's store (SELECTOR_TUNING_STORE, a temp folder in tests)
+    reload()
+    reset_selection_caches()
+    module(x, index, weights)
+    assert last_backend(module) == "batched_mm"  # FIXED_S: 2e-4 against 3e-4 and 4e-4
+    ranking = explain_module(module, num_tokens=3, top_k=2)
+    assert [(c.name, c.source, c.measured_tokens) for c in ranking.candidates] == [
+        ("batched_mm", "measured", 4), ("grouped_mm", "measured", 4), ("eager", "measured", 4)]
+
+
+def test_auto_switches_backend_at_the_measured_crossover(fresh_registry) -> None:
+    """Per token bucket: grouped_mm measured fastest at T <= 8, eager from T = 64 on."""
+    from experts_fixtures import make_experts, random_routing
+
+    from selector.dispatch import last_backend, problem_of, reset_selection_caches
+    from selector.tuning_store import current_fingerprint, reload, save_records
+
+    fresh_registry()
+    module = make_experts(4, 64, 32, seed=2)
+    key = tuning.problem_key(problem_of(module, 2))
+    times = {1: (1e-5, 5e-5), 8: (2e-5, 6e-5), 64: (9e-5, 7e-5), 512: (5e-4, 2e-4)}  # (grouped_mm, eager)
+    save_records([{"fingerprint": current_fingerprint(), "gpu": "cpu", "problem": key, "mode": "eager", "tokens": t,
+                   "backend": name, "time_s": s} for t, pair in times.items()
+                  for name, s in zip(("grouped_mm", "eager"), pair)])  # fmt: skip
+    reload()
+    reset_selection_caches()
+    picks = {}
+    for t in (1, 2, 8, 40, 64, 300, 512):
+        index, weights = random_routing(t, 4, 2)
+        module(torch_randn(t, 64), index, weights)
+        picks[t] = last_backend(module)
+    assert picks == {1: "grouped_mm", 2: "grouped_mm", 8: "grouped_mm", 40: "eager", 64: "eager", 300: "eager",
+                     512: "eager"}  # 40 -> bucket 64; the nearest measured count in log scale decides
+
+
+def torch_randn(*shape: int):  # noqa: ANN201
+    import torch
+
+    return torch.randn(*shape)

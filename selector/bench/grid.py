@@ -22,9 +22,9 @@ from selector.bench.layer import (
     format_layer,
     make_layer,
     random_routing,
-    reference,
     temp_bytes_estimate,
 )
+from selector.bench.layouts import is_plain, make_problem_layer, reference_of
 from selector.bench.timing import measure_ceilings, time_interleaved
 
 Forward = Callable[..., Any]  # Transformers' experts signature: fn(module, hidden_states, top_k_index, top_k_weights)
@@ -204,7 +204,9 @@ class _Grid:
 
         torch = self.torch
         base = replace(problem or preset(shape), dtype=self.dtype_name, device=self.device.type)
-        dense = make_layer(torch, base, self.dtype, self.device, seed=0)
+        # a plain layer as quantising expects; other layouts (GPT-OSS's) in their own layout, dense only
+        dense = make_layer(torch, base, self.dtype, self.device, seed=0) if is_plain(base) else \
+            make_problem_layer(torch, base, self.device, seed=0)
         for fmt in self.formats:
             try:
                 layer = format_layer(torch, dense, base, fmt)
@@ -232,7 +234,7 @@ class _Grid:
         moved = bytes_moved(layer, problem, int(index.unique().numel()), t, x.element_size())
         flops = flops_of(problem, t)
         sample = min(t, 32)
-        ref = reference(torch, layer, x, index, weights, sample)
+        ref = reference_of(torch, layer, base, x, index, weights, sample)
         floor = floor_seconds(self.result.ceilings, problem, moved, flops)
         return _Inputs(shape, fmt, problem, layer, x, index, weights, floor, flops, moved, sample, ref)
 

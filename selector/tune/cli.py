@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,31 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
         print(f"wrote {args.json}")
+    if args.check and not args.dry_run:
+        check_choice(args, targets, sorted({c.tokens for c in result.cells}))
     return 0
+
+
+def check_choice(args: argparse.Namespace, targets: Sequence[Any], tokens: Sequence[int]) -> None:
+    """A fresh interleaved run of `selector bench` over the tuned layers, in this process (so backends warmed
+    by tuning stay warm), with `auto` choosing from the records just stored: the choice quality per cell."""
+    from selector.bench.grid import run_bench
+    from selector.bench.render import choice_table, write_outputs
+    from selector.dispatch import reset_selection_caches
+    from selector.tuning_store import reload
+
+    reload()
+    reset_selection_caches()
+    progress = _Progress()
+    try:
+        bench = run_bench({t.name: t.problem for t in targets}, tokens, backends=args.backends, modes=args.modes,
+                          graph_max_tokens=args.graph_max_tokens, memory_cap_gb=args.memory_cap_gb,
+                          rounds=args.rounds, progress=progress.line)  # fmt: skip
+    finally:
+        progress.close()
+    paths = write_outputs(bench, Path(args.check))
+    print(choice_table(bench.cells).strip())
+    print("wrote " + ", ".join(map(str, paths)))
 
 
 def register(sub: Any) -> None:
@@ -171,6 +196,8 @@ def register(sub: Any) -> None:
     tune.add_argument("--lock-timeout", type=float, default=600.0, help="seconds to wait for another tuner on the GPU")
     tune.add_argument("--force", action="store_true", help="measure cells already measured under this fingerprint")
     tune.add_argument("--dry-run", action="store_true", help="list what would be measured; measure nothing")
+    tune.add_argument("--check", metavar="DIR", help="then time auto against every backend in a fresh interleaved "
+                      "run (selector bench, this process) and write its files to DIR: the choice quality")
     tune.add_argument("--json", metavar="FILE", help="write the run and the plan as JSON (schema selector.tune/1)")
     tune.set_defaults(func=_cmd_tune)
 

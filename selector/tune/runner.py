@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from selector.tune.inputs import TuneInputError, TuneTarget, token_counts
-from selector.tune.layers import is_plain
+from selector.bench.layouts import is_plain
 from selector.tune.plan import ModePlan, Timed, build_plan
 from selector.tune.store import TuneStore
 from selector.types import Problem
@@ -301,7 +301,7 @@ class _Run:
 
     def target(self, target: TuneTarget, counts: Sequence[int], budget_s: float, force: bool) -> None:
         """One layer: its backends' kernel tuning, then every cell not yet measured, records saved at the end."""
-        from selector.tune.layers import make_tune_layer
+        from selector.bench.layouts import make_problem_layer
         from selector.tuning import check_record
 
         todo = [c for c in self.result.cells if c.target == target.name and force_or_new(c, force)]
@@ -310,7 +310,7 @@ class _Run:
             return
         started = time.perf_counter()
         self.tune_kernels(target, todo, budget_s)
-        layer = make_tune_layer(self.torch, target.problem, self.device, seed=0)
+        layer = make_problem_layer(self.torch, target.problem, self.device, seed=0)
         records: list[dict[str, Any]] = []
         try:
             for t in sorted({c.tokens for c in todo}):
@@ -366,7 +366,7 @@ class _Run:
     def inputs(self, target: TuneTarget, layer: Any, t: int) -> tuple[Any, Any, Any, Any]:
         """(hidden states, expert ids, routing weights, float64 reference of the first rows) for T tokens."""
         from selector.bench.layer import random_routing
-        from selector.tune.layers import reference_of
+        from selector.bench.layouts import reference_of
 
         torch, p = self.torch, target.problem
         index, weights = random_routing(torch, t, p.num_experts, p.top_k, self.device, seed=t)

@@ -1,4 +1,4 @@
-"""The layer `selector tune` times for a problem: random weights in the problem's layout (GPT-OSS's biases,
+"""The layer `selector tune` and `selector bench` time for a problem: random weights in the problem's layout (GPT-OSS's biases,
 transposed weights, interleaved gate/up and clamped SwiGLU included), quantised where the problem says, and a
 float64 reference on a sample of tokens to check each backend's result before it is timed."""
 
@@ -30,7 +30,7 @@ def _activation(torch: Any, name: str) -> Any:
     )
 
 
-def make_tune_layer(torch: Any, problem: Problem, device: Any, seed: int = 0) -> Any:
+def make_problem_layer(torch: Any, problem: Problem, device: Any, seed: int = 0) -> Any:
     """A decorated experts module for `problem` (its dtype, layout, activation, weight format) on `device`.
     ValueError for a quantised format on a layout other than the plain one (selector quantises plain layers)."""
     import selector
