@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from selector.plugins.triton_common.guard import sanitize_routing
 
 from selector import layers
 
@@ -25,6 +26,8 @@ def batched_mm_experts_forward(
     num_tokens, top_k = top_k_index.shape
     transposed = getattr(module, "is_transposed", False)
     up_w = layers.up_weight(module)
+    # bad slots -> expert 0 with weight NaN: an out-of-range id would trip a device assert in the gather
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
     ids = top_k_index.reshape(-1)  # [S], S = T * k
     weights = top_k_weights.reshape(-1).float()
     if layers.is_expert_parallel(module):

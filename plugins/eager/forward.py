@@ -7,6 +7,7 @@ duplicate tokens never race (no index_add_ atomics) and the result is determinis
 from __future__ import annotations
 
 import torch
+from selector.plugins.triton_common.guard import sanitize_routing
 
 from selector import layers
 
@@ -28,6 +29,8 @@ def eager_experts_forward(
     up_w, down_w = layers.up_weight(module), module.down_proj
     up_b, down_b = layers.up_bias(module), layers.down_bias(module)
     x = hidden_states.to(up_w.dtype)
+    # bad slots -> expert 0 with weight NaN: their tokens' rows turn NaN instead of silently missing a slot
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
 
     per_slot = torch.zeros(num_tokens, top_k, hidden_states.shape[1], dtype=x.dtype, device=x.device)
     hit = torch.unique(top_k_index[top_k_index < num_experts]).tolist()  # the sentinel id is skipped

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from selector.plugins.triton_common.guard import sanitize_routing
 
 from selector import hub, layers
 from selector.problem import activation_name, dtype_name, has_custom_gate
@@ -134,6 +135,8 @@ def sonicmoe_experts_forward(
         return hidden_states.new_zeros(0, hidden)
     dtype = module.gate_up_proj.dtype
     x = hidden_states.to(dtype).contiguous()
+    # bad slots -> expert 0 with weight NaN (selector.guard): the kernel reads no expert out of bounds
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
     ids = top_k_index.to(torch.int32)
     weights = top_k_weights.float()
     if layers.is_expert_parallel(module):
