@@ -161,7 +161,7 @@ def sanitize_torch(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard
 def _layer(tag: int) -> tuple[str, int | None, bool]:
     entry = _LAYERS.get(tag)
     module = entry[0]() if entry is not None else None
-    name = entry[1] if entry is not None else f"experts layer #{tag}"
+    name = entry[1] if entry is not None else f"#{tag}"
     if module is None:
         return name, None, False
     return name, int(module.num_experts), layers.is_expert_parallel(module)

@@ -41,7 +41,7 @@ INTERPRETER_FILES = frozenset({
     "test_quant_tune.py",
 })  # fmt: skip
 # Fixtures that register the real Triton adapter as a CPU backend, so its kernels run in the interpreter.
-INTERPRETER_FIXTURES = frozenset({"fused_cpu"})
+INTERPRETER_FIXTURES = frozenset({"fused_cpu", "guard_interpreter"})
 # Files where every test traces with torch.compile / Dynamo.
 COMPILE_FILES = frozenset({"test_hf_compile_decode.py", "test_hf_guards.py"})
 # Files and tests measured at a second or more each on a 2-core CPU (`--durations`) that neither run kernels in the
