@@ -138,6 +138,8 @@ def sanitize_torch(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard
     """The routing guard in torch ops (CPU, or no Triton): bad slots get expert 0 and weight NaN, which makes
     their token's output NaN in every backend and leaves every other token's untouched; the flag records them.
     No host sync: the counts and the recorded value stay tensors."""
+    if ids.numel() == 0:
+        return ids, weights
     limit = guard.num_experts + 1 if guard.sentinel else guard.num_experts
     bad_id = (ids < 0) | (ids >= limit)
     bad = bad_id | ~torch.isfinite(weights)

@@ -51,7 +51,8 @@ def guard_interpreter():
 def _inputs(device="cpu", dtype=torch.float32, tokens=T, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=g).to(device, dtype)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)] or [torch.zeros(0, K).long()])
+    ids = ids.reshape(tokens, K).to(device)
     w = torch.rand(tokens, K, generator=g).to(device, dtype)
     return x, ids, w
 
@@ -385,3 +386,12 @@ def test_guard_cost_on_gpu(monkeypatch, capsys):
         for backend, tokens, off, on in rows:
             print(f"{backend:<14}{tokens:>6}{off:>10.1f}{on:>10.1f}{on - off:>10.2f}{100 * (on - off) / off:>8.1f}%")
     assert all(on > 0 and off > 0 for _, _, off, on in rows)
+
+
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+def test_no_tokens_pass_through_the_guard(backend):
+    m = make_experts(E, H, I, seed=1)
+    selector.set_experts_implementation(m, backend)
+    x, ids, w = _inputs(tokens=0)
+    assert m(x, ids, w).shape == (0, H)
+    selector.check()

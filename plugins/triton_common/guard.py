@@ -85,7 +85,7 @@ def sanitize_routing(
     """(ids, weights) a torch backend can run whatever the router produced: bad slots routed to expert 0 with
     weight NaN, recorded in the device flag. Unchanged where the guard is off (SELECTOR_VALIDATE=off, tracing)."""
     guard = routing_guard(module, top_k_index.device)
-    if guard is None:
+    if guard is None or top_k_index.numel() == 0:
         return top_k_index, top_k_weights
     if top_k_index.is_cuda and triton is not None:
         return sanitize_triton(top_k_index, top_k_weights, guard)
