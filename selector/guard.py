@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -160,6 +161,31 @@ def sanitize_torch(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard
     return clean_ids, clean_weights
 
 
+_CUDA_SANITIZER: Callable[[torch.Tensor, torch.Tensor, RoutingGuard], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def register_cuda_sanitizer(
+    kernel: Callable[[torch.Tensor, torch.Tensor, RoutingGuard], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Let `sanitize_routing` run `kernel` (one launch) on CUDA tensors instead of the torch ops (about a dozen
+    launches). plugins/triton_common/guard.py registers its Triton kernel when imported."""
+    global _CUDA_SANITIZER
+    _CUDA_SANITIZER = kernel
+
+
+def sanitize_routing(
+    module: torch.nn.Module, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights) a backend can run whatever the router produced: bad slots routed to expert 0 with weight
+    NaN, recorded in the device flag. Unchanged where the guard is off (SELECTOR_VALIDATE=off, tracing)."""
+    guard = routing_guard(module, top_k_index.device)
+    if guard is None or top_k_index.numel() == 0:
+        return top_k_index, top_k_weights
+    if top_k_index.is_cuda and _CUDA_SANITIZER is not None:
+        return _CUDA_SANITIZER(top_k_index, top_k_weights, guard)
+    return sanitize_torch(top_k_index, top_k_weights, guard)
+
+
 def _layer(tag: int) -> tuple[str, int | None, bool]:
     entry = _LAYERS.get(tag)
     module = entry[0]() if entry is not None else None
@@ -220,7 +246,9 @@ __all__ = [
     "name_layers",
     "pending_faults",
     "raise_pending",
+    "register_cuda_sanitizer",
     "resolve",
     "routing_guard",
+    "sanitize_routing",
     "sanitize_torch",
 ]

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 from selector.plugins.deepgemm.warmth import KERNEL, record_compiled, shape_key
-from selector.plugins.triton_common.guard import sanitize_routing
+import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
 
 from selector import hub, layers
+from selector.guard import sanitize_routing
 from selector.environment import current_environment
 from selector.quant import is_ue8m0_tensor, ue8m0_bytes, ue8m0_to_float
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from selector.plugins.triton_common.guard import sanitize_routing
 
 from selector import layers
+from selector.guard import sanitize_routing
 
 
 @torch.library.custom_op("selector::grouped_mm_loop", mutates_args=())
@@ -72,6 +72,8 @@ def grouped_mm_experts_forward(
     transposed = getattr(module, "is_transposed", False)
     up_w = layers.up_weight(module)
     # bad slots -> expert 0 with weight NaN: an id of -1 would sort first and shift every other token's rows
+    if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
+        import selector.plugins.triton_common.guard  # noqa: F401
     top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
 
     ids = top_k_index.reshape(-1)

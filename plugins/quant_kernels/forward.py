@@ -21,9 +21,10 @@ from selector.plugins.quant_kernels.layer import MODES, layer_forward
 from selector.plugins.quant_kernels.projection import run_projection
 from selector.plugins.quant_kernels.records import LINEAR, Epilogue, QuantLayer, QuantWeights, WeightFormat
 from selector.plugins.quant_kernels.routing import combine_slots, route
-from selector.plugins.triton_common.guard import sanitize_routing
+import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
 
 from selector import graphs, layers
+from selector.guard import sanitize_routing
 from selector.problem import activation_name, has_custom_gate
 from selector.quant import QuantFormat, is_ue8m0_tensor, quant_format
 

@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from selector.plugins.triton_common.guard import sanitize_routing
+import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
 
 from selector import hub, layers
+from selector.guard import sanitize_routing
 from selector.problem import activation_name, dtype_name, has_custom_gate
 
 from selector.plugins.sonicmoe.warmth import ACTIVATION_TYPES, KERNEL, padded_tokens, record_compiled, shape_key

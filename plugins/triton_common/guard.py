@@ -2,16 +2,17 @@
 
 - ``check_slots`` / ``record_faults``: jitted pieces the align kernels call on the pairs they read anyway (no
   launch of their own on the fused path);
-- ``sanitize_routing(module, ids, weights)``: the step a torch backend runs first on a GPU, one launch: bad slots
-  get expert 0 and weight NaN (their token's output turns NaN, nobody else's changes), the flag records them.
-  On a CPU, and without Triton, the same in torch ops (``selector.guard.sanitize_torch``).
+- ``sanitize_triton(ids, weights, guard)``: what ``selector.guard.sanitize_routing`` runs on a GPU (registered
+  when this module is imported), one launch: bad slots get expert 0 and weight NaN (their token's output turns
+  NaN, nobody else's changes), the flag records them. On a CPU, and without Triton, the same runs in torch ops
+  (``selector.guard.sanitize_torch``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from selector.guard import RoutingGuard, routing_guard, sanitize_torch
+from selector.guard import RoutingGuard, register_cuda_sanitizer
 
 try:
     import triton
@@ -79,14 +80,5 @@ def sanitize_triton(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuar
     return clean_ids.view(shape), clean_w.view(shape)
 
 
-def sanitize_routing(
-    module: torch.nn.Module, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, weights) a torch backend can run whatever the router produced: bad slots routed to expert 0 with
-    weight NaN, recorded in the device flag. Unchanged where the guard is off (SELECTOR_VALIDATE=off, tracing)."""
-    guard = routing_guard(module, top_k_index.device)
-    if guard is None or top_k_index.numel() == 0:
-        return top_k_index, top_k_weights
-    if top_k_index.is_cuda and triton is not None:
-        return sanitize_triton(top_k_index, top_k_weights, guard)
-    return sanitize_torch(top_k_index, top_k_weights, guard)
+if triton is not None:
+    register_cuda_sanitizer(sanitize_triton)
