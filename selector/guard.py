@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch.compiler import is_compiling
 
 from selector import layers
 from selector.errors import ExpertsInputError, routing_fault_message
@@ -107,8 +108,12 @@ def guard_code(module: torch.nn.Module, device: torch.device) -> int:
     """The guard of the module's call as one int a custom op can carry: 0 off, else 2 * tag + sentinel."""
     if validation_level(on_gpu=device.type != "cpu") == "off":
         return 0
-    tag = layer_tag(module)
-    return 0 if tag == 0 else 2 * tag + int(layers.is_expert_parallel(module))
+    if is_compiling():
+        # each global or helper read here is one more guard on every call of a compiled model: attributes only
+        # (the tag was given by an eager call; a constant per layer in the traced code)
+        tag = getattr(module, "_selector_guard_tag", 0)
+        return 0 if tag == 0 else 2 * tag + int(bool(getattr(module, "_is_expert_parallel", False)))
+    return 2 * layer_tag(module) + int(layers.is_expert_parallel(module))
 
 
 def resolve(code: int, device: torch.device, num_experts: int) -> RoutingGuard | None:
