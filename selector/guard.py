@@ -231,6 +231,15 @@ def check(model: torch.nn.Module | None = None) -> None:
         _raise_from(flags)
 
 
+def clear() -> None:
+    """Forget every fault recorded so far, unreported (waits for the queued work first)."""
+    for device, flags in list(_FLAGS.items()):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        flags.flag.zero_()
+        flags.host.zero_()
+
+
 def pending_faults(device: torch.device) -> dict[str, int]:
     """The device flag's counts as they stand (syncs; for tests and `selector doctor`-style reports)."""
     flags = _FLAGS.get(torch.device(device))
@@ -245,6 +254,7 @@ __all__ = [
     "Flags",
     "RoutingGuard",
     "check",
+    "clear",
     "flags_for",
     "guard_code",
     "layer_tag",

@@ -129,12 +129,13 @@ def _probed_environment() -> Environment:
 @pytest.fixture(autouse=True)
 def _fresh_selection_state(_probed_environment: Environment) -> Iterator[None]:
     """Every test starts from the process's own state: no cached registry, config, verdicts, picks or measured
-    timings, and no probe facts a test before it injected (`set_environment`)."""
-    from selector import tuning_store
+    timings, no probe facts a test before it injected (`set_environment`), no unreported routing fault."""
+    from selector import guard, tuning_store
     from selector.dispatch import reset_selection_caches
     from selector.environment import current_environment, set_environment
 
     reset_selection_caches()
+    guard.clear()  # no routing fault a test before left unreported
     yield
     if current_environment() is not _probed_environment:  # injected, or forgotten and probed again
         set_environment(_probed_environment)
