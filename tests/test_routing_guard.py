@@ -104,7 +104,7 @@ def test_later_call_poisons_only_bad_tokens_and_raises_next_call(backend, case, 
     bad_ids, bad_w = _make_bad(ids, w, value)
     out = m(x, bad_ids, bad_w)  # a later call: the device guard
     poisoned = torch.isnan(out).all(dim=1)
-    assert torch.equal(poisoned, _bad_tokens())
+    assert torch.equal(poisoned.cpu(), _bad_tokens())
     assert torch.equal(out[~poisoned], reference[~poisoned])  # bit for bit
     torch.testing.assert_close(out[~poisoned], clean[~poisoned])
     with pytest.raises(ExpertsInputError) as caught:
@@ -261,12 +261,36 @@ def test_fused_align_and_combine_guard(guard_interpreter, case, value, tokens):
     clean = triton_fused_experts_forward(m, x, ids, w)
     bad_ids, bad_w = _make_bad(ids, w, value, slots)
     out = triton_fused_experts_forward(m, x, bad_ids, bad_w)
-    poisoned = torch.isnan(out).all(dim=1).cpu()
-    assert torch.equal(poisoned, _bad_tokens(slots, tokens))
+    poisoned = torch.isnan(out).all(dim=1)
+    assert torch.equal(poisoned.cpu(), _bad_tokens(slots, tokens))
     assert torch.equal(out[~poisoned], clean[~poisoned])  # other tokens bit for bit
     with pytest.raises(ExpertsInputError) as caught:
         selector.check()
     _expect_fault(str(caught.value), value, len(slots))
+
+
+@pytest.mark.parametrize("mode", ["grouped", "batched"])
+@pytest.mark.parametrize("case,value", [("id_minus_1", -1), ("id_E_plus_1000", E + 1000), ("weight_nan", float("nan"))],
+                         ids=["id_minus_1", "id_E_plus_1000", "weight_nan"])  # fmt: skip
+def test_quantised_kernels_guard(guard_interpreter, case, value, mode):
+    """fp8 experts through the quantised kernels (the sanitiser before their routing): the same contract."""
+    from selector.plugins.quant_kernels.forward import quant_experts_forward
+
+    from selector import quant
+
+    m = quant.quantize_experts(make_experts(E, 64, 32, seed=4, device=DEV), "fp8_block", "float32", (32, 32))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, 64, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEV)
+    w = torch.rand(T, K, generator=g).to(DEV)
+    reference = quant_experts_forward(m, x, *_on_expert_zero(ids, w, value), mode=mode)
+    out = quant_experts_forward(m, x, *_make_bad(ids, w, value), mode=mode)
+    poisoned = torch.isnan(out).all(dim=1)
+    assert torch.equal(poisoned.cpu(), _bad_tokens())
+    assert torch.equal(out[~poisoned], reference[~poisoned])
+    with pytest.raises(ExpertsInputError) as caught:
+        selector.check()
+    _expect_fault(str(caught.value), value, len(BAD_SLOTS))
 
 
 # ---- GPU: every CUDA backend, eager and under CUDA-graph replay ------------------------------------------------
@@ -289,8 +313,8 @@ def test_gpu_backend_guard_eager(backend, case, value):
     reference = m(x, *_on_expert_zero(ids, w, value))
     for _ in range(2):  # the backend's own graph (triton_fused records at first use) and a replay of it
         out = m(x, *_make_bad(ids, w, value))
-        poisoned = torch.isnan(out).all(dim=1).cpu()
-        assert torch.equal(poisoned, _bad_tokens(tokens=64))
+        poisoned = torch.isnan(out).all(dim=1)
+        assert torch.equal(poisoned.cpu(), _bad_tokens(tokens=64))
         assert torch.equal(out[~poisoned], reference[~poisoned])
         torch.testing.assert_close(out[~poisoned], clean[~poisoned], atol=2e-2, rtol=2e-2)
         torch.cuda.synchronize()
@@ -323,8 +347,8 @@ def test_gpu_backend_guard_under_graph_replay(backend, case, value):
     with pytest.raises(ExpertsInputError) as caught:
         selector.check()
     _expect_fault(str(caught.value), value, len(BAD_SLOTS))
-    poisoned = torch.isnan(out).all(dim=1).cpu()
-    assert torch.equal(poisoned, _bad_tokens(tokens=8))
+    poisoned = torch.isnan(out).all(dim=1)
+    assert torch.equal(poisoned.cpu(), _bad_tokens(tokens=8))
     torch.testing.assert_close(out[~poisoned], clean[~poisoned], atol=2e-2, rtol=2e-2)
 
 
