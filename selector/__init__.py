@@ -2,7 +2,8 @@
 
 Public API: the types plugins declare (`BackendSpec`, `Requirements`, `ToolkitRule`, `hookimpl`), the model
 API (`experts`, `set_experts_implementation`, `get_experts_implementation`, `explain_model`), the dispatch
-core's (`run_experts`, `last_backend`, `explain_module`, `reset_selection_caches`), and the ranking (`rank`,
+core's (`run_experts`, `last_backend`, `explain_module`, `reset_selection_caches`), `check` (raise what the
+device-side routing guard recorded), and the ranking (`rank`,
 `Problem`, `Ranking`, `Availability`, `Status`).
 """
 
@@ -34,6 +35,7 @@ _LAZY = {
     "run_experts": "selector.dispatch",
     "last_backend": "selector.dispatch",
     "explain_module": "selector.dispatch",
+    "check": "selector.guard",
     "rank": "selector.ranking",
     "get_registry": "selector.registry",
     "register_plugin": "selector.registry",
@@ -46,6 +48,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from selector.dispatch import explain_module, last_backend, reset_selection_caches, run_experts
     from selector.environment import current_environment, set_environment
+    from selector.guard import check
     from selector.hf import from_config, from_pretrained
     from selector.model import experts, explain_model, get_experts_implementation, set_experts_implementation
     from selector.ranking import rank

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from selector import layers, settings
+from selector import guard, layers, settings
 from selector.config import SelectorConfig, load_config
 from selector.environment import current_environment
 from selector.errors import unavailable_error
@@ -326,6 +326,7 @@ def run_experts(
         expert_parallel=expert_parallel,
         seen=module.__dict__.setdefault(_CHECKED, set()),
     )
+    guard.raise_pending(hidden_states.device)  # a fault the device guard recorded in an earlier call (no sync)
     num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
     track(module)
     if module.__dict__.get(_TOP_K) != top_k:

@@ -121,7 +121,8 @@ _DECLARED = [
             positive=True, on_bad="default"),
     Setting("SELECTOR_VALIDATE", "choice", None,
             "input checks at the experts boundary: full (values every call), first (values on the first call "
-            "of each module and shape), shapes, off",
+            "of each module and shape), shapes; every level but off also guards ids and weights on the device "
+            "(selector.check)",
             choices=("full", "first", "shapes", "off"), default_text="full on CPU, first on GPU"),
     Setting("SELECTOR_JIT_AMORTIZE_CALLS", "float", 1000.0,
             "over how many calls auto spreads a backend's one-time cost (download, JIT compile) in its estimate; "

@@ -4,9 +4,12 @@ Level from SELECTOR_VALIDATE:
 - "full": shapes, dtypes, and the values of ids and weights on every call (one device sync per call);
 - "first" (the default on GPUs): values on the first call of each module and input shape, shapes after;
   a sync per layer per decode step would stall the host that feeds the GPU;
-- "shapes": no value checks; "off": nothing.
+- "shapes": no value checks on the host; "off": nothing, the device-side guard included.
 Without the variable, CPU tensors get "full" (a sync costs nothing there). Value checks are skipped while
 torch.compile traces or a CUDA graph captures, where reading values is impossible.
+
+At every level but "off" the backends also guard the values on the device, on every call and without a sync
+(selector.guard): bad slots turn their tokens' rows NaN and are raised at the next call or `selector.check()`.
 
 Expert ids must be int64 or int32 at every level but "off": uint8, bool, int8, int16, float and complex ids
 are refused with the fix (`.long()`), never read as a mask or converted behind the caller's back.

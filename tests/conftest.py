@@ -41,7 +41,7 @@ INTERPRETER_FILES = frozenset({
     "test_quant_tune.py", "test_tile_tuning_kernels.py",
 })  # fmt: skip
 # Fixtures that register the real Triton adapter as a CPU backend, so its kernels run in the interpreter.
-INTERPRETER_FIXTURES = frozenset({"fused_cpu"})
+INTERPRETER_FIXTURES = frozenset({"fused_cpu", "guard_interpreter"})
 # Files where every test traces with torch.compile / Dynamo.
 COMPILE_FILES = frozenset({"test_hf_compile_decode.py", "test_hf_guards.py"})
 # Files and tests measured at a second or more each on a 2-core CPU (`--durations`) that neither run kernels in the
@@ -142,12 +142,13 @@ def _private_tuning_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(autouse=True)
 def _fresh_selection_state(_probed_environment: Environment) -> Iterator[None]:
     """Every test starts from the process's own state: no cached registry, config, verdicts, picks or measured
-    timings, and no probe facts a test before it injected (`set_environment`)."""
-    from selector import tuning_store
+    timings, no probe facts a test before it injected (`set_environment`), no unreported routing fault."""
+    from selector import guard, tuning_store
     from selector.dispatch import reset_selection_caches
     from selector.environment import current_environment, set_environment
 
     reset_selection_caches()
+    guard.clear()  # no routing fault a test before left unreported
     yield
     if current_environment() is not _probed_environment:  # injected, or forgotten and probed again
         set_environment(_probed_environment)

@@ -34,7 +34,8 @@ from test_hf_compile_decode import INTERPRETER, _fused_cpu_backends  # noqa: E40
 VOCAB = 64
 # What "auto" may add over batched_mm (measured with torch 2.13, transformers 5.24: 60-71 for the model,
 # 5-9 per layer of which 0-1 are evaluated in Python; before selector pinned its defaults, 3 per layer were)
-FIXED_EXTRA = 80  # selector's functions and module globals: C++ identity checks
+# selector's functions and module globals: C++ identity checks (the routing guard's code and tag: 6 of them)
+FIXED_EXTRA = 86
 EXTRA_PER_LAYER = 12  # C++ type/value checks of the flags selector reads (has_gate, uid, weight format, ...)
 PYTHON_PER_LAYER = 1
 

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 import torch
 from selector.plugins.deepgemm.warmth import KERNEL, record_compiled, shape_key
+import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
 
 from selector import hub, layers
+from selector.guard import sanitize_routing
 from selector.environment import current_environment
 from selector.quant import is_ue8m0_tensor, ue8m0_bytes, ue8m0_to_float
 
@@ -295,6 +297,8 @@ def deepgemm_experts_forward(
     dg = load_deepgemm()
     num_experts = module.num_experts
     transposed = bool(getattr(module, "is_transposed", False))
+    # bad slots -> expert 0 with weight NaN (selector.guard): an id of -1 would sort first and shift other rows
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
     gemm = _gemm(dg, quantised, transposed)
     lay = contiguous_layout(top_k_index, num_experts, dg.alignment, psum=blackwell)
     # Hopper calls pass no `use_psum_layout`: releases before the Blackwell psum layout do not take it.

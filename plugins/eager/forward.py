@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from selector import layers
+from selector.guard import sanitize_routing
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -28,6 +29,10 @@ def eager_experts_forward(
     up_w, down_w = layers.up_weight(module), module.down_proj
     up_b, down_b = layers.up_bias(module), layers.down_bias(module)
     x = hidden_states.to(up_w.dtype)
+    # bad slots -> expert 0 with weight NaN: their tokens' rows turn NaN instead of silently missing a slot
+    if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
+        import selector.plugins.triton_common.guard  # noqa: F401
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
 
     per_slot = torch.zeros(num_tokens, top_k, hidden_states.shape[1], dtype=x.dtype, device=x.device)
     hit = torch.unique(top_k_index[top_k_index < num_experts]).tolist()  # the sentinel id is skipped

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from selector import layers
+from selector.guard import sanitize_routing
 
 
 @torch.library.custom_op("selector::grouped_mm_loop", mutates_args=())
@@ -70,6 +71,10 @@ def grouped_mm_experts_forward(
     num_experts = module.num_experts
     transposed = getattr(module, "is_transposed", False)
     up_w = layers.up_weight(module)
+    # bad slots -> expert 0 with weight NaN: an id of -1 would sort first and shift every other token's rows
+    if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
+        import selector.plugins.triton_common.guard  # noqa: F401
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
 
     ids = top_k_index.reshape(-1)
     sorted_ids, order = torch.sort(ids, stable=True)  # sentinels (id == E) sort to the tail

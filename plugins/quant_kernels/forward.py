@@ -21,8 +21,10 @@ from selector.plugins.quant_kernels.layer import MODES, layer_forward
 from selector.plugins.quant_kernels.projection import run_projection
 from selector.plugins.quant_kernels.records import LINEAR, Epilogue, QuantLayer, QuantWeights, WeightFormat
 from selector.plugins.quant_kernels.routing import combine_slots, route
+import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
 
 from selector import graphs, layers
+from selector.guard import sanitize_routing
 from selector.problem import activation_name, has_custom_gate
 from selector.quant import QuantFormat, is_ue8m0_tensor, quant_format
 
@@ -146,6 +148,8 @@ def _plan(module: torch.nn.Module, hidden: int) -> _Plan:
 
 def _direct(plan: _Plan, module: torch.nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, mode: str, config: dict | None) -> torch.Tensor:  # fmt: skip
+    # bad slots -> expert 0 with weight NaN (selector.guard); inside the recorded graph when one replays
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
     if plan.in_kernel:
         return layer_forward(x, top_k_index, top_k_weights, plan.layer, mode, config)
     # torch between the projections: the module's own gate / activation, and its post-expert norm

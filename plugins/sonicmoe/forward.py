@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
 
 from selector import hub, layers
+from selector.guard import sanitize_routing
 from selector.problem import activation_name, dtype_name, has_custom_gate
 
 from selector.plugins.sonicmoe.warmth import ACTIVATION_TYPES, KERNEL, padded_tokens, record_compiled, shape_key
@@ -134,6 +136,8 @@ def sonicmoe_experts_forward(
         return hidden_states.new_zeros(0, hidden)
     dtype = module.gate_up_proj.dtype
     x = hidden_states.to(dtype).contiguous()
+    # bad slots -> expert 0 with weight NaN (selector.guard): the kernel reads no expert out of bounds
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
     ids = top_k_index.to(torch.int32)
     weights = top_k_weights.float()
     if layers.is_expert_parallel(module):

@@ -4,6 +4,10 @@ Output sizes depend only on T*k, E and BLOCK_M: ``sorted_rows[max_blocks * BLOCK
 for a padding slot) and ``block_expert[max_blocks]`` (expert of each block, -1 for blocks past the end: those
 programs exit at once). No host synchronisation, so a CUDA graph captures it. One launch when T*k <=
 SINGLE_ALIGN_MAX (``_align_kernel``), else ``_align_count_kernel`` + ``_align_kernel``.
+
+With a routing guard (selector.guard) the first launch also checks every pair it reads: ids outside [0, E) (bar
+the expert-parallel sentinel) and NaN / infinite weights are counted into the device flag; such pairs are left
+out of the blocks as before, and ``combine`` (given the same guard) sets their tokens' rows to NaN.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from selector.guard import RoutingGuard
 
+from .guard import check_slots, record_faults, reported_value
 from .launch import cdiv, empty, launch, next_pow2
 
 # Routing up to this many (token, slot) pairs is done by one program in one launch (decode); above it
@@ -21,26 +27,39 @@ from .launch import cdiv, empty, launch, next_pow2
 SINGLE_ALIGN_MAX = 1024
 ALIGN_CHUNK = 512
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "limit", "tag"])
 def _align_count_kernel(
     ids_ptr,
     partial_ptr,
     num_pairs,
     num_experts,
+    wts_ptr,
+    flag_ptr,
+    host_ptr,
+    limit,
+    tag,
     CHUNK: tl.constexpr,
     E_PAD: tl.constexpr,
+    GUARD: tl.constexpr,
 ):
-    """partial[pid, e] = number of pairs of chunk pid routed to expert e (every entry written)."""
+    """partial[pid, e] = number of pairs of chunk pid routed to expert e (every entry written). GUARD: the chunk's
+    pairs are checked too (ids against `limit`, weights finite) and faults recorded (triton_common.guard)."""
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     in_range = offs < num_pairs
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    raw = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    ids = raw.to(tl.int32)
     valid = in_range & (ids >= 0) & (ids < num_experts)
     counts = tl.histogram(tl.where(valid, ids, 0), E_PAD, mask=valid)
     tl.store(partial_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
+    if GUARD:
+        w = tl.load(wts_ptr + offs, mask=in_range, other=0.0)
+        bad_id, bad_w = check_slots(raw, w, in_range, limit)
+        n_ids = tl.sum(bad_id.to(tl.int32), axis=0)
+        record_faults(flag_ptr, host_ptr, tag, n_ids, tl.sum(bad_w.to(tl.int32), axis=0), reported_value(raw, bad_id))
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks", "limit", "tag"])
 def _align_kernel(
     ids_ptr,
     partial_ptr,
@@ -50,6 +69,11 @@ def _align_kernel(
     num_experts,
     num_chunks,
     max_blocks,
+    wts_ptr,
+    flag_ptr,
+    host_ptr,
+    limit,
+    tag,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,
@@ -57,13 +81,29 @@ def _align_kernel(
     NCH_SUB: tl.constexpr,
     B_TILE: tl.constexpr,
     SINGLE: tl.constexpr,
+    GUARD: tl.constexpr,
 ):
     """Scatter pair indices into expert-sorted, BLOCK_M-padded order; write per-block experts and padding.
 
     SINGLE: one program does everything (counts too). Otherwise program pid scatters chunk pid using the
     per-chunk counts of ``_align_count_kernel``. Inside one expert's group the pairs keep their order (ranks
-    come from prefix counts, no atomics), so the layout itself is deterministic.
+    come from prefix counts, no atomics), so the layout itself is deterministic. GUARD with SINGLE: the program
+    checks the pairs too (with several chunks ``_align_count_kernel`` does).
     """
+    if GUARD and SINGLE:
+        n_ids = tl.full([], 0, tl.int32)
+        n_w = tl.full([], 0, tl.int32)
+        value = tl.full([], -2147483648, tl.int32)
+        for s in range(0, num_pairs, CHUNK):
+            offs = s + tl.arange(0, CHUNK)
+            in_range = offs < num_pairs
+            raw = tl.load(ids_ptr + offs, mask=in_range, other=0)
+            w = tl.load(wts_ptr + offs, mask=in_range, other=0.0)
+            bad_id, bad_w = check_slots(raw, w, in_range, limit)
+            n_ids += tl.sum(bad_id.to(tl.int32), axis=0)
+            n_w += tl.sum(bad_w.to(tl.int32), axis=0)
+            value = tl.maximum(value, reported_value(raw, bad_id))
+        record_faults(flag_ptr, host_ptr, tag, n_ids, n_w, value)
     align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
                   max_blocks, tl.program_id(0), tl.num_programs(0), BLOCK_M, CHUNK, SUB, E_PAD, NCH_SUB, B_TILE,
                   SINGLE)  # fmt: skip
@@ -157,6 +197,8 @@ class AlignPlan(NamedTuple):
     consts: dict
     num_warps: int
     partial: torch.Tensor | None
+    guard: RoutingGuard | None = None
+    weights: torch.Tensor | None = None  # flat, contiguous: what the guard checks beside the ids
 
     @property
     def single(self) -> bool:
@@ -167,51 +209,66 @@ class AlignPlan(NamedTuple):
         return 1 if self.single else cdiv(self.ids.numel(), self.consts["CHUNK"])
 
 
-def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
-    """``align``'s buffers (allocated) and launch parameters, nothing launched."""
+def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int, guard: RoutingGuard | None = None,
+               weights: torch.Tensor | None = None) -> AlignPlan:  # fmt: skip
+    """``align``'s buffers (allocated) and launch parameters, nothing launched. `guard` (with the flat, contiguous
+    `weights`): the first launch checks the pairs and records faults (selector.guard)."""
+    if guard is not None and weights is None:
+        raise ValueError("plan_align: a routing guard checks the weights too: pass weights")
     n = top_k_ids_flat.numel()
     dev = top_k_ids_flat.device
     mb = max_blocks_for(n, num_experts, block_m)
     sorted_rows = empty(mb * block_m, torch.int32, dev, 1 << 30)
     block_expert = empty(mb, torch.int32, dev, -1)
     e_pad = max(16, next_pow2(num_experts))
-    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, NCH_SUB=16, B_TILE=16 if block_m >= 64 else 32)
+    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, NCH_SUB=16, B_TILE=16 if block_m >= 64 else 32,
+                  GUARD=guard is not None)
     warps = 8 if e_pad >= 128 else 4
     if n <= SINGLE_ALIGN_MAX:
         chunk = max(16, next_pow2(n))
         consts.update(CHUNK=chunk, SUB=min(64, chunk), SINGLE=True)
-        return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, None)
+        return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, None, guard, weights)
     # up to ~256 chunks of >= 512 pairs: the scatter loop is latency bound, ~4 us per 64-pair step (on the H200:
     # 134 us with 64 chunks of 2048 at T*k = 131072; ~40 us with chunks of 512), while each program also
     # reads the whole [chunks, E] count table. The 256-chunk setting itself is not measured yet.
     chunk = max(ALIGN_CHUNK, next_pow2(cdiv(n, 256)))
     consts.update(CHUNK=chunk, SUB=64, NCH_SUB=16 if e_pad <= 256 else 8, SINGLE=False)
     partial = empty(cdiv(n, chunk) * e_pad, torch.int32, dev, 1 << 20)
-    return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, partial)
+    return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, partial, guard, weights)
+
+
+def guard_args(guard: RoutingGuard | None, weights: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """(weights, flag, host mirror, id limit, layer tag): the guard's runtime arguments, placeholders without one."""
+    if guard is None:
+        return dummy, dummy, dummy, 0, 0
+    return weights, guard.flag, guard.host, guard.num_experts + int(guard.sentinel), guard.tag
 
 
 def run_align(plan: AlignPlan) -> None:
     """The launches of a plan from ``plan_align``."""
     n, chunks = plan.ids.numel(), plan.chunks
+    checks = guard_args(plan.guard, plan.weights, plan.ids)
     if not plan.single:
         launch(
-            _align_count_kernel, (chunks,), (plan.ids, plan.partial, n, plan.num_experts),
-            dict(CHUNK=plan.consts["CHUNK"], E_PAD=plan.consts["E_PAD"]), plan.num_warps,
+            _align_count_kernel, (chunks,), (plan.ids, plan.partial, n, plan.num_experts, *checks),
+            dict(CHUNK=plan.consts["CHUNK"], E_PAD=plan.consts["E_PAD"], GUARD=plan.guard is not None),
+            plan.num_warps,
         )  # fmt: skip
     partial = plan.sorted_rows if plan.single else plan.partial  # unused by the one-program path
     launch(
         _align_kernel, (chunks,),
         (plan.ids, partial, plan.sorted_rows, plan.block_expert, n, plan.num_experts, chunks,
-         plan.block_expert.numel()),
+         plan.block_expert.numel(), *checks),
         plan.consts, plan.num_warps,
     )  # fmt: skip
 
 
-def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int, guard: RoutingGuard | None = None,
+          weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Expert-sorted, block-padded routing. Returns (sorted_rows [max_blocks*BM] int32, block_expert [max_blocks]).
     Each expert's pairs fill its blocks from the first slot, padding only after them (the quantised down kernel's
-    in-kernel combine counts a block's real rows as its first slots)."""
-    plan = plan_align(top_k_ids_flat, num_experts, block_m)
+    in-kernel combine counts a block's real rows as its first slots). `guard`, `weights`: see ``plan_align``."""
+    plan = plan_align(top_k_ids_flat, num_experts, block_m, guard, weights)
     run_align(plan)
     return plan.sorted_rows, plan.block_expert
 

@@ -13,6 +13,7 @@ import torch
 from selector.plugins.triton_fused.kernels import fused_experts
 
 from selector import graphs, layers
+from selector.guard import guard_code
 from selector.problem import activation_name
 
 GRAPH_MAX_TOKENS = graphs.REPEAT_TOKENS  # recorded on first use up to graphs.DECODE_TOKENS, above when repeated
@@ -20,6 +21,7 @@ GRAPH_MAX_TOKENS = graphs.REPEAT_TOKENS  # recorded on first use up to graphs.DE
 
 def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     up_w = layers.up_weight(module)
+    guard = guard_code(module, hidden.device)  # routing checked inside the align / combine launches
     return fused_experts(
         hidden.to(up_w.dtype),
         up_w,
@@ -33,13 +35,16 @@ def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, 
         transposed=getattr(module, "is_transposed", False),
         gate_up_bias=layers.up_bias(module),
         down_bias=layers.down_bias(module),
+        guard=guard,
     ).to(hidden.dtype)
 
 
 def _graph_key(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple:
     tensors = [layers.up_weight(module), module.down_proj, layers.up_bias(module), layers.down_bias(module)]
     pointers = tuple(t.data_ptr() if t is not None else 0 for t in tensors)  # new weights -> new graph
-    return (tuple(hidden.shape), hidden.dtype, tuple(index.shape), index.dtype, weights.dtype, hidden.device, pointers)
+    guard = guard_code(module, hidden.device)  # a graph records the guard it was captured with
+    return (tuple(hidden.shape), hidden.dtype, tuple(index.shape), index.dtype, weights.dtype, hidden.device, pointers,
+            guard)  # fmt: skip
 
 
 def triton_fused_experts_forward(

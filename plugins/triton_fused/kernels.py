@@ -35,6 +35,8 @@ from selector.plugins.triton_common.align import align
 from selector.plugins.triton_common.combine import combine
 from selector.plugins.triton_common.launch import cdiv, empty, launch
 
+from selector.guard import resolve as resolve_guard
+
 from . import configs as _configs
 
 __all__ = [
@@ -307,8 +309,10 @@ def fused_experts_impl(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     config: dict | None = None,
+    guard: int = 0,
 ) -> torch.Tensor:
-    """The kernels, without validation and without the custom-op wrapper."""
+    """The kernels, without validation and without the custom-op wrapper. `guard`: a selector.guard code (0: off)
+    that the align and combine launches check the routing against."""
     t, h = hidden_states.shape
     top_k = top_k_index.shape[1]
     out = empty((t, h), hidden_states.dtype, hidden_states.device, float("nan"))
@@ -331,7 +335,8 @@ def fused_experts_impl(
         tw = tw.contiguous()
     dot_prec = _dot_precision(hidden_states.dtype)
 
-    sorted_rows, block_expert = align(ids, num_experts, bm)
+    checks = resolve_guard(guard, ids.device, num_experts)
+    sorted_rows, block_expert = align(ids, num_experts, bm, checks, tw)
 
     inter = empty((n_pairs, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
     _launch_gemm(
@@ -346,7 +351,7 @@ def fused_experts_impl(
         num_valid=n_pairs, n_out=h, k_dim=i_dim, a_div=1, block_m=bm, stride_wn=s2n, stride_wk=s2k,
         up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=cfg["down"], dot_prec=dot_prec,
     )  # fmt: skip
-    combine(y, ids, out, top_k, num_experts)
+    combine(y, ids, out, top_k, num_experts, guard=checks, weights=tw)
     return out
 
 
@@ -370,18 +375,19 @@ def _triton_fused_experts_op(
     gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None,
     config: list[int] | None,
+    guard: int = 0,
 ) -> torch.Tensor:
     cfg = _configs.decode_config(config) if config is not None else None
     return fused_experts_impl(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-        interleaved, transposed, gate_up_bias, down_bias, cfg,
+        interleaved, transposed, gate_up_bias, down_bias, cfg, guard,
     )  # fmt: skip
 
 
 @_triton_fused_experts_op.register_fake
 def _triton_fused_experts_fake(
     hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-    interleaved, transposed, gate_up_bias, down_bias, config,
+    interleaved, transposed, gate_up_bias, down_bias, config, guard=0,
 ):  # fmt: skip
     return hidden_states.new_empty(hidden_states.shape)
 
@@ -401,6 +407,7 @@ def fused_experts(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     config: dict | None = None,
+    guard: int = 0,
 ) -> torch.Tensor:
     """MoE experts forward: returns [T, H] in hidden_states' dtype (fp32 accumulation).
 
@@ -414,7 +421,8 @@ def fused_experts(
     configuration (see ``configs.normalize``); by default it comes from the shipped JSON or the heuristics.
     Under torch.compile the call goes through the torch custom op ``selector::triton_fused_experts`` (opaque,
     fullgraph-safe); in eager mode, and while a CUDA graph captures, it calls the same implementation directly,
-    unless autograd records (through the op a backward then fails loudly).
+    unless autograd records (through the op a backward then fails loudly). `guard`: ``selector.guard.guard_code``
+    of the calling layer (0: no routing guard).
     """
     _validate(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
@@ -426,10 +434,10 @@ def fused_experts(
         # machine (measured), more than the whole decode step; the op only matters to torch.compile.
         return fused_experts_impl(
             hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-            interleaved, transposed, gate_up_bias, down_bias, config,
+            interleaved, transposed, gate_up_bias, down_bias, config, guard,
         )  # fmt: skip
     return torch.ops.selector.triton_fused_experts(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
         interleaved, transposed, gate_up_bias, down_bias,
-        _configs.encode_config(config) if config is not None else None,
+        _configs.encode_config(config) if config is not None else None, guard,
     )  # fmt: skip

@@ -1,0 +1,84 @@
+"""The routing guard's device side (selector.guard): finding bad expert ids and weights inside a kernel.
+
+- ``check_slots`` / ``record_faults``: jitted pieces the align kernels call on the pairs they read anyway (no
+  launch of their own on the fused path);
+- ``sanitize_triton(ids, weights, guard)``: what ``selector.guard.sanitize_routing`` runs on a GPU (registered
+  when this module is imported), one launch: bad slots get expert 0 and weight NaN (their token's output turns
+  NaN, nobody else's changes), the flag records them. On a CPU, and without Triton, the same runs in torch ops
+  (``selector.guard.sanitize_torch``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selector.guard import RoutingGuard, register_cuda_sanitizer
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the torch backends run without Triton
+    triton = None
+
+SANITIZE_BLOCK = 1024
+
+if triton is not None:
+    from .launch import cdiv, launch
+
+    @triton.jit
+    def check_slots(ids, w, in_range, limit):
+        """(bad id mask, bad weight mask) of one block of slots; ids as loaded (any integer width), w any float."""
+        bad_id = in_range & ((ids < 0) | (ids >= limit))
+        bad_w = in_range & ~(tl.abs(w.to(tl.float32)) < float("inf"))  # NaN compares false too
+        return bad_id, bad_w
+
+    @triton.jit
+    def reported_value(ids, bad_id):
+        """The largest bad id of a block, clamped to int32 (-2**31 where there is none)."""
+        clamped = tl.minimum(tl.maximum(ids, -2147483648), 2147483647).to(tl.int32)
+        return tl.max(tl.where(bad_id, clamped, -2147483648), axis=0)
+
+    @triton.jit
+    def record_faults(flag_ptr, host_ptr, tag, n_ids, n_weights, value):
+        """Add a program's counts to the flag; the first layer to claim the flag also leaves its tag and value."""
+        if n_ids + n_weights > 0:
+            tl.atomic_add(flag_ptr, n_ids)
+            tl.atomic_add(flag_ptr + 1, n_weights)
+            old = tl.atomic_cas(flag_ptr + 2, 0, tag)
+            tl.store(flag_ptr + 3, tl.where(n_ids > 0, value, 0), mask=old == 0)
+            tl.store(host_ptr, tag)  # pinned host memory: the host sees it without a sync
+
+    @triton.jit(do_not_specialize=["n", "limit", "tag"])
+    def _sanitize_kernel(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, flag_ptr, host_ptr, n, limit, tag,
+                         BLOCK: tl.constexpr):  # fmt: skip
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offs < n
+        ids = tl.load(ids_ptr + offs, mask=in_range, other=0)
+        w = tl.load(w_ptr + offs, mask=in_range, other=0.0)
+        bad_id, bad_w = check_slots(ids, w, in_range, limit)
+        tl.store(ids_out_ptr + offs, tl.where(bad_id, tl.zeros_like(ids), ids), mask=in_range)
+        nan = tl.full([BLOCK], float("nan"), w.dtype)
+        tl.store(w_out_ptr + offs, tl.where(bad_id | bad_w, nan, w), mask=in_range)
+        n_ids = tl.sum(bad_id.to(tl.int32), axis=0)
+        n_w = tl.sum(bad_w.to(tl.int32), axis=0)
+        record_faults(flag_ptr, host_ptr, tag, n_ids, n_w, reported_value(ids, bad_id))
+
+
+def sanitize_triton(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sanitize_torch`` in one Triton launch (the GPU path; the interpreter runs it on a CPU in tests)."""
+    shape = ids.shape
+    flat_ids, flat_w = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+    n = flat_ids.numel()
+    clean_ids, clean_w = torch.empty_like(flat_ids), torch.empty_like(flat_w)
+    if n:
+        limit = guard.num_experts + 1 if guard.sentinel else guard.num_experts
+        launch(
+            _sanitize_kernel, (cdiv(n, SANITIZE_BLOCK),),
+            (flat_ids, flat_w, clean_ids, clean_w, guard.flag, guard.host, n, limit, guard.tag),
+            dict(BLOCK=SANITIZE_BLOCK), 4,
+        )  # fmt: skip
+    return clean_ids.view(shape), clean_w.view(shape)
+
+
+if triton is not None:
+    register_cuda_sanitizer(sanitize_triton)
