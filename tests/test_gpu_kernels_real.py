@@ -288,7 +288,7 @@ def test_bench_formats_end_to_end(tmp_path: Path) -> None:
     GPU bound against float64 (quantised: from the dequantised weights), quantised floors at the e4m3 rate where
     it was measured (never above the bf16-rate floor), and the tables and tuning records written."""
     from selector.bench import run_bench, write_outputs
-    from selector.tuning import records_from_bench
+    from selector.bench.grid import records_from_bench
 
     result = run_bench(["qwen3-30b-a3b"], [1, 64], backends=["triton_fused", "grouped_mm", "batched_mm"],
                        modes=["eager", "graph"], formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"])  # fmt: skip
@@ -307,4 +307,4 @@ def test_bench_formats_end_to_end(tmp_path: Path) -> None:
     paths = write_outputs(result, tmp_path)
     assert "| qwen3-30b-a3b | 1 | eager | fp8-f32 |" in (tmp_path / "bench.md").read_text()
     assert "Quantised against dense" in (tmp_path / "bench.md").read_text() and tmp_path / "bench.json" in paths
-    assert records_from_bench(result.to_dict())  # dense cells become tuning records
+    assert records_from_bench(result)  # dense cells become tuning records
