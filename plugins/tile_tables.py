@@ -137,3 +137,16 @@ def merge_entries(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def user_table_dir(variable: str, backend: str) -> Path:
+    """Folder of a backend's tile tables tuned on this node: `variable` when set, else `<user cache>/selector/<backend>`."""
+    from selector import settings
+
+    chosen = settings.get(variable)
+    if chosen:
+        return Path(chosen)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("selector")) / backend
+

@@ -110,17 +110,9 @@ def lookup(table: dict[str, dict[int, dict]], key: str, num_tokens: int) -> dict
     return entry
 
 
-@functools.cache
-def _default_user_dir() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("selector")) / "quant_kernels"
-
-
 def user_config_dir() -> Path:
     """Folder of the tile tables tuned on this node (SELECTOR_QUANT_USER_CONFIG_DIR, else the cache)."""
-    chosen = settings.get("SELECTOR_QUANT_USER_CONFIG_DIR")
-    return Path(chosen) if chosen else _default_user_dir()
+    return tile_tables.user_table_dir("SELECTOR_QUANT_USER_CONFIG_DIR", "quant_kernels")
 
 
 def user_table_file(device_name: str, directory: str | Path | None = None) -> Path:

@@ -224,17 +224,9 @@ def lookup(table: dict[str, dict[int, dict[str, Any]]], key: str, num_tokens: in
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _default_user_dir() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("selector")) / "triton_fused"
-
-
 def user_config_dir() -> Path:
     """Folder of the tile tables tuned on this node (SELECTOR_TRITON_FUSED_USER_CONFIG_DIR, else the cache)."""
-    chosen = settings.get("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR")
-    return Path(chosen) if chosen else _default_user_dir()
+    return tile_tables.user_table_dir("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR", "triton_fused")
 
 
 def user_table_path(device_name: str, directory: str | Path | None = None) -> Path:
