@@ -124,6 +124,7 @@ SPEC = BackendSpec(
     estimate=_estimate,
     pending_cost=_pending,
     compile_compatible=False,  # an opaque hub kernel: torch.compile breaks the graph around it
+    differentiable=frozenset(),  # forward-only grouped GEMMs
     cuda_graph_safe=False,  # its JIT compiles on first call of a shape: not capturable cold; not verified warm
     first_call_cost=FIRST_CALL_COST,
     url="https://huggingface.co/kernels-community/deep-gemm",

@@ -77,6 +77,7 @@ def selector_backends() -> Sequence[BackendSpec]:
             "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,
             first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
+            differentiable=frozenset(),  # forward-only kernels: its custom op has no autograd formula
             tune_kernels=_tune_kernels,  # tiles for shapes without a shipped table, into a user tile table
         )
     ]
