@@ -112,8 +112,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     table = TuningTable.from_records(tuning_store.known_records(), tuning_fingerprint(env, plugin_versions(registry)))
     report = build_report(env, registry, problem=problem, required=args.require or (), tuning=table,
                           tuning_store=tuning_store.describe_sources())
-    renderer = render_json if args.json else render_markdown if args.markdown else render_text
-    print(renderer(report))
+    if args.markdown:
+        print(render_markdown(report, registry.specs.values()))
+    else:
+        print((render_json if args.json else render_text)(report))
     return report.exit_code
 
 

@@ -199,8 +199,9 @@ class BackendSpec:
     # CUDA-graph ones unless cuda_graph_safe (`supported_compile_modes`)
     compile_modes: frozenset[str] | None = None
     fullgraph: bool | None = None  # torch.compile(fullgraph=True) traces it; None: as compile_compatible
-    # the inputs its backward differentiates (GRAD_INPUTS); empty: no backward, refused while autograd records
-    differentiable: frozenset[str] = frozenset()
+    # the inputs its backward differentiates (GRAD_INPUTS); empty: no backward, refused while autograd records;
+    # None: undeclared (a third-party backend from before the field): never refused, its backward is its own
+    differentiable: frozenset[str] | None = None
     # the weight formats its backward covers (quantised experts run kernels without one)
     grad_weight_formats: frozenset[str] = frozenset({"dense"})
     first_call_cost: str = ""  # e.g. "JIT-compiles 25-144 s on the first call of a shape"

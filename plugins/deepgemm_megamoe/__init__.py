@@ -76,6 +76,7 @@ SPEC = BackendSpec(
     estimate=None,  # never measured: sorts after every backend that has an estimate
     compile_compatible=False,
     compile_modes=frozenset(),  # not verified under torch.compile: declared unsupported until it is
+    fullgraph=False,
     cuda_graph_safe=False,
     differentiable=frozenset(),  # inference-only fused kernel (its forward raises while autograd records)
     first_call_cost=(
