@@ -158,10 +158,9 @@ def traced_top_k(module: torch.nn.Module) -> int:
 
 
 def explain_module(module: torch.nn.Module, num_tokens: int | None = None, top_k: int | None = None) -> Ranking:
-    """The ranking "auto" uses for one experts module (decorated, or a Transformers experts module), under the
-    current grad mode (its weights requiring grad leave out the backends without a backward)."""
+    """The ranking "auto" uses for one experts module (decorated, or a Transformers experts module), for an
+    inference call (no autograd: under it the ranking also leaves out backends without a backward)."""
     problem = problem_of(module, declared_top_k(module) if top_k is None else top_k)
-    problem = replace(problem, grad_inputs=grad_inputs(module))
     return rank_problem(problem.with_tokens(None if num_tokens is None else token_bucket(num_tokens)))
 
 
