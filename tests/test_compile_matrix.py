@@ -14,6 +14,7 @@ inductor end to end.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -68,7 +69,9 @@ def _declared(spec: BackendSpec, fullgraph: bool, grad: bool) -> bool:
     return not grad or spec.differentiable is None or ALL_GRADS <= spec.differentiable
 
 
-def _compiled_layer(module: torch.nn.Module, fullgraph: bool, backend: str = "aot_eager", **options: object):  # noqa: ANN202
+def _compiled_layer(
+    module: torch.nn.Module, fullgraph: bool, backend: str = "aot_eager", **options: object
+) -> Callable[..., torch.Tensor]:
     torch._dynamo.reset()
     return torch.compile(module, backend=backend, fullgraph=fullgraph, **options)
 
@@ -274,3 +277,66 @@ def test_doctor_markdown_prints_the_table(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert "CUDA graphs and autograd (as declared)" in out
     assert markdown_table(get_registry().specs.values()) in out
+
+
+# -- the GPU lane: every declared mode, on the backends that run on this GPU --
+
+
+def _gpu_cases() -> list[tuple[str, str, bool]]:
+    """(backend, mode, fullgraph) per built-in that declares the mode; fullgraph where it declares it."""
+    return [(s.name, m, s.traces_fullgraph()) for s in _builtin_specs() if "cuda" in s.requirements.devices
+            for m in COMPILE_MODES if m in s.supported_compile_modes()]  # fmt: skip
+
+
+def _gpu_layer(name: str, grad: bool) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    module = make_experts(8, 256, 128, dtype=torch.bfloat16, device="cuda", seed=0)
+    module.requires_grad_(grad)
+    index, weights = random_routing(48, 8, 2, device="cuda")
+    hidden = torch.randn(48, 256, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    selector.set_experts_implementation(module, name)
+    return module, (hidden, index, weights.requires_grad_(grad))
+
+
+def _runs_here(name: str, module: torch.nn.Module) -> bool:
+    verdict = evaluate(get_backend_registry().get(name), problem_of(module, 2), current_environment())
+    return verdict.ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("name", "mode", "fullgraph"), _gpu_cases())
+def test_gpu_declared_modes_compile_and_match(name: str, mode: str, fullgraph: bool) -> None:
+    module, inputs = _gpu_layer(name, grad=False)
+    if not _runs_here(name, module):
+        pytest.skip(f"{name} does not run on this machine")
+    with torch.no_grad():
+        ref = module(*inputs).clone()
+        compiled = _compiled_layer(module, fullgraph=fullgraph, backend="inductor", mode=mode)
+        for _ in range(3):  # CUDA-graph modes record on a later call than the first
+            out = compiled(*inputs).clone()
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [s.name for s in _builtin_specs() if "cuda" in s.requirements.devices])
+def test_gpu_autograd_as_declared(name: str) -> None:
+    """A differentiable backend's compiled gradients match its uncompiled ones; one without a backward is
+    refused at the first forward."""
+    spec = get_backend_registry().get(name)
+    module, inputs = _gpu_layer(name, grad=True)
+    if not _runs_here(name, module):
+        pytest.skip(f"{name} does not run on this machine")
+    if not (spec.differentiable and ALL_GRADS <= spec.differentiable):
+        with pytest.raises(ValueError, match="has no backward"):
+            module(*inputs)
+        return
+    ref = module(*inputs)
+    want = _grads(module, ref, inputs)
+    eager, eager_inputs = _gpu_layer("eager", grad=True)  # the same weights and inputs (seeded)
+    for got, expected in zip(want, _grads(eager, eager(*eager_inputs), eager_inputs)):
+        assert relative_error(got, expected) < 5e-2  # bf16 gradients summed in another order
+    if "default" in spec.supported_compile_modes():
+        out = _compiled_layer(module, fullgraph=spec.traces_fullgraph(), backend="inductor")(*inputs)
+        assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+        for got, expected in zip(_grads(module, out, inputs), want):
+            assert relative_error(got, expected) < TOLERANCE[torch.bfloat16]
