@@ -14,6 +14,7 @@ inductor end to end.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -340,3 +341,16 @@ def test_gpu_autograd_as_declared(name: str) -> None:
         assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
         for got, expected in zip(_grads(module, out, inputs), want):
             assert relative_error(got, expected) < TOLERANCE[torch.bfloat16]
+
+
+def test_doctor_judges_a_layer_called_under_fullgraph_or_autograd(capsys: pytest.CaptureFixture[str]) -> None:
+    from selector.cli import main
+
+    layer = ["doctor", "--json", "--device", "cpu", "--experts", "8", "--hidden", "64", "--intermediate", "32",
+             "--top-k", "2"]  # fmt: skip
+    main([*layer, "--fullgraph"])
+    excluded = {b["name"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
+    assert "fullgraph=True" in excluded["eager"]["reason"] and excluded["grouped_mm"]["status"] == "ok"
+    main([*layer, "--grad", "--weight-format", "fp8_block", "--scale-format", "float32"])
+    excluded = {b["name"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
+    assert "no backward for fp8_block" in excluded["grouped_mm"]["reason"]
