@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from selector.types import Problem
+from selector.types import COMPILE_MODES, GRAD_INPUTS, Problem
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")  # what backends declare; anything else is "custom:<name>"
@@ -59,6 +59,9 @@ def _add_problem_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scale-format", choices=["float32", "ue8m0"])
     for flag in ("non-gated", "bias", "transposed", "interleaved", "custom-gate"):
         g.add_argument(f"--{flag}", action="store_true")
+    g.add_argument("--compile-mode", choices=list(COMPILE_MODES), help="called under torch.compile in this mode")
+    g.add_argument("--fullgraph", action="store_true", help="called under torch.compile(fullgraph=True)")
+    g.add_argument("--grad", action="store_true", help="autograd records (training): backends need a backward")
 
 
 def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem | None:
@@ -85,6 +88,9 @@ def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem 
              "is_transposed": args.transposed or base.is_transposed, "interleaved": args.interleaved or base.interleaved,
              "custom_gate": args.custom_gate or base.custom_gate}
     problem = replace(problem, **flags)
+    if args.compile_mode or args.fullgraph or args.grad:  # how the layer is called, not only its shapes
+        problem = replace(problem, compile=bool(args.compile_mode or args.fullgraph), compile_mode=args.compile_mode,
+                          fullgraph=args.fullgraph, grad_inputs=GRAD_INPUTS if args.grad else ())
     if problem.dtype == "bfloat16" and problem.device == "cpu" and args.dtype is None:
         problem = replace(problem, dtype="float32")
     return check_problem(problem)
@@ -112,8 +118,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     table = TuningTable.from_records(tuning_store.known_records(), tuning_fingerprint(env, plugin_versions(registry)))
     report = build_report(env, registry, problem=problem, required=args.require or (), tuning=table,
                           tuning_store=tuning_store.describe_sources())
-    renderer = render_json if args.json else render_markdown if args.markdown else render_text
-    print(renderer(report))
+    if args.markdown:
+        print(render_markdown(report, registry.specs.values()))
+    else:
+        print((render_json if args.json else render_text)(report))
     return report.exit_code
 
 

@@ -6,6 +6,7 @@ per-module state it keeps (the request, the choice per token bucket, the backend
 the module's `__dict__` under names nobody else reads.
 
 - `run_experts(module, hidden_states, top_k_index, top_k_weights)`: validate, choose, run.
+- `grad_inputs(module, hidden_states, top_k_weights)`: what autograd differentiates in a call.
 - `choose_backend(...)`: the backend for one call (a name the module asked for, or "auto"'s pick per
   token-count bucket). A named backend that cannot run raises ImportError / ValueError naming the fix.
 - `backend_forward(name, weight_format)`: the forward a backend declared for that weight format, loaded
@@ -157,7 +158,8 @@ def traced_top_k(module: torch.nn.Module) -> int:
 
 
 def explain_module(module: torch.nn.Module, num_tokens: int | None = None, top_k: int | None = None) -> Ranking:
-    """The ranking "auto" uses for one experts module (decorated, or a Transformers experts module)."""
+    """The ranking "auto" uses for one experts module (decorated, or a Transformers experts module), for an
+    inference call (no autograd: under it the ranking also leaves out backends without a backward)."""
     problem = problem_of(module, declared_top_k(module) if top_k is None else top_k)
     return rank_problem(problem.with_tokens(None if num_tokens is None else token_bucket(num_tokens)))
 
@@ -194,18 +196,42 @@ def forget_module(module: torch.nn.Module) -> None:
         module.__dict__.pop(key, None)
 
 
+def grad_inputs(
+    module: torch.nn.Module, hidden_states: torch.Tensor | None = None, top_k_weights: torch.Tensor | None = None
+) -> tuple[str, ...]:
+    """What autograd records a gradient for in this call (names of `selector.types.GRAD_INPUTS`); () under no_grad."""
+    if not torch.is_grad_enabled():
+        return ()
+    weights = (layers.up_weight(module), module.down_proj, layers.up_bias(module), layers.down_bias(module))
+    wanted = (
+        ("hidden_states", hidden_states is not None and hidden_states.requires_grad),
+        ("routing_weights", top_k_weights is not None and top_k_weights.requires_grad),
+        ("expert_weights", any(w is not None and w.requires_grad for w in weights)),
+    )
+    return tuple(name for name, on in wanted if on)
+
+
 def choose_backend(
     module: torch.nn.Module,
     num_tokens: int | None,
     top_k: int,
     requested: str | None = None,
     capturing: bool = False,
+    needs_grad: tuple[str, ...] | None = None,
 ) -> str:
-    """The backend for one call: `requested` (default: the module's request) if it can run, else raises."""
+    """The backend for one call: `requested` (default: the module's request) if it can run, else raises.
+
+    `needs_grad`: what the call's backward differentiates (`grad_inputs`); None: the module's weights under the
+    current grad mode. A backend whose backward does not cover it is refused (auto skips it).
+    """
     if requested is None:
         requested = requested_implementation(module)
-    # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph
-    problem = replace(problem_of(module, top_k), compile=torch.compiler.is_compiling(), cuda_graph=capturing)
+    if needs_grad is None:
+        needs_grad = grad_inputs(module)
+    # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph, differentiated
+    problem = replace(
+        problem_of(module, top_k), compile=torch.compiler.is_compiling(), cuda_graph=capturing, grad_inputs=needs_grad
+    )
     bucket = None if num_tokens is None else token_bucket(num_tokens)
     if requested == AUTO:
         name = _auto_pick(problem, bucket)
@@ -287,12 +313,13 @@ def weight_format(module: torch.nn.Module) -> str:
 
 
 @torch.compiler.assume_constant_result
-def _choose_constant(uid: str, top_k: int, requested: str) -> str:
+def _choose_constant(uid: str, top_k: int, requested: str, needs_grad: str) -> str:
     # Runs eagerly while torch.compile traces, its result a constant: one choice per compiled layer.
     module = _TRACKED.get(uid)
     if module is None:
         raise RuntimeError("an experts module reached torch.compile before selector saw it: run it once first")
-    return choose_backend(module, None, top_k, None if requested == "" else requested)
+    grads = tuple(needs_grad.split(",")) if needs_grad else ()
+    return choose_backend(module, None, top_k, None if requested == "" else requested, needs_grad=grads)
 
 
 def run_experts(
@@ -334,11 +361,12 @@ def run_experts(
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     requested = implementation or module.__dict__.get(_REQUEST, AUTO)
     bucket = token_bucket(num_tokens) if requested == AUTO else 0
-    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, _RESOLVER.generation)
+    needs_grad = grad_inputs(module, hidden_states, top_k_weights)
+    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, needs_grad, _RESOLVER.generation)
     choices = module.__dict__.setdefault(_CHOICES, {})
     chosen = choices.get(key)
     if chosen is None:  # decided once per key; a request that cannot run raises here every time
-        name = choose_backend(module, num_tokens, top_k, implementation, capturing)
+        name = choose_backend(module, num_tokens, top_k, implementation, capturing, needs_grad)
         chosen = (name, _RESOLVER.forward_of(name, facts[3]))
         if len(choices) > 64:
             choices.clear()
@@ -378,7 +406,8 @@ def _run_traced(
             "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
             "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
         )
-    name = _choose_constant(uid, traced_top_k(module), implementation or "")
+    needs_grad = ",".join(grad_inputs(module, hidden_states, top_k_weights))
+    name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad)
     return _RESOLVER.forward_of(name, weight_format(module))(module, hidden_states, top_k_index, top_k_weights)
 
 
@@ -393,6 +422,7 @@ __all__ = [
     "explain_module",
     "forget_module",
     "get_backend_registry",
+    "grad_inputs",
     "last_backend",
     "note_backend",
     "problem_of",

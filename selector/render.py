@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from selector.doctor import DoctorReport
-from selector.types import Candidate, Problem, Ranking
+from selector.compat_table import markdown_table
+from selector.types import BackendSpec, Candidate, Problem, Ranking
 
 OK, BAD, WARN = "✓", "✗", "!"
 
@@ -91,7 +92,8 @@ def render_text(report: DoctorReport) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(report: DoctorReport) -> str:
+def render_markdown(report: DoctorReport, specs: Iterable[BackendSpec] = ()) -> str:
+    """The doctor report as markdown; with `specs`, their torch.compile / CUDA graph / autograd table too."""
     import selector
 
     lines = [f"# selector {selector.__version__} doctor", "", "| check | status | detail |", "|---|---|---|"]
@@ -105,6 +107,9 @@ def render_markdown(report: DoctorReport) -> str:
         lines.append(f"| {b.name} | {b.verdict.status.value} | {b.verdict.reason} | {b.verdict.remedy} |")
     if report.ranking is not None:
         lines += ["", "## Ranking", "", "```", *ranking_lines(report.ranking, report.no_estimate), "```"]
+    specs = list(specs)
+    if specs:
+        lines += ["", "## torch.compile, CUDA graphs and autograd (as declared)", "", markdown_table(specs)]
     return "\n".join(lines) + "\n"
 
 

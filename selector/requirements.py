@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 
 from selector.probes import Environment
-from selector.types import AVAILABLE, Availability, BackendSpec, Problem, Requirements, Status
+from selector.types import AVAILABLE, COMPILE_MODES, Availability, BackendSpec, Problem, Requirements, Status
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -161,6 +161,42 @@ def _check_config(req: Requirements, p: Problem) -> Availability | None:
     return None
 
 
+def _check_compile(spec: BackendSpec, problem: Problem) -> Availability | None:
+    """The backend's declared torch.compile modes and fullgraph against how the call is traced."""
+    declared = spec.supported_compile_modes()
+    if problem.compile and problem.compile_mode is not None and problem.compile_mode not in declared:
+        modes = ", ".join(m for m in COMPILE_MODES if m in declared) or "none"
+        return _unsupported(
+            f"does not run under torch.compile mode {problem.compile_mode!r} (declares: {modes})",
+            "compile with a mode it declares, or pick a backend that declares this mode (`selector doctor --markdown`)",
+        )
+    if problem.compile and problem.fullgraph and not spec.traces_fullgraph():
+        return _unsupported(
+            "cannot be traced with torch.compile(fullgraph=True): it breaks the graph",
+            "compile without fullgraph=True, or pick a fullgraph-safe backend such as grouped_mm",
+        )
+    return None
+
+
+def _check_grad(spec: BackendSpec, problem: Problem) -> Availability | None:
+    """The backend's declared backward against what autograd records a gradient for."""
+    if not problem.requires_grad or spec.differentiable is None:
+        return None
+    if spec.differentiable and problem.weight_format not in spec.grad_weight_formats:
+        return _unsupported(
+            f"has no backward for {problem.weight_format} expert weights",
+            "run under torch.no_grad() (or torch.inference_mode()), or dequantise the experts to train them",
+        )
+    missing = [name for name in problem.grad_inputs if name not in spec.differentiable]
+    if missing:
+        what = "has no backward" if not spec.differentiable else f"has no gradient for {', '.join(missing)}"
+        return _unsupported(
+            f"{what} (autograd records a gradient for {', '.join(problem.grad_inputs)})",
+            "pick a differentiable backend such as grouped_mm, or run under torch.no_grad()",
+        )
+    return None
+
+
 def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availability:
     """Whether `spec` can run `problem` on the machine `env` describes, and if not, why and the fix."""
     req = spec.requirements
@@ -174,6 +210,9 @@ def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availabil
         verdict = step()
         if verdict is not None:
             return verdict
+    refused = _check_compile(spec, problem)  # the declared mode / fullgraph: says more than the flag below
+    if refused is not None:
+        return refused
     if problem.compile and not spec.compile_compatible:
         return _unsupported("cannot be traced by torch.compile", "pick a compile-friendly backend such as grouped_mm")
     if problem.cuda_graph and not spec.cuda_graph_safe:
@@ -188,6 +227,10 @@ def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availabil
             raise
         except BaseException as exc:  # a plugin's bug (sys.exit included) is reported, not raised into the model
             return Availability(Status.PLUGIN_ERROR, f"its check raised {type(exc).__name__}: {exc}")
-        if verdict is not None:
-            return verdict  # an ok verdict may carry facts worth showing (e.g. "cached at ...")
-    return AVAILABLE
+        if verdict is not None and not verdict.ok:
+            return verdict
+    # last: autograd is what the caller changes most easily (torch.no_grad), after the layer and the machine
+    refused = _check_grad(spec, problem)
+    if refused is not None:
+        return refused
+    return verdict if verdict is not None else AVAILABLE  # an ok verdict may carry facts (e.g. "cached at ...")

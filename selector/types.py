@@ -72,6 +72,11 @@ AVAILABLE = Availability(Status.OK)
 WEIGHT_FORMATS = ("dense", "fp8_block", "fp4")
 SCALE_FORMATS = ("float32", "ue8m0")
 DTYPES = ("float32", "bfloat16", "float16")
+# torch.compile's modes; the first and the last run without CUDA graphs, the middle two capture them
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+# what a backward can differentiate: the layer's input, the router's top-k weights, the experts' weights
+GRAD_INPUTS = ("hidden_states", "routing_weights", "expert_weights")
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,14 @@ class Problem:
     num_tokens: int | None = None  # None: unknown (rank for a typical mix)
     compile: bool = False  # traced by torch.compile
     cuda_graph: bool = False  # captured in a CUDA graph
+    compile_mode: str | None = None  # torch.compile's mode where known (one of COMPILE_MODES)
+    fullgraph: bool = False  # traced with fullgraph=True: a graph break is an error
+    grad_inputs: tuple[str, ...] = ()  # what autograd records a gradient for, in GRAD_INPUTS' order
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the call needs a backward (autograd records and some input or expert weight requires grad)."""
+        return bool(self.grad_inputs)
 
     def with_tokens(self, num_tokens: int | None) -> Problem:
         return replace(self, num_tokens=num_tokens)
@@ -180,8 +193,17 @@ class BackendSpec:
     description: str = ""
     check: Callable[[Problem, Environment], Availability | None] | None = None
     estimate: Callable[[Problem, Environment], float] | None = None
-    compile_compatible: bool = True
-    cuda_graph_safe: bool = True
+    compile_compatible: bool = True  # "auto" picks it while torch.compile traces
+    cuda_graph_safe: bool = True  # runs inside CUDA-graph capture (no host synchronisation)
+    # the torch.compile modes it runs and matches eager in (graph breaks allowed); None: every mode, less the
+    # CUDA-graph ones unless cuda_graph_safe (`supported_compile_modes`)
+    compile_modes: frozenset[str] | None = None
+    fullgraph: bool | None = None  # torch.compile(fullgraph=True) traces it; None: as compile_compatible
+    # the inputs its backward differentiates (GRAD_INPUTS); empty: no backward, refused while autograd records;
+    # None: undeclared (a third-party backend from before the field): never refused, its backward is its own
+    differentiable: frozenset[str] | None = None
+    # the weight formats its backward covers (quantised experts run kernels without one)
+    grad_weight_formats: frozenset[str] = frozenset({"dense"})
     first_call_cost: str = ""  # e.g. "JIT-compiles 25-144 s on the first call of a shape"
     url: str = ""
     format_loads: Mapping[str, Callable[[], ExpertsForward]] = field(default_factory=dict)
@@ -191,6 +213,16 @@ class BackendSpec:
     # tunes the backend's kernel parameters (tiles) for `problem` at these token counts on this GPU within a
     # budget of seconds, keeps them where the backend finds them, and returns a summary for `selector tune`
     tune_kernels: Callable[[Problem, Sequence[int], float], Mapping[str, Any]] | None = None
+
+    def supported_compile_modes(self) -> frozenset[str]:
+        """The torch.compile modes the backend declares, or those its older flags imply."""
+        if self.compile_modes is not None:
+            return self.compile_modes
+        return frozenset(m for m in COMPILE_MODES if self.cuda_graph_safe or m not in GRAPH_MODES)
+
+    def traces_fullgraph(self) -> bool:
+        """Whether torch.compile(fullgraph=True) traces the backend without a graph break."""
+        return self.compile_compatible if self.fullgraph is None else self.fullgraph
 
     def loader(self, weight_format: str = "dense") -> Callable[[], ExpertsForward]:
         """What imports the forward this backend runs for `weight_format`."""

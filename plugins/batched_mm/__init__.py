@@ -18,7 +18,7 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import ceilings, floor_seconds, tokens, weight_bytes_per_expert
-from selector.types import EVERY_LAYOUT
+from selector.types import COMPILE_MODES, EVERY_LAYOUT, GRAD_INPUTS
 
 
 def _load():  # noqa: ANN202
@@ -51,5 +51,9 @@ def selector_backends() -> Sequence[BackendSpec]:
             check=check_quantized,
             description="gather one weight copy per (token, expert) pair, then batched matmuls",
             estimate=_estimate,
+            # plain torch ops (gather, bmm): autograd differentiates all of it; quantised experts have no backward
+            differentiable=frozenset(GRAD_INPUTS),
+            compile_modes=frozenset(COMPILE_MODES),  # plain torch ops (and a custom op) without host syncs
+            fullgraph=True,
         )
     ]

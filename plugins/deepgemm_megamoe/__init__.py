@@ -75,7 +75,10 @@ SPEC = BackendSpec(
     check=hub.kernel_check(KERNEL, config=process_group_check),
     estimate=None,  # never measured: sorts after every backend that has an estimate
     compile_compatible=False,
+    compile_modes=frozenset(),  # not verified under torch.compile: declared unsupported until it is
+    fullgraph=False,
     cuda_graph_safe=False,
+    differentiable=frozenset(),  # inference-only fused kernel (its forward raises while autograd records)
     first_call_cost=(
         f"downloads {KERNEL} unless cached; JIT-compiles with nvcc on the first call of a shape; allocates its "
         "symmetric buffer (a collective, ~1 MiB per token per rank) for the largest batch seen"

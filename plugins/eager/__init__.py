@@ -8,7 +8,9 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import experts_hit, floor_seconds
-from selector.types import EVERY_LAYOUT
+from selector.types import EVERY_LAYOUT, GRAD_INPUTS
+
+ALL_GRAD_INPUTS = frozenset(GRAD_INPUTS)
 
 
 def _load():  # noqa: ANN202 - returns the forward function
@@ -38,5 +40,8 @@ def selector_backends() -> Sequence[BackendSpec]:
             estimate=_estimate,
             cuda_graph_safe=False,  # the set of experts hit is read on the host
             compile_compatible=False,  # ... which breaks a torch.compile graph
+            compile_modes=frozenset({"default", "max-autotune-no-cudagraphs"}),  # runs around its graph break
+            fullgraph=False,  # the host-side loop over the experts hit is a graph break
+            differentiable=ALL_GRAD_INPUTS,  # plain torch ops: autograd differentiates all of it
         )
     ]

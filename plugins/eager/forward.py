@@ -11,6 +11,11 @@ import torch
 from selector import layers
 from selector.guard import sanitize_routing
 
+FULLGRAPH_MESSAGE = (
+    "experts backend 'eager' loops over the experts hit on the host, which breaks a torch.compile graph: "
+    "compile without fullgraph=True, or pick a fullgraph-safe backend such as grouped_mm"
+)
+
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     out = x @ weight if transposed else x @ weight.transpose(0, 1)
@@ -34,6 +39,8 @@ def eager_experts_forward(
         import selector.plugins.triton_common.guard  # noqa: F401
     top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
 
+    if torch.compiler.is_compiling():  # say why here: under fullgraph=True this is the error the user reads
+        torch._dynamo.graph_break(msg=FULLGRAPH_MESSAGE)
     per_slot = torch.zeros(num_tokens, top_k, hidden_states.shape[1], dtype=x.dtype, device=x.device)
     hit = torch.unique(top_k_index[top_k_index < num_experts]).tolist()  # the sentinel id is skipped
     for expert in hit:

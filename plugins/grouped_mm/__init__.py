@@ -18,7 +18,7 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
-from selector.types import EVERY_LAYOUT
+from selector.types import COMPILE_MODES, EVERY_LAYOUT, GRAD_INPUTS
 
 
 def _load():  # noqa: ANN202
@@ -53,5 +53,10 @@ def selector_backends() -> Sequence[BackendSpec]:
             check=check_quantized,
             description="sort by expert, then torch grouped GEMMs (loop fallback as a custom op)",
             estimate=_estimate,
+            # torch's grouped GEMM has a derivative and the loop op registers one (forward.py); quantised
+            # experts run plugins/quant_kernels, which has no backward
+            differentiable=frozenset(GRAD_INPUTS),
+            compile_modes=frozenset(COMPILE_MODES),  # plain torch ops (and a custom op) without host syncs
+            fullgraph=True,
         )
     ]

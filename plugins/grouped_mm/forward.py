@@ -25,6 +25,43 @@ def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
     return x.new_empty(x.shape[0], weight.shape[2])
 
 
+@torch.library.custom_op("selector::grouped_mm_loop_weight_grad", mutates_args=())
+def grouped_mm_loop_weight_grad(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The weight gradient of `grouped_mm_loop`: x [S, in], grad [S, out] -> [E, in, out], x_e^T @ grad_e per
+    expert (zero for an expert without rows)."""
+    out = torch.zeros(offsets.shape[0], x.shape[1], grad.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(x[start:end].t(), grad[start:end], out=out[expert])
+        start = end
+    return out
+
+
+@grouped_mm_loop_weight_grad.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(offsets.shape[0], x.shape[1], grad.shape[1])
+
+
+def _loop_setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+    x, weight, offsets = inputs
+    ctx.save_for_backward(x, weight, offsets)
+
+
+def _loop_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202 - torch.library's signature
+    # rows sorted by expert: d x = grad @ W_e^T through the same loop, d W_e = x_e^T @ grad_e; offsets are integers
+    x, weight, offsets = ctx.saved_tensors
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grouped_mm_loop(grad, weight.transpose(1, 2), offsets)
+    if ctx.needs_input_grad[1]:
+        grad_weight = grouped_mm_loop_weight_grad(x, grad, offsets)
+    return grad_x, grad_weight, None
+
+
+torch.library.register_autograd("selector::grouped_mm_loop", _loop_backward, setup_context=_loop_setup_context)
+
+
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # device index -> compute capability, asked once
 
 

@@ -153,6 +153,11 @@ SPEC = BackendSpec(
     estimate=_estimate,
     pending_cost=_pending,
     compile_compatible=False,  # the kernel asserts it is not being compiled
+    compile_modes=frozenset(),  # ... so no torch.compile mode runs it
+    fullgraph=False,
+    # the hub kernel runs its own autograd Function when grad is enabled (is_inference_mode_enabled=False), and
+    # the forward skips its weight-copy cache then so the gradients reach the parameters
+    differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
     cuda_graph_safe=False,  # JIT on first call of a shape/token bucket; capture not verified
     first_call_cost=FIRST_CALL_COST,
     url="https://huggingface.co/kernels-community/sonic-moe",

@@ -20,6 +20,7 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
+from selector.types import COMPILE_MODES
 
 ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
 
@@ -77,6 +78,9 @@ def selector_backends() -> Sequence[BackendSpec]:
             "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,
             first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
+            differentiable=frozenset(),  # forward-only kernels: its custom op has no autograd formula
+            compile_modes=frozenset(COMPILE_MODES),  # one opaque custom op under torch.compile, graph-capturable
+            fullgraph=True,
             tune_kernels=_tune_kernels,  # tiles for shapes without a shipped table, into a user tile table
         )
     ]
