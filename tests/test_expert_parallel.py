@@ -1,0 +1,193 @@
+"""Expert parallelism over torch.distributed (gloo, on the CPU): every CPU backend as the local experts of both
+strategies gives the single-process layer's result, on 2 and 4 ranks.
+
+One spawn per world size runs every case inside (spawning costs seconds; the cases cost milliseconds). Each rank
+writes the failures it saw to a JSON file that the test reads, so a failure names its rank, case and backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+
+import selector
+from selector.parallel import STRATEGIES, ParallelFacts, check_strategy, choose, explain
+from selector.types import Status
+
+E, H, I, K = 8, 16, 8, 2
+BACKENDS = ("eager", "grouped_mm", "batched_mm", "auto")
+SEED = 1234
+
+
+# --- the strategies, judged without a process group ----------------------------------------------------------------
+
+
+def _facts(**over: object) -> ParallelFacts:
+    base = dict(has_group=True, world_size=4, backend="gloo", num_experts=8, same_tokens=False)
+    base.update(over)
+    return ParallelFacts(**base)  # type: ignore[arg-type]
+
+
+def test_auto_takes_all_to_all_and_all_reduce_needs_the_same_tokens() -> None:
+    assert choose(_facts()) == "all_to_all"
+    verdicts = explain(_facts())
+    assert list(verdicts) == ["all_to_all", "all_reduce"]
+    assert verdicts["all_to_all"].ok and not verdicts["all_reduce"].ok
+    assert "same_tokens=True" in verdicts["all_reduce"].remedy
+    assert choose(_facts(same_tokens=True), "all_reduce") == "all_reduce"
+    with pytest.raises(ValueError, match="did not say every rank holds the same tokens"):
+        choose(_facts(), "all_reduce")
+
+
+def test_strategies_refuse_without_group_on_other_backends_and_uneven_experts() -> None:
+    no_group = check_strategy(STRATEGIES["all_to_all"], _facts(has_group=False, world_size=0, backend=None))
+    assert no_group.status is Status.UNSUPPORTED_CONFIG and "needs a torch.distributed process group" in no_group.reason
+    mpi = check_strategy(STRATEGIES["all_to_all"], _facts(backend="mpi"))
+    assert "gloo or nccl" in mpi.reason and "'mpi'" in mpi.reason
+    uneven = check_strategy(STRATEGIES["all_reduce"], _facts(world_size=3, same_tokens=True))
+    assert "size 3 must divide the 8 experts" in uneven.reason
+    with pytest.raises(ValueError, match=r"no expert-parallel strategy runs here \(all_to_all: .*size 3"):
+        choose(_facts(world_size=3))
+    known = "unknown expert-parallel strategy 'ring'; known: auto, all_reduce, all_to_all"
+    with pytest.raises(ValueError, match=known):
+        choose(_facts(), "ring")
+
+
+# --- the spawned ranks ---------------------------------------------------------------------------------------------
+
+
+def _routing(tokens: int, allowed: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """k distinct experts per token drawn from `allowed`, softmax weights."""
+    rows = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(tokens)]
+    index = torch.stack(rows) if rows else torch.empty(0, K, dtype=torch.int64)
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=1)
+    return index, weights
+
+
+def _cases(world: int, rank: int) -> list[tuple[str, bool, int, list[int], bool]]:
+    """(name, same tokens on every rank, this rank's token count, experts routed to, global sentinel slots)."""
+    per_rank = E // world
+    every = list(range(E))
+    cases = [
+        ("mixed", False, 5 + rank, every, False),
+        ("mixed-same-count", False, 5, every, False),
+        ("global-sentinel-slots", False, 6, every, True),
+        ("sentinel-only-last-rank", False, 5, every[: E - per_rank], False),  # nothing routed to the last rank
+        ("empty-rank", False, 0 if rank == 1 else 4, every, False),
+        ("skewed-to-rank-0", False, 7, every[:per_rank], False),
+        ("T=0", False, 0, every, False),
+        ("T=1", False, 1, every, False),
+    ]
+    # all_reduce: every rank holds the same tokens
+    cases += [(f"same-{name}", True, tokens, allowed, sentinel) for name, _, tokens, allowed, sentinel in cases
+              if name not in ("mixed", "empty-rank")]  # fmt: skip
+    return cases
+
+
+def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from selector import dispatch
+    from selector.parallel import ExpertParallel, expert_parallel_forward, parallelize_experts, shard_experts
+    from selector.testing import make_experts, reference_experts
+
+    dist.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    failures: list[str] = []
+    ran: dict[str, int] = {}
+    try:
+        full = make_experts(E, H, I, seed=SEED)  # the same weights on every rank
+        full._is_expert_parallel = True  # the single-process run sees the global sentinel slots too
+        locals_ = {}
+        for strategy in STRATEGIES:
+            for backend in BACKENDS:
+                layer = shard_experts(copy.deepcopy(full), strategy=strategy, same_tokens=True, implementation=backend)
+                assert isinstance(layer, ExpertParallel) and layer.strategy == strategy
+                locals_[strategy, backend] = layer
+        for case, same, tokens, allowed, sentinel in _cases(world, rank):
+            gen = torch.Generator().manual_seed(SEED + (0 if same else 1000 * (rank + 1)) + len(case))
+            hidden = torch.randn(tokens, H, generator=gen)
+            index, weights = _routing(tokens, allowed, gen)
+            if sentinel and tokens:
+                index[::2, -1] = E
+            ref = reference_experts(full, hidden, index, weights)
+            for strategy in (("all_reduce", "all_to_all") if same else ("all_to_all",)):
+                for backend in BACKENDS:
+                    where = f"rank {rank}/{world} case {case} {strategy} {backend}"
+                    layer = locals_[strategy, backend]
+                    out = layer(hidden, index, weights)
+                    again = layer(hidden, index, weights)
+                    single = selector.dispatch.run_experts(full, hidden, index, weights, backend)
+                    if out.shape != (tokens, H) or out.dtype != torch.float32:
+                        failures.append(f"{where}: output {tuple(out.shape)} {out.dtype}")
+                        continue
+                    if not torch.equal(out, again):
+                        failures.append(f"{where}: two calls differ (not deterministic)")
+                    err = (out.double() - ref).abs().max().item() if tokens else 0.0
+                    err_single = (out - single).abs().max().item() if tokens else 0.0
+                    if err > 2e-5 or err_single > 2e-5:
+                        failures.append(f"{where}: max error {err:.2e} vs float64, {err_single:.2e} vs one process")
+                    last = dispatch.last_backend(layer.experts)
+                    if last is not None:
+                        ran[last] = ran.get(last, 0) + 1
+                    if backend != "auto" and last not in (None, backend):
+                        failures.append(f"{where}: local experts ran {last}")
+        # the function form and the model-tree form give the same as the wrapper
+        gen = torch.Generator().manual_seed(SEED + rank)
+        hidden = torch.randn(3, H, generator=gen)
+        index, weights = _routing(3, list(range(E)), gen)
+        ref = reference_experts(full, hidden, index, weights)
+        local = locals_["all_to_all", "eager"].experts
+        out = expert_parallel_forward(local, None, E, hidden, index, weights, implementation="grouped_mm")
+        if (out.double() - ref).abs().max().item() > 2e-5:
+            failures.append(f"rank {rank}: expert_parallel_forward differs from the reference")
+
+        class Block(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.experts = copy.deepcopy(full)
+
+        block = Block()
+        replaced = parallelize_experts(block)
+        if replaced != ["experts"] or not isinstance(block.experts, ExpertParallel):
+            failures.append(f"rank {rank}: parallelize_experts replaced {replaced}")
+        elif block.experts.experts.num_experts != E // world or block.experts.first_expert != rank * (E // world):
+            failures.append(f"rank {rank}: the shard holds {block.experts.experts.num_experts} experts")
+        elif (block.experts(hidden, index, weights).double() - ref).abs().max().item() > 2e-5:
+            failures.append(f"rank {rank}: parallelize_experts' layer differs from the reference")
+    except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures, "ran": ran}))
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, tmp_path: Path) -> list[dict]:
+    ctx = multiprocessing.get_context("spawn")
+    rendezvous = f"file://{tmp_path}/rendezvous"
+    ranks = [ctx.Process(target=_rank_main, args=(r, world, rendezvous, str(tmp_path))) for r in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(300)
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0] * world
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_cpu_backend_under_both_strategies_matches_one_process(world: int, tmp_path: Path) -> None:
+    reports = _spawn(world, tmp_path)
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
+    ran = set().union(*(report["ran"] for report in reports))
+    assert {"eager", "grouped_mm", "batched_mm"} <= ran, ran
