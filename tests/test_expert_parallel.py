@@ -11,6 +11,7 @@ import copy
 import datetime
 import json
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -169,10 +170,10 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(world: int, tmp_path: Path) -> list[dict]:
+def _spawn(world: int, tmp_path: Path, main: Callable[[int, int, str, str], None] = _rank_main) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     rendezvous = f"file://{tmp_path}/rendezvous"
-    ranks = [ctx.Process(target=_rank_main, args=(r, world, rendezvous, str(tmp_path))) for r in range(world)]
+    ranks = [ctx.Process(target=main, args=(r, world, rendezvous, str(tmp_path))) for r in range(world)]
     for p in ranks:
         p.start()
     for p in ranks:
@@ -191,3 +192,85 @@ def test_every_cpu_backend_under_both_strategies_matches_one_process(world: int,
     assert not failures, "\n".join(failures)
     ran = set().union(*(report["ran"] for report in reports))
     assert {"eager", "grouped_mm", "batched_mm"} <= ran, ran
+
+
+# --- Transformers' own expert parallelism with selector backends as the local experts ------------------------------
+
+HF_IMPLEMENTATIONS = ("selector:eager", "selector:grouped_mm", "selector:batched_mm", "auto")
+EP_IMPLEMENTATIONS = ("all_to_all", "all_reduce")
+
+
+def _hf_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from selector import dispatch, hf
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # read by Transformers' loader
+    dist.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    failures: list[str] = []
+    ran: dict[str, int] = {}
+    try:
+        ids = torch.load(Path(out_dir, "ids.pt"))
+        expected = torch.load(Path(out_dir, "logits.pt"))
+        for ep_implementation in EP_IMPLEMENTATIONS:
+            config = DistributedConfig(tp_size=world, ep_size=world, ep_implementation=ep_implementation)
+            model = selector.from_pretrained(
+                AutoModelForCausalLM, Path(out_dir, "model"), experts_implementation="auto", distributed_config=config
+            ).eval()
+            experts = [m for members in hf.experts_modules(model).values() for _, m in members]
+            if not experts or any(m.num_experts != E // world or not m._is_expert_parallel for m in experts):
+                failures.append(f"rank {rank}: the experts were not sharded: {[m.num_experts for m in experts]}")
+            for implementation in HF_IMPLEMENTATIONS:
+                where = f"rank {rank}/{world} {ep_implementation} {implementation}"
+                model.set_experts_implementation(implementation)
+                for m in experts:
+                    dispatch.clear_last_backend(m)
+                with torch.no_grad():
+                    logits = model(ids).logits
+                err = (logits - expected).abs().max().item()
+                if err > 1e-4:
+                    failures.append(f"{where}: logits differ from one process by {err:.2e}")
+                backends = {dispatch.last_backend(m) for m in experts}
+                if None in backends or (implementation != "auto" and backends != {implementation.split(":")[1]}):
+                    failures.append(f"{where}: the local experts ran {backends}")
+                for name in backends - {None}:
+                    ran[name] = ran.get(name, 0) + 1
+    except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures, "ran": ran}))
+        dist.destroy_process_group()
+
+
+def test_transformers_expert_parallel_runs_selector_backends_as_local_experts(tmp_path: Path) -> None:
+    """Transformers' `DistributedConfig(ep_size=2)` shards the experts and routes other ranks' slots to the sentinel;
+    every selector backend, as the local experts, gives the single-process logits under both of its strategies."""
+    pytest.importorskip("accelerate", reason="Transformers' distributed loading needs accelerate")
+    transformers = pytest.importorskip("transformers")
+    from selector.requirements import version_tuple
+
+    if version_tuple(transformers.__version__) < (5, 23):
+        pytest.skip(f"Transformers {transformers.__version__} has no DistributedConfig(ep_size=...) (5.23+)")
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=100, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        initializer_range=0.2, intermediate_size=32, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.save(model(ids).logits, tmp_path / "logits.pt")
+    torch.save(ids, tmp_path / "ids.pt")
+    reports = _spawn(2, tmp_path, _hf_rank_main)
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
+    assert {"eager", "grouped_mm", "batched_mm"} <= set().union(*(report["ran"] for report in reports))
