@@ -23,6 +23,7 @@ from selector.types import Status
 
 E, H, I, K = 8, 16, 8, 2
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "auto")
+GPU_BACKENDS = (*BACKENDS, "triton_fused")
 SEED = 1234
 
 
@@ -79,36 +80,42 @@ def _cases(world: int, rank: int) -> list[tuple[str, bool, int, list[int], bool]
         ("mixed", False, 5 + rank, every, False),
         ("mixed-same-count", False, 5, every, False),
         ("global-sentinel-slots", False, 6, every, True),
-        ("sentinel-only-last-rank", False, 5, every[: E - per_rank], False),  # nothing routed to the last rank
         ("empty-rank", False, 0 if rank == 1 else 4, every, False),
         ("skewed-to-rank-0", False, 7, every[:per_rank], False),
         ("T=0", False, 0, every, False),
         ("T=1", False, 1, every, False),
     ]
+    if world > 1:  # nothing routed to the last rank's experts
+        cases.append(("sentinel-only-last-rank", False, 5, every[: E - per_rank], False))
     # all_reduce: every rank holds the same tokens
     cases += [(f"same-{name}", True, tokens, allowed, sentinel) for name, _, tokens, allowed, sentinel in cases
               if name not in ("mixed", "empty-rank")]  # fmt: skip
     return cases
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str = "cpu") -> None:
     import torch.distributed as dist
 
     from selector import dispatch
     from selector.parallel import ExpertParallel, expert_parallel_forward, parallelize_experts, shard_experts
     from selector.testing import make_experts, reference_experts
 
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
+        "nccl" if device == "cuda" else "gloo", init_method=rendezvous, rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    backends = BACKENDS if device == "cpu" else GPU_BACKENDS
+    tolerance = 2e-5 if device == "cpu" else 2e-3  # on a GPU a float32 kernel may run its dots in TF32
     failures: list[str] = []
     ran: dict[str, int] = {}
     try:
-        full = make_experts(E, H, I, seed=SEED)  # the same weights on every rank
+        full = make_experts(E, H, I, seed=SEED, device=device)  # the same weights on every rank
         full._is_expert_parallel = True  # the single-process run sees the global sentinel slots too
         locals_ = {}
         for strategy in STRATEGIES:
-            for backend in BACKENDS:
+            for backend in backends:
                 layer = shard_experts(copy.deepcopy(full), strategy=strategy, same_tokens=True, implementation=backend)
                 assert isinstance(layer, ExpertParallel) and layer.strategy == strategy
                 locals_[strategy, backend] = layer
@@ -119,8 +126,9 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
             if sentinel and tokens:
                 index[::2, -1] = E
             ref = reference_experts(full, hidden, index, weights)
+            hidden, index, weights = hidden.to(device), index.to(device), weights.to(device)
             for strategy in (("all_reduce", "all_to_all") if same else ("all_to_all",)):
-                for backend in BACKENDS:
+                for backend in backends:
                     where = f"rank {rank}/{world} case {case} {strategy} {backend}"
                     layer = locals_[strategy, backend]
                     out = layer(hidden, index, weights)
@@ -131,9 +139,9 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
                         continue
                     if not torch.equal(out, again):
                         failures.append(f"{where}: two calls differ (not deterministic)")
-                    err = (out.double() - ref).abs().max().item() if tokens else 0.0
+                    err = (out.double().cpu() - ref).abs().max().item() if tokens else 0.0
                     err_single = (out - single).abs().max().item() if tokens else 0.0
-                    if err > 2e-5 or err_single > 2e-5:
+                    if err > tolerance or err_single > tolerance:
                         failures.append(f"{where}: max error {err:.2e} vs float64, {err_single:.2e} vs one process")
                     last = dispatch.last_backend(layer.experts)
                     if last is not None:
@@ -145,9 +153,10 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
         hidden = torch.randn(3, H, generator=gen)
         index, weights = _routing(3, list(range(E)), gen)
         ref = reference_experts(full, hidden, index, weights)
+        hidden, index, weights = hidden.to(device), index.to(device), weights.to(device)
         local = locals_["all_to_all", "eager"].experts
         out = expert_parallel_forward(local, None, E, hidden, index, weights, implementation="grouped_mm")
-        if (out.double() - ref).abs().max().item() > 2e-5:
+        if (out.double().cpu() - ref).abs().max().item() > tolerance:
             failures.append(f"rank {rank}: expert_parallel_forward differs from the reference")
 
         class Block(torch.nn.Module):
@@ -161,7 +170,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
             failures.append(f"rank {rank}: parallelize_experts replaced {replaced}")
         elif block.experts.experts.num_experts != E // world or block.experts.first_expert != rank * (E // world):
             failures.append(f"rank {rank}: the shard holds {block.experts.experts.num_experts} experts")
-        elif (block.experts(hidden, index, weights).double() - ref).abs().max().item() > 2e-5:
+        elif (block.experts(hidden, index, weights).double().cpu() - ref).abs().max().item() > tolerance:
             failures.append(f"rank {rank}: parallelize_experts' layer differs from the reference")
     except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
         failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
@@ -170,10 +179,10 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(world: int, tmp_path: Path, main: Callable[[int, int, str, str], None] = _rank_main) -> list[dict]:
+def _spawn(world: int, tmp_path: Path, main: Callable[..., None] = _rank_main, *extra: object) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     rendezvous = f"file://{tmp_path}/rendezvous"
-    ranks = [ctx.Process(target=main, args=(r, world, rendezvous, str(tmp_path))) for r in range(world)]
+    ranks = [ctx.Process(target=main, args=(r, world, rendezvous, str(tmp_path), *extra)) for r in range(world)]
     for p in ranks:
         p.start()
     for p in ranks:
@@ -192,6 +201,19 @@ def test_every_cpu_backend_under_both_strategies_matches_one_process(world: int,
     assert not failures, "\n".join(failures)
     ran = set().union(*(report["ran"] for report in reports))
     assert {"eager", "grouped_mm", "batched_mm"} <= ran, ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_ranks_on_gpus_match_one_process(world: int, tmp_path: Path) -> None:
+    """The same cases on CUDA over nccl, `triton_fused` among the local backends; a world of one runs every
+    collective on one GPU."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    reports = _spawn(world, tmp_path, _rank_main, "cuda")
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
+    assert {"eager", "grouped_mm", "batched_mm", "triton_fused"} <= set().union(*(r["ran"] for r in reports))
 
 
 # --- Transformers' own expert parallelism with selector backends as the local experts ------------------------------
