@@ -61,6 +61,18 @@ def test_strategies_refuse_without_group_on_other_backends_and_uneven_experts() 
         choose(_facts(), "ring")
 
 
+def test_a_layer_without_process_group_refuses_before_cutting_weights() -> None:
+    from selector.parallel import ExpertParallel, shard_experts
+    from selector.testing import make_experts
+
+    experts = make_experts(E, H, I, seed=SEED)
+    with pytest.raises(ValueError, match="needs a torch.distributed process group.*fix: call torch.distributed.init"):
+        shard_experts(experts)
+    assert experts.gate_up_proj.shape[0] == E and experts.num_experts == E
+    with pytest.raises(ValueError, match="needs a torch.distributed process group"):
+        ExpertParallel(experts, num_experts=E)
+
+
 # --- the spawned ranks ---------------------------------------------------------------------------------------------
 
 

@@ -120,7 +120,7 @@ def choose(facts: ParallelFacts, requested: str = AUTO) -> str:
         if verdict.ok:
             return name
     reasons = "; ".join(f"{name}: {v.reason}" for name, v in verdicts.items())
-    raise ValueError(f"no expert-parallel strategy runs here ({reasons})")
+    raise ValueError(f"no expert-parallel strategy runs here ({reasons}). fix: {verdicts[PREFERENCE[0]].remedy}")
 
 
 __all__ = ["AUTO", "PREFERENCE", "STRATEGIES", "ParallelFacts", "Strategy", "check_strategy", "choose", "explain"]
