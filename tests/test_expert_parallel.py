@@ -31,7 +31,7 @@ SEED = 1234
 
 
 def _facts(**over: object) -> ParallelFacts:
-    base = dict(has_group=True, world_size=4, backend="gloo", num_experts=8, same_tokens=False)
+    base = {"has_group": True, "world_size": 4, "backend": "gloo", "num_experts": 8, "same_tokens": False}
     base.update(over)
     return ParallelFacts(**base)  # type: ignore[arg-type]
 
@@ -139,7 +139,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
                 index[::2, -1] = E
             ref = reference_experts(full, hidden, index, weights)
             hidden, index, weights = hidden.to(device), index.to(device), weights.to(device)
-            for strategy in (("all_reduce", "all_to_all") if same else ("all_to_all",)):
+            for strategy in ("all_reduce", "all_to_all") if same else ("all_to_all",):
                 for backend in backends:
                     where = f"rank {rank}/{world} case {case} {strategy} {backend}"
                     layer = locals_[strategy, backend]

@@ -10,13 +10,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from selector.parallel.strategies import (
-    AUTO, PREFERENCE, STRATEGIES, ParallelFacts, Strategy, check_strategy, choose, explain,
+    AUTO,
+    PREFERENCE,
+    STRATEGIES,
+    ParallelFacts,
+    Strategy,
+    check_strategy,
+    choose,
+    explain,
 )  # fmt: skip
 
 if TYPE_CHECKING:
     from selector.parallel.exchange import all_reduce_forward, all_to_all_forward
     from selector.parallel.layer import (
-        ExpertParallel, expert_parallel_forward, facts_of, parallelize_experts, shard_experts,
+        ExpertParallel,
+        expert_parallel_forward,
+        facts_of,
+        parallelize_experts,
+        shard_experts,
     )  # fmt: skip
 
 _LAZY = {

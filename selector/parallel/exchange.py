@@ -66,7 +66,7 @@ def all_to_all_forward(
     sentinel elsewhere) and their weights; the owner runs its experts and sends the weighted rows back; the rows
     are added in rank order, so the result does not depend on timing. Token counts may differ between ranks.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     per_rank = _check(local, hidden_states, top_k_index, top_k_weights, num_experts, world)
     tokens, hidden = hidden_states.shape
     device = hidden_states.device
