@@ -1,0 +1,310 @@
+"""Expert parallelism over torch.distributed (gloo, on the CPU): every CPU backend as the local experts of both
+strategies gives the single-process layer's result, on 2 and 4 ranks.
+
+One spawn per world size runs every case inside (spawning costs seconds; the cases cost milliseconds). Each rank
+writes the failures it saw to a JSON file that the test reads, so a failure names its rank, case and backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import multiprocessing
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import selector
+from selector.parallel import STRATEGIES, ParallelFacts, check_strategy, choose, explain
+from selector.types import Status
+
+E, H, I, K = 8, 16, 8, 2
+BACKENDS = ("eager", "grouped_mm", "batched_mm", "auto")
+GPU_BACKENDS = (*BACKENDS, "triton_fused")
+SEED = 1234
+
+
+# --- the strategies, judged without a process group ----------------------------------------------------------------
+
+
+def _facts(**over: object) -> ParallelFacts:
+    base = {"has_group": True, "world_size": 4, "backend": "gloo", "num_experts": 8, "same_tokens": False}
+    base.update(over)
+    return ParallelFacts(**base)  # type: ignore[arg-type]
+
+
+def test_auto_takes_all_to_all_and_all_reduce_needs_the_same_tokens() -> None:
+    assert choose(_facts()) == "all_to_all"
+    verdicts = explain(_facts())
+    assert list(verdicts) == ["all_to_all", "all_reduce"]
+    assert verdicts["all_to_all"].ok and not verdicts["all_reduce"].ok
+    assert "same_tokens=True" in verdicts["all_reduce"].remedy
+    assert choose(_facts(same_tokens=True), "all_reduce") == "all_reduce"
+    with pytest.raises(ValueError, match="did not say every rank holds the same tokens"):
+        choose(_facts(), "all_reduce")
+
+
+def test_strategies_refuse_without_group_on_other_backends_and_uneven_experts() -> None:
+    no_group = check_strategy(STRATEGIES["all_to_all"], _facts(has_group=False, world_size=0, backend=None))
+    assert no_group.status is Status.UNSUPPORTED_CONFIG and "needs a torch.distributed process group" in no_group.reason
+    mpi = check_strategy(STRATEGIES["all_to_all"], _facts(backend="mpi"))
+    assert "gloo or nccl" in mpi.reason and "'mpi'" in mpi.reason
+    uneven = check_strategy(STRATEGIES["all_reduce"], _facts(world_size=3, same_tokens=True))
+    assert "size 3 must divide the 8 experts" in uneven.reason
+    with pytest.raises(ValueError, match=r"no expert-parallel strategy runs here \(all_to_all: .*size 3"):
+        choose(_facts(world_size=3))
+    known = "unknown expert-parallel strategy 'ring'; known: auto, all_reduce, all_to_all"
+    with pytest.raises(ValueError, match=known):
+        choose(_facts(), "ring")
+
+
+def test_a_layer_without_process_group_refuses_before_cutting_weights() -> None:
+    from selector.parallel import ExpertParallel, shard_experts
+    from selector.testing import make_experts
+
+    experts = make_experts(E, H, I, seed=SEED)
+    with pytest.raises(ValueError, match="needs a torch.distributed process group.*fix: call torch.distributed.init"):
+        shard_experts(experts)
+    assert experts.gate_up_proj.shape[0] == E and experts.num_experts == E
+    with pytest.raises(ValueError, match="needs a torch.distributed process group"):
+        ExpertParallel(experts, num_experts=E)
+
+
+# --- the spawned ranks ---------------------------------------------------------------------------------------------
+
+
+def _routing(tokens: int, allowed: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """k distinct experts per token drawn from `allowed`, softmax weights."""
+    rows = [torch.tensor(allowed)[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(tokens)]
+    index = torch.stack(rows) if rows else torch.empty(0, K, dtype=torch.int64)
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=1)
+    return index, weights
+
+
+def _cases(world: int, rank: int) -> list[tuple[str, bool, int, list[int], bool]]:
+    """(name, same tokens on every rank, this rank's token count, experts routed to, global sentinel slots)."""
+    per_rank = E // world
+    every = list(range(E))
+    cases = [
+        ("mixed", False, 5 + rank, every, False),
+        ("mixed-same-count", False, 5, every, False),
+        ("global-sentinel-slots", False, 6, every, True),
+        ("empty-rank", False, 0 if rank == 1 else 4, every, False),
+        ("skewed-to-rank-0", False, 7, every[:per_rank], False),
+        ("T=0", False, 0, every, False),
+        ("T=1", False, 1, every, False),
+    ]
+    if world > 1:  # nothing routed to the last rank's experts
+        cases.append(("sentinel-only-last-rank", False, 5, every[: E - per_rank], False))
+    # all_reduce: every rank holds the same tokens
+    cases += [(f"same-{name}", True, tokens, allowed, sentinel) for name, _, tokens, allowed, sentinel in cases
+              if name not in ("mixed", "empty-rank")]  # fmt: skip
+    return cases
+
+
+def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str = "cpu") -> None:
+    import torch.distributed as dist
+
+    from selector import dispatch
+    from selector.parallel import ExpertParallel, expert_parallel_forward, parallelize_experts, shard_experts
+    from selector.testing import make_experts, reference_experts
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", init_method=rendezvous, rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    backends = BACKENDS if device == "cpu" else GPU_BACKENDS
+    tolerance = 2e-5 if device == "cpu" else 2e-3  # on a GPU a float32 kernel may run its dots in TF32
+    failures: list[str] = []
+    ran: dict[str, int] = {}
+    try:
+        full = make_experts(E, H, I, seed=SEED, device=device)  # the same weights on every rank
+        full._is_expert_parallel = True  # the single-process run sees the global sentinel slots too
+        locals_ = {}
+        for strategy in STRATEGIES:
+            for backend in backends:
+                layer = shard_experts(copy.deepcopy(full), strategy=strategy, same_tokens=True, implementation=backend)
+                assert isinstance(layer, ExpertParallel) and layer.strategy == strategy
+                locals_[strategy, backend] = layer
+        for case, same, tokens, allowed, sentinel in _cases(world, rank):
+            gen = torch.Generator().manual_seed(SEED + (0 if same else 1000 * (rank + 1)) + len(case))
+            hidden = torch.randn(tokens, H, generator=gen)
+            index, weights = _routing(tokens, allowed, gen)
+            if sentinel and tokens:
+                index[::2, -1] = E
+            ref = reference_experts(full, hidden, index, weights)
+            hidden, index, weights = hidden.to(device), index.to(device), weights.to(device)
+            for strategy in ("all_reduce", "all_to_all") if same else ("all_to_all",):
+                for backend in backends:
+                    where = f"rank {rank}/{world} case {case} {strategy} {backend}"
+                    layer = locals_[strategy, backend]
+                    out = layer(hidden, index, weights)
+                    again = layer(hidden, index, weights)
+                    single = selector.dispatch.run_experts(full, hidden, index, weights, backend)
+                    if out.shape != (tokens, H) or out.dtype != torch.float32:
+                        failures.append(f"{where}: output {tuple(out.shape)} {out.dtype}")
+                        continue
+                    if not torch.equal(out, again):
+                        failures.append(f"{where}: two calls differ (not deterministic)")
+                    err = (out.double().cpu() - ref).abs().max().item() if tokens else 0.0
+                    err_single = (out - single).abs().max().item() if tokens else 0.0
+                    if err > tolerance or err_single > tolerance:
+                        failures.append(f"{where}: max error {err:.2e} vs float64, {err_single:.2e} vs one process")
+                    last = dispatch.last_backend(layer.experts)
+                    if last is not None:
+                        ran[last] = ran.get(last, 0) + 1
+                    if backend != "auto" and last not in (None, backend):
+                        failures.append(f"{where}: local experts ran {last}")
+        # the function form and the model-tree form give the same as the wrapper
+        gen = torch.Generator().manual_seed(SEED + rank)
+        hidden = torch.randn(3, H, generator=gen)
+        index, weights = _routing(3, list(range(E)), gen)
+        ref = reference_experts(full, hidden, index, weights)
+        hidden, index, weights = hidden.to(device), index.to(device), weights.to(device)
+        local = locals_["all_to_all", "eager"].experts
+        out = expert_parallel_forward(local, None, E, hidden, index, weights, implementation="grouped_mm")
+        if (out.double().cpu() - ref).abs().max().item() > tolerance:
+            failures.append(f"rank {rank}: expert_parallel_forward differs from the reference")
+
+        class Block(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.experts = copy.deepcopy(full)
+
+        block = Block()
+        replaced = parallelize_experts(block)
+        if replaced != ["experts"] or not isinstance(block.experts, ExpertParallel):
+            failures.append(f"rank {rank}: parallelize_experts replaced {replaced}")
+        elif block.experts.experts.num_experts != E // world or block.experts.first_expert != rank * (E // world):
+            failures.append(f"rank {rank}: the shard holds {block.experts.experts.num_experts} experts")
+        elif (block.experts(hidden, index, weights).double().cpu() - ref).abs().max().item() > tolerance:
+            failures.append(f"rank {rank}: parallelize_experts' layer differs from the reference")
+    except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures, "ran": ran}))
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, tmp_path: Path, main: Callable[..., None] = _rank_main, *extra: object) -> list[dict]:
+    ctx = multiprocessing.get_context("spawn")
+    rendezvous = f"file://{tmp_path}/rendezvous"
+    ranks = [ctx.Process(target=main, args=(r, world, rendezvous, str(tmp_path), *extra)) for r in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(300)
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0] * world
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_cpu_backend_under_both_strategies_matches_one_process(world: int, tmp_path: Path) -> None:
+    reports = _spawn(world, tmp_path)
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
+    ran = set().union(*(report["ran"] for report in reports))
+    assert {"eager", "grouped_mm", "batched_mm"} <= ran, ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_ranks_on_gpus_match_one_process(world: int, tmp_path: Path) -> None:
+    """The same cases on CUDA over nccl, `triton_fused` among the local backends; a world of one runs every
+    collective on one GPU."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    reports = _spawn(world, tmp_path, _rank_main, "cuda")
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
+    assert {"eager", "grouped_mm", "batched_mm", "triton_fused"} <= set().union(*(r["ran"] for r in reports))
+
+
+# --- Transformers' own expert parallelism with selector backends as the local experts ------------------------------
+
+HF_IMPLEMENTATIONS = ("selector:eager", "selector:grouped_mm", "selector:batched_mm", "auto")
+EP_IMPLEMENTATIONS = ("all_to_all", "all_reduce")
+
+
+def _hf_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from selector import dispatch, hf
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # read by Transformers' loader
+    dist.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    failures: list[str] = []
+    ran: dict[str, int] = {}
+    try:
+        ids = torch.load(Path(out_dir, "ids.pt"))
+        expected = torch.load(Path(out_dir, "logits.pt"))
+        for ep_implementation in EP_IMPLEMENTATIONS:
+            config = DistributedConfig(tp_size=world, ep_size=world, ep_implementation=ep_implementation)
+            model = selector.from_pretrained(
+                AutoModelForCausalLM, Path(out_dir, "model"), experts_implementation="auto", distributed_config=config
+            ).eval()
+            experts = [m for members in hf.experts_modules(model).values() for _, m in members]
+            if not experts or any(m.num_experts != E // world or not m._is_expert_parallel for m in experts):
+                failures.append(f"rank {rank}: the experts were not sharded: {[m.num_experts for m in experts]}")
+            for implementation in HF_IMPLEMENTATIONS:
+                where = f"rank {rank}/{world} {ep_implementation} {implementation}"
+                model.set_experts_implementation(implementation)
+                for m in experts:
+                    dispatch.clear_last_backend(m)
+                with torch.no_grad():
+                    logits = model(ids).logits
+                err = (logits - expected).abs().max().item()
+                if err > 1e-4:
+                    failures.append(f"{where}: logits differ from one process by {err:.2e}")
+                backends = {dispatch.last_backend(m) for m in experts}
+                if None in backends or (implementation != "auto" and backends != {implementation.split(":")[1]}):
+                    failures.append(f"{where}: the local experts ran {backends}")
+                for name in backends - {None}:
+                    ran[name] = ran.get(name, 0) + 1
+    except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures, "ran": ran}))
+        dist.destroy_process_group()
+
+
+def test_transformers_expert_parallel_runs_selector_backends_as_local_experts(tmp_path: Path) -> None:
+    """Transformers' `DistributedConfig(ep_size=2)` shards the experts and routes other ranks' slots to the sentinel;
+    every selector backend, as the local experts, gives the single-process logits under both of its strategies."""
+    pytest.importorskip("accelerate", reason="Transformers' distributed loading needs accelerate")
+    transformers = pytest.importorskip("transformers")
+    from selector.requirements import version_tuple
+
+    if version_tuple(transformers.__version__) < (5, 23):
+        pytest.skip(f"Transformers {transformers.__version__} has no DistributedConfig(ep_size=...) (5.23+)")
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=100, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        initializer_range=0.2, intermediate_size=32, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.save(model(ids).logits, tmp_path / "logits.pt")
+    torch.save(ids, tmp_path / "ids.pt")
+    reports = _spawn(2, tmp_path, _hf_rank_main)
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
+    assert {"eager", "grouped_mm", "batched_mm"} <= set().union(*(report["ran"] for report in reports))
