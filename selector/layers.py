@@ -24,6 +24,17 @@ def default_apply_gate(module: torch.nn.Module, gate_up_out: torch.Tensor) -> to
     return module.act_fn(gate) * up
 
 
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
+def clamped_swiglu(module: torch.nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's gate over interleaved channels: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
+    gate, up = gate_up_out[..., ::2], gate_up_out[..., 1::2]
+    gate = gate.clamp(max=GPT_OSS_LIMIT)
+    up = up.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
+    return (up + 1) * gate * (gate * GPT_OSS_ALPHA).sigmoid()
+
+
 def up_weight(module: torch.nn.Module) -> torch.Tensor:
     """gate_up_proj for gated experts, up_proj otherwise."""
     return module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj

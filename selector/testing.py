@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import selector
+from selector.layers import clamped_swiglu
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,6 @@ class Layout:
     def __str__(self) -> str:
         on = [k for k, v in self.__dict__.items() if v is True and k != "gated"]
         return "-".join((["gated"] if self.gated else ["plain"]) + on)
-
-
-def clamped_swiglu(module: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """A GPT-OSS style gate: interleaved channels, clamped, sigmoid(1.702 x) glu, (up + 1)."""
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(max=7.0)
-    up = up.clamp(min=-7.0, max=7.0)
-    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
 
 
 def make_experts(

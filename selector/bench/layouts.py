@@ -6,18 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from selector.layers import clamped_swiglu
 from selector.types import Problem
-
-GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
-
-
-def clamped_swiglu(module: Any, gate_up: Any) -> Any:
-    """GPT-OSS's gate over interleaved channels: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(max=GPT_OSS_LIMIT)
-    up = up.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
-    return (up + 1) * gate * (gate * GPT_OSS_ALPHA).sigmoid()
-
 
 def is_plain(problem: Problem) -> bool:
     return problem.gated and not (problem.has_bias or problem.is_transposed or problem.interleaved

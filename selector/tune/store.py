@@ -45,10 +45,7 @@ class TuneStore:
             tuning_store.reload()
             from selector.daemon.client import share_tuning_records
 
-            try:  # the node's other processes see them at once, where a daemon runs
-                share_tuning_records(records)
-            except (OSError, ValueError):  # a daemon that stopped answering: the store has them already
-                pass
+            share_tuning_records(records)  # the node's other processes see them at once (never raises)
         return result
 
     @contextlib.contextmanager
