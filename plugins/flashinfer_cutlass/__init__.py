@@ -1,0 +1,126 @@
+"""`flashinfer_cutlass`: FlashInfer's CUTLASS fused MoE (`flashinfer.fused_moe.cutlass_fused_moe`), bf16/fp16.
+
+One call runs the whole layer: routing permutation, grouped GEMM 1 with the fused gated activation, grouped GEMM
+2 and the weighted sum over the k slots. Its GEMM 1 weight is [E, 2I, H] with rows [up | gate] (the reverse of
+Transformers' [gate | up]: its activation reads the linear half first, read from `cutlass_fused_moe_kernels.cuh`),
+so the adapter keeps one reordered copy of `gate_up_proj` per set of weights (cached on the module: one more copy
+of the up weights in memory). SiLU-gated experts only (`ActivationType.Swiglu`); hidden and intermediate sizes
+must be multiples of 8 (TMA's 16-byte alignment).
+
+First-call cost: the SM90 / SM100 module is built with the node's nvcc on first use (about two minutes cold,
+measured on the H200 with flashinfer-python 0.6.13 and nvcc 13.0; FlashInfer keeps the build on disk, which this
+in-process record does not see), so the backend needs a full CUDA toolkit and ninja. `auto` counts 120 s,
+spread over SELECTOR_JIT_AMORTIZE_CALLS calls, until this process has run it.
+
+Graphs and compile: no host sync on its run path, but capture is not verified and the first call builds with
+nvcc, so it is declared not capturable and not for torch.compile. Forward only (no backward).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from selector.probes import Environment
+
+from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
+from selector.costmodel import floor_seconds
+from selector.plugins.flashinfer_cutlass.state import (
+    DISTRIBUTION,
+    MIN_VERSION,
+    OFFLINE_DOC,
+    forget_built,
+    is_built,
+    package_verdict,
+    record_built,
+)
+
+HOPPER = ToolkitRule(min_cc=(9, 0), max_cc=(10, 0), nvcc=(12, 3), family="Hopper")
+BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 8), family="Blackwell")
+ALIGNMENT = 8  # elements: 128-bit TMA alignment of bf16/fp16 rows
+
+REQUIREMENTS = Requirements(
+    devices=frozenset({"cuda"}),
+    min_compute_capability=(9, 0),  # modules for sm90 and sm100/103/110/120; Ada's sm89 module not enabled here
+    toolkit=(HOPPER, BLACKWELL),
+    dtypes=frozenset({"bfloat16", "float16"}),
+    activations=frozenset({"silu"}),  # ActivationType.Swiglu
+    transposed=True,  # copied once into [E, 2I, H] / [E, H, I]
+    interleaved=True,  # reordered once into [up | gate] like the concatenated layout
+    expert_parallel=True,  # sentinel slots go to expert 0 with weight 0 (ep_size stays 1)
+)
+
+JIT_SECONDS = 120.0
+HOST_SECONDS = 0.06e-3  # one fused launch sequence from Python
+EFFICIENCY = 1.5  # a guess until measured beside ours: a CUTLASS grouped GEMM pair with fused epilogues
+
+FIRST_CALL_COST = (
+    f"builds FlashInfer's CUTLASS fused-MoE module with nvcc on first use (about 2 minutes cold; FlashInfer caches "
+    f"the build on disk): auto counts {JIT_SECONDS:.0f} s, spread over {hub.AMORTIZE_VARIABLE} calls, until this "
+    "process has run it"
+)
+
+
+def arch_of(problem: Problem, env: Environment) -> str | None:
+    cc = env.compute_capability(problem.device_index)
+    return None if cc is None else f"{cc[0] * 10 + cc[1]}"
+
+
+def _pending(problem: Problem, env: Environment) -> float:
+    arch = arch_of(problem, env)
+    return 0.0 if arch is not None and is_built(arch) else JIT_SECONDS
+
+
+def _estimate(problem: Problem, env: Environment) -> float:
+    steady = max(HOST_SECONDS, EFFICIENCY * floor_seconds(problem, env))
+    return steady + _pending(problem, env) / hub.amortize_calls()
+
+
+def _check(problem: Problem, env: Environment) -> Availability | None:
+    verdict = package_verdict(env)
+    if verdict is not None:
+        return verdict
+    odd = [f"{name} {size}" for name, size in (("hidden size", problem.hidden_size),
+                                               ("intermediate size", problem.intermediate_size))
+           if size % ALIGNMENT]  # fmt: skip
+    if odd:
+        return Availability(
+            Status.UNSUPPORTED_CONFIG,
+            f"FlashInfer's CUTLASS fused MoE needs hidden and intermediate sizes that are multiples of {ALIGNMENT} "
+            f"(TMA alignment); this layer has {', '.join(odd)}",
+            "pick another experts backend for this layer, e.g. grouped_mm or triton_fused",
+        )
+    return None
+
+
+def _load():  # noqa: ANN202
+    from selector.plugins.flashinfer_cutlass.forward import flashinfer_cutlass_experts_forward
+
+    return flashinfer_cutlass_experts_forward
+
+
+SPEC = BackendSpec(
+    name="flashinfer_cutlass",
+    load=_load,
+    requirements=REQUIREMENTS,
+    description="FlashInfer CUTLASS fused MoE (grouped GEMMs with fused SwiGLU and combine)",
+    check=_check,
+    estimate=_estimate,
+    pending_cost=_pending,
+    compile_compatible=False,  # an opaque TVM-FFI call that JIT-builds on first use
+    compile_modes=frozenset(),
+    fullgraph=False,
+    cuda_graph_safe=False,  # nvcc build on first use; capture not verified
+    differentiable=frozenset(),  # forward only
+    first_call_cost=FIRST_CALL_COST,
+    url="https://github.com/flashinfer-ai/flashinfer",
+)
+
+
+@hookimpl
+def selector_backends() -> Sequence[BackendSpec]:
+    return [SPEC]
+
+
+__all__ = ["DISTRIBUTION", "MIN_VERSION", "OFFLINE_DOC", "SPEC", "arch_of", "forget_built", "record_built",
+           "selector_backends"]

@@ -1,0 +1,104 @@
+"""`liger`: Liger-Kernel's fused MoE (`liger_kernel.ops.fused_moe.LigerFusedMoEFunction`), pure Triton.
+
+The kernel takes Transformers' own layout, `gate_up_proj` [E, 2I, H] with concatenated [gate | up] rows and
+`down_proj` [E, H, I], runs SiLU-gated experts only (its up kernel fuses silu(gate) * up), int32 expert ids and
+float routing weights; it has no bias, no other activation, no custom gate and no per-expert hook. Transposed
+and interleaved layouts are copied once into its layout (cached on the module). It has its own backward for the
+input, the routing weights and both expert weights.
+
+Two things keep it away from `auto` where it would hurt (liger-kernel 0.8.5, read from its source):
+
+- **One host sync per call**: its routing metadata reads the number of M tiles with `.item()` to size its
+  buffers, so it is declared not capturable in a CUDA graph and not for torch.compile.
+- **First call**: its GEMMs autotune 32 configs per (H, I) (Triton's autotuner, in-process only), measured on the
+  H200 at a few seconds per shape; the estimate adds that until this process has run the shape.
+
+Measured on the H200 (../shared/perf.md): 1.23-1.44x our time at T >= 4096, 1.3-1.8x at T=64, 2-16x at T=1.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from selector.probes import Environment
+
+from selector import Availability, BackendSpec, Problem, Requirements, hookimpl, hub
+from selector.costmodel import floor_seconds
+from selector.plugins.liger.state import (
+    DISTRIBUTION,
+    MIN_VERSION,
+    OFFLINE_DOC,
+    forget_tuned,
+    is_tuned,
+    package_verdict,
+    record_tuned,
+    shape_key,
+)
+
+REQUIREMENTS = Requirements(
+    devices=frozenset({"cuda"}),
+    min_compute_capability=(8, 0),  # Triton tl.dot in bf16: Ampere and newer
+    packages={"triton": "3.0"},
+    dtypes=frozenset({"bfloat16", "float16"}),
+    activations=frozenset({"silu"}),  # the up kernel fuses silu(gate) * up and nothing else
+    transposed=True,  # copied once into [E, 2I, H] / [E, H, I], cached on the module
+    interleaved=True,  # de-interleaved once into [gate | up], cached on the module
+    expert_parallel=True,  # sentinel slots go to expert 0 with weight 0
+)
+
+AUTOTUNE_SECONDS = 8.0  # 32 configs for each of its GEMMs, once per (H, I) per process
+HOST_SECONDS = 0.25e-3  # the host sync and about ten launches per call
+EFFICIENCY = 1.9  # measured: 1.23-1.8x our time at T >= 64, ours ~1.1-1.5x the floor
+
+FIRST_CALL_COST = (
+    f"autotunes 32 Triton configs per GEMM on the first call of each (hidden, intermediate) shape (auto counts "
+    f"{AUTOTUNE_SECONDS:.0f} s, spread over {hub.AMORTIZE_VARIABLE} calls, until this process ran the shape); "
+    "one host sync per call"
+)
+
+
+def _pending(problem: Problem, env: Environment) -> float:
+    return 0.0 if is_tuned(shape_key(problem.hidden_size, problem.intermediate_size)) else AUTOTUNE_SECONDS
+
+
+def _estimate(problem: Problem, env: Environment) -> float:
+    """max(host time, 1.9 x the floor) + the autotuning still ahead / calls."""
+    steady = max(HOST_SECONDS, EFFICIENCY * floor_seconds(problem, env))
+    return steady + _pending(problem, env) / hub.amortize_calls()
+
+
+def _check(problem: Problem, env: Environment) -> Availability | None:
+    return package_verdict(env)
+
+
+def _load():  # noqa: ANN202
+    from selector.plugins.liger.forward import liger_experts_forward
+
+    return liger_experts_forward
+
+
+SPEC = BackendSpec(
+    name="liger",
+    load=_load,
+    requirements=REQUIREMENTS,
+    description="Liger-Kernel fused MoE (Triton grouped GEMMs with fused SwiGLU)",
+    check=_check,
+    estimate=_estimate,
+    pending_cost=_pending,
+    compile_compatible=False,  # `.item()` inside: a graph break at best
+    compile_modes=frozenset(),
+    fullgraph=False,
+    cuda_graph_safe=False,  # one host sync per call (the M-tile count)
+    differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
+    first_call_cost=FIRST_CALL_COST,
+    url="https://github.com/linkedin/Liger-Kernel",
+)
+
+
+@hookimpl
+def selector_backends() -> Sequence[BackendSpec]:
+    return [SPEC]
+
+
+__all__ = ["DISTRIBUTION", "MIN_VERSION", "OFFLINE_DOC", "SPEC", "forget_tuned", "record_tuned", "selector_backends"]
