@@ -55,6 +55,10 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _function_name(fn: object) -> str:
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
+
+
 def gate_of(module: torch.nn.Module) -> Gate | None:
     """The module's gate as data (selector.gates), or None when its _apply_gate is Python the selector does not
     recognise. In order: a declared `selector_gate` (class or instance attribute, `selector.experts(gate=...)`;
@@ -111,6 +115,7 @@ def problem_from_module(module: torch.nn.Module, num_tokens: int | None = None, 
         interleaved=not getattr(module, "is_concatenated", True),
         custom_gate=custom,
         gate=gate,
+        gate_source=_function_name(getattr(type(module), "_apply_gate", None)) if custom else "",
         post_expert_norm=bool(getattr(module, "has_post_expert_norm", False)),
         weight_format=str(getattr(module, "selector_weight_format", "dense")),
         scale_format=getattr(module, "selector_scale_format", None),

@@ -163,7 +163,7 @@ def _check_config(req: Requirements, p: Problem) -> Availability | None:
         (p.has_bias, req.bias, "expert biases"),
         (p.is_transposed, req.transposed, "the transposed weight layout"),
         (p.interleaved, req.interleaved, "interleaved gate/up weights"),
-        (p.custom_gate, req.custom_gate, "a custom gate function"),
+        (p.custom_gate, req.custom_gate, "a custom gate function" + (f" ({p.gate_source})" if p.gate_source else "")),
         (p.post_expert_norm, req.post_expert_norm, "a post-expert norm"),
         (p.expert_parallel, req.expert_parallel, "expert parallelism"),
     ]

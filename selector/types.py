@@ -157,6 +157,7 @@ class Problem:
     interleaved: bool = False
     custom_gate: bool = False  # an _apply_gate that is not a gate of selector.gates: only torch code runs it
     gate: Gate = DEFAULT_GATE  # the recognised gate and its parameters (activation names act_mul's act)
+    gate_source: str = ""  # a custom gate's function (e.g. "MyExperts._apply_gate"), named in the reasons
     post_expert_norm: bool = False
     weight_format: str = "dense"
     scale_format: str | None = None

@@ -129,7 +129,11 @@ def test_other_python_gates_stay_custom_and_run_in_torch_only():
     on_gpu = replace(problem, device="cuda", dtype="bfloat16")
     ranking = rank(on_gpu, H200, build_registry(environ={}))
     assert "triton_fused" not in {c.name for c in ranking.candidates}
-    assert ranking.excluded["triton_fused"].reason == "does not support a custom gate function"
+    assert ranking.excluded["triton_fused"].reason == (
+        "does not support a custom gate function "
+        "(test_other_python_gates_stay_custom_and_run_in_torch_only.<locals>.scaled_gate)"
+    )
+    assert problem_key(problem) == "E4-H32-I16-k2/float32/dense/silu/gated+interleaved+custom_gate"  # as before
     assert {"grouped_mm", "batched_mm", "eager"} <= {c.name for c in ranking.candidates}
 
 
@@ -282,3 +286,14 @@ def test_tile_tuning_takes_the_gpt_oss_layer_into_its_own_entry(tmp_path, monkey
     finally:
         C.clear_caches()
     assert seen
+
+
+def test_a_gpt_oss_config_file_becomes_its_gate(tmp_path):
+    from selector.tune.inputs import read_config
+
+    config = {"model_type": "gpt_oss", "num_local_experts": 32, "hidden_size": 2880, "intermediate_size": 2880,
+              "num_experts_per_tok": 4, "torch_dtype": "bfloat16", "swiglu_limit": 5.5}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    problem = read_config(tmp_path).problem
+    assert problem.gate == clamped_swiglu(1.702, 5.5) and not problem.custom_gate
+    assert problem_key(problem).endswith("/clamped_swiglu(alpha=1.702,limit=5.5)/gated+has_bias+is_transposed+interleaved")

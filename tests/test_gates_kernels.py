@@ -85,24 +85,29 @@ def make_case(T: int, H: int, I: int, E: int, k: int, *, dtype=torch.float32, tr
               routing="uniform", x_scale=1.0, device=DEV, seed=0) -> dict:  # fmt: skip
     """Random weights scaled so gate_up outputs are O(x_scale); routing "uniform" (distinct experts per token),
     "skewed" (80% of the tokens put expert 0 first) or "sparse" (only experts 1 and E - 2: the rest get none)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g) * x_scale
-    w1 = torch.randn(E, 2 * I, H, generator=g) / math.sqrt(H)
-    w2 = torch.randn(E, H, I, generator=g) / math.sqrt(I)
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where it runs: GPT-OSS's weights are 2 GB
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device)
+
+    x = randn(T, H) * x_scale
+    w1 = randn(E, 2 * I, H) / math.sqrt(H)
+    w2 = randn(E, H, I) / math.sqrt(I)
     if transposed:
         w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    routes = torch.Generator().manual_seed(seed)
     if routing == "sparse":
         assert k == 2 and E >= 4
         ids = torch.tensor([[1, E - 2]] * T)
     else:
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        ids = torch.stack([torch.randperm(E, generator=routes)[:k] for _ in range(T)])
         if routing == "skewed":
             for t in range(int(0.8 * T)):
                 row = ids[t].tolist()
                 ids[t] = torch.tensor([0] + [e for e in row if e != 0][: k - 1])
-    wts = torch.rand(T, k, generator=g)
-    b1 = torch.randn(E, 2 * I, generator=g) * 0.5 if bias else None
-    b2 = torch.randn(E, H, generator=g) * 0.5 if bias else None
+    wts = torch.rand(T, k, generator=routes)
+    b1 = randn(E, 2 * I) * 0.5 if bias else None
+    b2 = randn(E, H) * 0.5 if bias else None
 
     def to(t):
         return None if t is None else t.to(device=device, dtype=dtype)
@@ -175,21 +180,23 @@ def test_bad_gate_arguments_are_refused():
 # --- whole modules through the adapter ---------------------------------------------------------------------------
 
 
-def _gpt_oss_experts(hidden: int, inter: int, experts: int, top_k: int, limit: float = 7.0, seed: int = 0):
-    """A real Transformers GptOssExperts with random weights (its init leaves them empty)."""
+def _gpt_oss_experts(hidden: int, inter: int, experts: int, top_k: int, limit: float = 7.0, seed: int = 0,
+                     device: str = DEV, dtype: torch.dtype = torch.float32):  # fmt: skip
+    """A real Transformers GptOssExperts with random weights (its init leaves them empty), built on `device`."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     config = transformers.GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
                                        num_experts_per_tok=top_k, swiglu_limit=limit)  # fmt: skip
-    module = GptOssExperts(config)
-    gen = torch.Generator().manual_seed(seed)
+    with torch.device(device):
+        module = GptOssExperts(config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scales = {"gate_up_proj": hidden**-0.5, "down_proj": inter**-0.5, "gate_up_proj_bias": 0.5, "down_proj_bias": 0.5}
     with torch.no_grad():
-        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) / math.sqrt(hidden))
-        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) / math.sqrt(inter))
-        module.gate_up_proj_bias.copy_(torch.randn(module.gate_up_proj_bias.shape, generator=gen) * 0.5)
-        module.down_proj_bias.copy_(torch.randn(module.down_proj_bias.shape, generator=gen) * 0.5)
-    return module
+        for name, scale in scales.items():
+            p = getattr(module, name)
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * scale)
+    return module.to(dtype)
 
 
 def _eager(module, x, index, weights):
@@ -209,7 +216,7 @@ def test_selectors_gpt_oss_layout_module_runs_fused():
 
 
 def test_transformers_gpt_oss_experts_run_fused_fp32():
-    module = _gpt_oss_experts(32, 16, 4, 2, limit=1.5, seed=5).to(DEV)
+    module = _gpt_oss_experts(32, 16, 4, 2, limit=1.5, seed=5)
     x = torch.randn(7, 32, device=DEV) * 2
     index, weights = random_routing(7, 4, 2, DEV)
     with torch.no_grad():
@@ -218,6 +225,51 @@ def test_transformers_gpt_oss_experts_run_fused_fp32():
     ref = reference_experts(module, x, index, weights)
     assert relative_error(eager, ref) < FP32_TOL  # the reference is Transformers' layer
     assert relative_error(out, ref) < FP32_TOL
+
+
+def _load_fused():  # noqa: ANN202
+    return triton_fused_experts_forward
+
+
+@selector.hookimpl
+def _fused_cpu_backends():
+    """triton_fused's own declaration (its gates included), on the CPU: its kernels run in the interpreter."""
+    from dataclasses import replace
+
+    from selector.plugins.triton_fused import selector_backends
+
+    spec = selector_backends()[0]
+    req = replace(spec.requirements, devices=frozenset({"cpu"}), min_compute_capability=None, packages={})
+    return [selector.BackendSpec(name="fused_gates_cpu", load=_load_fused, requirements=req, check=spec.check,
+                                 estimate=lambda problem, env: 1e-9)]  # fmt: skip
+
+
+def test_transformers_gpt_oss_experts_through_registration_run_fused():
+    """Transformers' experts interface asked for the fused backend: the GPT-OSS gate is recognised, the request
+    is honoured (no refusal, no fallback) and the result matches Transformers' own loop."""
+    import types
+
+    from selector import hf
+    from selector.dispatch import reset_selection_caches
+    from selector.registry import register_plugin, unregister_plugin
+
+    register_plugin(types.SimpleNamespace(selector_backends=_fused_cpu_backends), "fused_gates_cpu_plugin")
+    reset_selection_caches()
+    try:
+        hf.register_with_transformers()
+        module = _gpt_oss_experts(32, 24, 5, 2, limit=2.0, seed=7, device="cpu")
+        x = torch.randn(6, 32) * 2
+        index, weights = random_routing(6, 5, 2, "cpu", skew=True)
+        eager = _eager(module, x, index, weights)
+        module.config._experts_implementation = hf.PREFIX + "fused_gates_cpu"
+        with torch.no_grad():
+            out = module(x, index, weights)
+        assert selector.last_backend(module) == "fused_gates_cpu"
+        assert relative_error(out, eager.double()) < FP32_TOL
+    finally:
+        unregister_plugin("fused_gates_cpu_plugin")
+        reset_selection_caches()
+        hf.register_with_transformers()
 
 
 def test_a_custom_python_gate_is_refused_not_miscomputed():
@@ -267,7 +319,7 @@ def test_gpu_transformers_gpt_oss_through_registration_bf16(T):
 
     hf.register_with_transformers()
     H, I, E, k = GPT_OSS_SIZE
-    module = _gpt_oss_experts(H, I, E, k, seed=T).to("cuda", torch.bfloat16)
+    module = _gpt_oss_experts(H, I, E, k, seed=T, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(T)
     x = (torch.randn(T, H, generator=gen) * 2).to("cuda", torch.bfloat16)
     index, weights = random_routing(T, E, k, "cuda")
