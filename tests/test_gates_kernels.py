@@ -347,3 +347,41 @@ def _module_reference64(module, x, index, weights):
         o = module._apply_gate(h) @ module.down_proj[e].double() + module.down_proj_bias[e].double()
         out.index_add_(0, tok, o * w64[tok, slot, None])
     return out.cpu()
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's CPU tensors; on a GPU test_tile_tuning_kernels times real kernels")
+def test_tile_tuning_times_the_gpt_oss_epilogue_in_the_interpreter(tmp_path, monkeypatch):
+    """The tuner's bench builds the GPT-OSS layer (transposed, interleaved, biases) and launches its gate_up
+    GEMM with the clamped SwiGLU; the tiles land under the layout's own key."""
+    import time
+    from dataclasses import replace
+
+    from selector.plugins.triton_fused import configs as C
+    from selector.plugins.triton_fused import tune as TU
+
+    from selector.presets import preset
+
+    monkeypatch.setenv("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR", str(tmp_path / "user"))
+    C.clear_caches()
+    launched = []
+    real_launch = K._launch_gemm
+    monkeypatch.setattr(K, "_launch_gemm", lambda *a, **kw: launched.append(kw) or real_launch(*a, **kw))
+
+    def wall_timer(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    problem = replace(preset("gpt-oss-20b"), num_experts=4, hidden_size=32, intermediate_size=16, top_k=2,
+                      dtype="float16", device="cpu")  # fmt: skip
+    try:
+        bench = TU.LayerBench(problem, torch.device("cpu"), wall_timer)
+        summary = TU.tune_kernels(problem, (4,), 60.0, measure=bench, device_name="Interpreter GPU")
+        assert summary["skipped"] is None and summary["tokens_tuned"] == [4]
+        assert summary["shape"] == "E=4,H=32,I=16,k=2,transposed,interleaved"
+        assert set(C.load_user_table("Interpreter GPU")) == {summary["shape"]}
+    finally:
+        C.clear_caches()
+    gate_up = [kw for kw in launched if kw["gated"]]
+    assert gate_up and all(kw["gate"] == 1 and kw["gate_alpha"] == 1.702 and kw["gate_limit"] == 7.0
+                           and kw["interleaved"] for kw in gate_up)  # fmt: skip

@@ -518,8 +518,8 @@ class LayerBench:
         self.act = ACT_CODE.get(problem.activation, ACT_CODE["silu"]) if problem.gate.is_default else 0
         # the layer's own gate in the gate_up epilogue (the clamped SwiGLU's alpha and limit as runtime scalars)
         self.gate = GATE_CODE[problem.gate.name]
-        self.gate_args = {"gate": self.gate, "gate_alpha": problem.gate.alpha or 1.0,
-                          "gate_limit": problem.gate.limit or 0.0} if self.gate else {}  # fmt: skip
+        self.gate_args = {"gate": self.gate, "gate_alpha": problem.gate.alpha,
+                          "gate_limit": problem.gate.limit} if self.gate else {}  # fmt: skip
         self.prec = _k._dot_precision(self.dtype)
         self._cell: tuple[int, dict[str, Any]] | None = None
 
@@ -608,13 +608,15 @@ def tune_kernels(
     """Tune the tiles of one layer at these token counts on this GPU within `budget_s` seconds (compiles
     included) and merge them into the user tile table, where `configs.get_config` finds them first.
 
-    Shapes the shipped table has are left alone, and token counts the user table already holds measured
-    tiles for are skipped, unless `force`. Largest token counts first, each with its share of the budget; a
-    budget cut keeps the best tiles measured so far ("tokens_partial": tuned again next time) and writes the
-    tiles that would run anyway for the token counts it never reached ("tokens_default"). `measure`, `clock`,
-    `device_name` and `directory` replace the GPU timing, the clock, the GPU's name and the user table's folder
-    (tests). Returns a summary: tokens tuned and left on defaults, the configs chosen with their times and the
-    defaults' times, seconds spent, whether the budget cut it short, and where it was written.
+    The tiles go under the layer's shape in its weight layout (`configs.layout_key`: GPT-OSS's transposed,
+    interleaved experts get their own entry). Shapes the shipped table has are left alone, and token counts the
+    user table already holds measured tiles for are skipped, unless `force`. Largest token counts first, each
+    with its share of the budget; a budget cut keeps the best tiles measured so far ("tokens_partial": tuned
+    again next time) and writes the tiles that would run anyway for the token counts it never reached
+    ("tokens_default"). `measure`, `clock`, `device_name` and `directory` replace the GPU timing, the clock,
+    the GPU's name and the user table's folder (tests). Returns a summary: tokens tuned and left on defaults,
+    the configs chosen with their times and the defaults' times, seconds spent, whether the budget cut it
+    short, and where it was written.
     """
     start = clock()
     key = _configs.layout_key(
