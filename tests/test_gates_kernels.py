@@ -385,3 +385,15 @@ def test_tile_tuning_times_the_gpt_oss_epilogue_in_the_interpreter(tmp_path, mon
     gate_up = [kw for kw in launched if kw["gated"]]
     assert gate_up and all(kw["gate"] == 1 and kw["gate_alpha"] == 1.702 and kw["gate_limit"] == 7.0
                            and kw["interleaved"] for kw in gate_up)  # fmt: skip
+
+
+def test_triton_fused_declaration_keeps_its_contract_in_the_interpreter():
+    """Every layout triton_fused declares (the GPT-OSS gate on interleaved channels included) matches the
+    float64 reference: selector.testing's contract check with its declaration moved to the CPU."""
+    from selector.testing import check_backend_contract
+
+    spec = _fused_cpu_backends()[0]
+    report = check_backend_contract(spec, device="cpu", token_counts=(0, 5))
+    assert report.ok, report.describe()
+    assert report.results["custom_gate"] == "ok"  # selector's clamped SwiGLU: a gate the epilogue runs
+    assert report.results["post_expert_norm"] == "not declared"
