@@ -208,10 +208,14 @@ def test_gpt_oss_ranks_triton_fused_and_explains_the_others():
     ranking = rank(GPT_OSS, H200, build_registry(environ={}))
     assert "triton_fused" in {c.name for c in ranking.candidates}
     assert {"grouped_mm", "batched_mm", "eager"} <= {c.name for c in ranking.candidates}
-    megamoe = ranking.verdicts["deepgemm_megamoe"]
-    assert not megamoe.ok
-    sonic = ranking.verdicts["sonicmoe"]
-    assert not sonic.ok
+    # a kernel that declares act_mul only (DeepGEMM's MegaMoE: fp4, silu) says which gate it lacks, on its GPU
+    megamoe = build_registry(environ={}).get("deepgemm_megamoe")
+    megamoe = replace(megamoe, requirements=replace(megamoe.requirements, toolkit=()), check=None)
+    blackwell = collect_environment(
+        environ={"SELECTOR_GPUS": "NVIDIA B200:10.0:180", "SELECTOR_PACKAGE_KERNELS": "0.17.0", "PATH": ""}
+    )
+    fp4 = replace(GPT_OSS, weight_format="fp4", scale_format="ue8m0")
+    assert evaluate(megamoe, fp4, blackwell).reason.startswith("does not run gate clamped_swiglu(alpha=1.702,limit=7)")
     quantised = rank(replace(GPT_OSS, is_transposed=False, weight_format="fp8_block", scale_format="float32"),
                      H200, build_registry(environ={}))  # fmt: skip
     reason = quantised.excluded["triton_fused"].reason
@@ -296,4 +300,5 @@ def test_a_gpt_oss_config_file_becomes_its_gate(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     problem = read_config(tmp_path).problem
     assert problem.gate == clamped_swiglu(1.702, 5.5) and not problem.custom_gate
-    assert problem_key(problem).endswith("/clamped_swiglu(alpha=1.702,limit=5.5)/gated+has_bias+is_transposed+interleaved")
+    gate_and_layout = "/clamped_swiglu(alpha=1.702,limit=5.5)/gated+has_bias+is_transposed+interleaved"
+    assert problem_key(problem).endswith(gate_and_layout)
