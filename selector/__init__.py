@@ -1,6 +1,6 @@
 """selector: picks the fastest correct Mixture-of-Experts experts backend for this machine, and explains why.
 
-Public API: the types plugins declare (`BackendSpec`, `Requirements`, `ToolkitRule`, `hookimpl`), the model
+Public API: the types plugins declare (`BackendSpec`, `Requirements`, `ToolkitRule`, `hookimpl`, `Gate`), the model
 API (`experts`, `set_experts_implementation`, `get_experts_implementation`, `explain_model`), the dispatch
 core's (`run_experts`, `last_backend`, `explain_module`, `reset_selection_caches`), `check` (raise what the
 device-side routing guard recorded), and the ranking (`rank`,
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from selector.gates import Gate
 from selector.hookspecs import ENTRY_POINT_GROUP, hookimpl
 from selector.types import (
     Availability,
@@ -68,6 +69,7 @@ __all__ = [
     "Availability",
     "BackendSpec",
     "Candidate",
+    "Gate",
     "Problem",
     "Ranking",
     "Requirements",

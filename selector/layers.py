@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from selector.gates import CLAMPED_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
+
 if TYPE_CHECKING:
     import torch
 
@@ -24,15 +26,29 @@ def default_apply_gate(module: torch.nn.Module, gate_up_out: torch.Tensor) -> to
     return module.act_fn(gate) * up
 
 
-GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * (gate * alpha).sigmoid())  # Transformers' GptOssExperts order of operations
 
 
 def clamped_swiglu(module: torch.nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
     """GPT-OSS's gate over interleaved channels: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
-    gate, up = gate_up_out[..., ::2], gate_up_out[..., 1::2]
-    gate = gate.clamp(max=GPT_OSS_LIMIT)
-    up = up.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
-    return (up + 1) * gate * (gate * GPT_OSS_ALPHA).sigmoid()
+    return _clamped_swiglu(gate_up_out[..., ::2], gate_up_out[..., 1::2], GPT_OSS_ALPHA, GPT_OSS_LIMIT)
+
+
+def declared_apply_gate(module: torch.nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """The module's declared `selector_gate` (selector.gates) in torch, over concatenated or interleaved
+    channels: what `selector.experts(gate=...)` installs as `_apply_gate`, so torch backends compute the gate
+    the fused kernels run."""
+    gate = module.selector_gate
+    if gate.name != CLAMPED_SWIGLU:
+        return default_apply_gate(module, gate_up_out)
+    if getattr(module, "is_concatenated", True):
+        g, up = gate_up_out.chunk(2, dim=-1)
+    else:
+        g, up = gate_up_out[..., ::2], gate_up_out[..., 1::2]
+    return _clamped_swiglu(g, up, gate.alpha, gate.limit)
 
 
 def up_weight(module: torch.nn.Module) -> torch.Tensor:

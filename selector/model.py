@@ -24,6 +24,7 @@ import torch
 
 from selector import dispatch, layers
 from selector.dispatch import AUTO, explain_module, last_backend, reset_selection_caches, run_experts
+from selector.gates import Gate
 from selector.types import Ranking, Status
 
 _BACKBONE = "_selector_backbone"  # the sub-config key this module answers to
@@ -41,6 +42,7 @@ def experts(
     is_concatenated: bool = True,
     has_post_expert_norm: bool = False,
     gate_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    gate: Gate | None = None,
     backbone: str | None = None,
     replace_forward: bool = False,
 ) -> Any:
@@ -48,12 +50,18 @@ def experts(
 
     Flags as Transformers' `use_experts_implementation`: `is_concatenated=False` means interleaved gate/up
     channels; `gate_fn(module, gate_up_out) -> gated` replaces act(gate) * up (GPT-OSS style gates);
+    `gate=selector.Gate("clamped_swiglu", alpha=1.702, limit=7.0)` declares the gate as data (selector.gates),
+    so fused kernels that declare it run it in their epilogue; torch backends run `gate_fn` or the class's own
+    `_apply_gate` when there is one (they must compute the declared gate), else the gate's torch form.
     `backbone` names the sub-config key that dict requests use for this module.
 
     The decorator installs its own `forward`. A class that defines `forward` itself gets a `UserWarning`
     (its method would never run: the selected backend computes the layer from the weights); pass
     `replace_forward=True` to say that is intended (e.g. a forward kept as the reference).
     """
+
+    if gate is not None and not isinstance(gate, Gate):
+        raise TypeError(f"selector.experts(gate=...) takes a selector.Gate, got {type(gate).__name__} {gate!r}")
 
     def wrap(klass: M) -> M:
         if not isinstance(klass, type):
@@ -93,8 +101,12 @@ def experts(
         klass.forward = forward
         if gate_fn is not None:
             klass._apply_gate = gate_fn
+        elif gate is not None and getattr(klass, "_apply_gate", layers.default_apply_gate) is layers.default_apply_gate:
+            klass._apply_gate = layers.declared_apply_gate
         elif not hasattr(klass, "_apply_gate"):
             klass._apply_gate = layers.default_apply_gate
+        if gate is not None:
+            klass.selector_gate = gate
         klass._selector_experts = True
         return klass
 

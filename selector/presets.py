@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from selector.gates import clamped_swiglu
 from selector.types import Problem
 
 PRESETS: dict[str, Problem] = {
@@ -17,7 +18,8 @@ PRESETS: dict[str, Problem] = {
         has_bias=True,
         is_transposed=True,
         interleaved=True,
-        custom_gate=True,
+        activation="clamped_swiglu",  # as problem_from_module names a layer whose gate is not act_mul
+        gate=clamped_swiglu(),  # GPT-OSS's alpha 1.702, limit 7
     ),
 }
 

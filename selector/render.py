@@ -16,7 +16,8 @@ def describe_problem(p: Problem) -> str:
     flags = [f for f, on in (("non-gated", not p.gated), ("bias", p.has_bias), ("transposed", p.is_transposed),
                              ("interleaved", p.interleaved), ("custom gate", p.custom_gate)) if on]
     tokens = "T=?" if p.num_tokens is None else f"T={p.num_tokens}"
-    text = (f"E={p.num_experts} H={p.hidden_size} I={p.intermediate_size} k={p.top_k} {p.dtype} {p.activation} "
+    act = p.activation if p.gate.is_default else p.gate.label()  # a gate other than act_mul, with its parameters
+    text = (f"E={p.num_experts} H={p.hidden_size} I={p.intermediate_size} k={p.top_k} {p.dtype} {act} "
             f"on {p.device} {tokens}")
     if p.weight_format != "dense":
         text += f" {p.weight_format}/{p.scale_format}"

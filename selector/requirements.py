@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from selector.gates import ACT_MUL, GATE_NAMES
 from selector.probes import Environment
 from selector.types import AVAILABLE, COMPILE_MODES, Availability, BackendSpec, Problem, Requirements, Status
 
@@ -120,6 +121,14 @@ def _check_toolkit(req: Requirements, problem: Problem, env: Environment) -> Ava
     return None
 
 
+def gates_run(req: Requirements) -> frozenset[str]:
+    """The gates of selector.gates a backend runs: those it declares, else act_mul, or every gate when its torch
+    code calls the module's own _apply_gate (custom_gate=True)."""
+    if req.gates is not None:
+        return req.gates
+    return frozenset(GATE_NAMES) if req.custom_gate else frozenset({ACT_MUL})
+
+
 _ANOTHER = "pick another backend: `selector doctor` with this layer's flags (e.g. --weight-format) lists those that run it"
 
 
@@ -143,7 +152,10 @@ def _check_config(req: Requirements, p: Problem) -> Availability | None:
         return _unsupported(
             f"does not run {p.activation_quant} activation quantisation (runs {listed(req.activation_quant)})"
         )
-    if req.activations is not None and p.activation not in req.activations:
+    if p.gated and not p.custom_gate and p.gate.name not in gates_run(req):
+        return _unsupported(f"does not run gate {p.gate.label()} (runs {listed(gates_run(req))})")
+    # a gate other than act_mul is the whole function between the projections: the activation names act_mul's act
+    if req.activations is not None and p.activation not in req.activations and (not p.gated or p.gate.is_default):
         return _unsupported(f"does not run activation {p.activation!r} (runs {listed(req.activations)})")
     flags: list[tuple[bool, bool, str]] = [
         (p.gated, req.gated, "gated experts"),
@@ -151,7 +163,7 @@ def _check_config(req: Requirements, p: Problem) -> Availability | None:
         (p.has_bias, req.bias, "expert biases"),
         (p.is_transposed, req.transposed, "the transposed weight layout"),
         (p.interleaved, req.interleaved, "interleaved gate/up weights"),
-        (p.custom_gate, req.custom_gate, "a custom gate function"),
+        (p.custom_gate, req.custom_gate, "a custom gate function" + (f" ({p.gate_source})" if p.gate_source else "")),
         (p.post_expert_norm, req.post_expert_norm, "a post-expert norm"),
         (p.expert_parallel, req.expert_parallel, "expert parallelism"),
     ]

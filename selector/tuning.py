@@ -69,7 +69,9 @@ class Measurement:
 
 def problem_key(problem: Problem) -> str:
     """The layer as a tuning key: everything a backend's time depends on except the token count and how it is
-    called (mode). Stable text, e.g. `E128-H2048-I768-k8/bfloat16/dense/silu/gated`."""
+    called (mode). Stable text, e.g. `E128-H2048-I768-k8/bfloat16/dense/silu/gated`; a gate other than act_mul
+    takes the activation's place with its parameters (`clamped_swiglu(alpha=1.702,limit=7)`), so act_mul layers
+    keep the keys they always had."""
     layout = [name for name in ("has_bias", "is_transposed", "interleaved", "custom_gate", "post_expert_norm",
                                 "expert_parallel") if getattr(problem, name)]  # fmt: skip
     fmt = problem.weight_format if problem.scale_format is None else f"{problem.weight_format}:{problem.scale_format}"
@@ -79,7 +81,7 @@ def problem_key(problem: Problem) -> str:
         f"E{problem.num_experts}-H{problem.hidden_size}-I{problem.intermediate_size}-k{problem.top_k}",
         problem.dtype,
         fmt,
-        problem.activation,
+        problem.activation if problem.gate.is_default else problem.gate.label(),
         "+".join(["gated" if problem.gated else "plain", *layout]),
     ])
 

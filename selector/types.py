@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from selector.gates import DEFAULT_GATE, Gate
+
 if TYPE_CHECKING:  # only for annotations
     import torch
 
@@ -115,7 +117,10 @@ class Requirements:
     bias: bool = False  # gate_up_proj_bias / up_proj_bias [E, 2I] and down_proj_bias [E, H]
     transposed: bool = False  # is_transposed: gate_up_proj [E, H, 2I], down_proj [E, I, H]
     interleaved: bool = False  # is_concatenated False: gate/up channels [g0, u0, g1, u1, ...]
-    custom_gate: bool = False  # a module-specific _apply_gate (GPT-OSS's clamped SwiGLU) is called
+    custom_gate: bool = False  # a module-specific _apply_gate the selector does not recognise is called
+    # the gates of selector.gates it runs (closed world); None: act_mul only, or every gate when custom_gate is
+    # True (its torch code calls the module's _apply_gate, whatever that computes)
+    gates: frozenset[str] | None = None
     post_expert_norm: bool = False  # module.post_expert_norm is applied to each expert's output
     expert_parallel: bool = False  # the sentinel expert id (== num_experts) is honoured: it contributes nothing
     needs_process_group: bool = False
@@ -150,7 +155,9 @@ class Problem:
     has_bias: bool = False
     is_transposed: bool = False
     interleaved: bool = False
-    custom_gate: bool = False
+    custom_gate: bool = False  # an _apply_gate that is not a gate of selector.gates: only torch code runs it
+    gate: Gate = DEFAULT_GATE  # the recognised gate and its parameters (activation names act_mul's act)
+    gate_source: str = ""  # a custom gate's function (e.g. "MyExperts._apply_gate"), named in the reasons
     post_expert_norm: bool = False
     weight_format: str = "dense"
     scale_format: str | None = None

@@ -38,7 +38,7 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Files whose tests run Triton kernels; on a CPU that is the interpreter, slow at any size.
 INTERPRETER_FILES = frozenset({
     "test_triton_fused_kernels.py", "test_triton_fused_graphs.py", "test_quant.py", "test_quant_grouped.py",
-    "test_quant_tune.py", "test_tile_tuning_kernels.py",
+    "test_quant_tune.py", "test_tile_tuning_kernels.py", "test_gates_kernels.py",
 })  # fmt: skip
 # Fixtures that register the real Triton adapter as a CPU backend, so its kernels run in the interpreter.
 INTERPRETER_FIXTURES = frozenset({"fused_cpu", "guard_interpreter"})

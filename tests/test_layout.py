@@ -35,8 +35,8 @@ DISPATCH_KEYS = frozenset({
     "_selector_problem", "_selector_facts", "_selector_choices", "_selector_checked",
 })  # fmt: skip
 SELECTION_FLOOR = (
-    "selector.types", "selector.requirements", "selector.costmodel", "selector.ranking", "selector.registry",
-    "selector.config", "selector.tuning", "selector.compat",
+    "selector.types", "selector.gates", "selector.requirements", "selector.costmodel", "selector.ranking",
+    "selector.registry", "selector.config", "selector.tuning", "selector.compat",
 )  # fmt: skip
 RUNTIME_AND_ADAPTERS = ("selector.dispatch", "selector.model", "selector.hf", "selector.daemon", "selector.bench")
 HEAVY = ("torch",)

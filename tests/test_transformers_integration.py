@@ -214,7 +214,8 @@ def test_gpt_oss_custom_gate_is_used(models):
             cls._apply_gate = gate
     assert (clamped - plain).abs().max() > 1e-3, "the clamped gate must shape the output"
     problem = hf.selection_report(model).entries[0].problem
-    assert problem.custom_gate and problem.interleaved and problem.has_bias and problem.is_transposed
+    assert problem.interleaved and problem.has_bias and problem.is_transposed
+    assert problem.gate.name == "clamped_swiglu" and not problem.custom_gate  # recognised: selector.gates
 
 
 # ---------------------------------------------------------------------------------------------------------

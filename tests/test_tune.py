@@ -62,11 +62,12 @@ def test_configs_become_the_layers_they_describe(tmp_path: Path) -> None:
     assert read_config(_write(tmp_path / "ds31", ue8m0)).problem.scale_format == "ue8m0"
     oss = read_config(_write(tmp_path / "gpt-oss", GPT_OSS))
     assert (oss.problem.has_bias, oss.problem.is_transposed, oss.problem.interleaved, oss.problem.custom_gate) == (
-        True, True, True, True)  # fmt: skip
+        True, True, True, False)  # fmt: skip
+    assert oss.problem.gate.label() == "clamped_swiglu(alpha=1.702,limit=7)"  # the config's swiglu_* or GPT-OSS's
     assert oss.problem.weight_format == "dense" and "'mxfp4' is not one selector runs" in oss.notes[0]
     from selector.presets import PRESETS
 
-    layout = ("has_bias", "is_transposed", "interleaved", "custom_gate")
+    layout = ("has_bias", "is_transposed", "interleaved", "custom_gate", "gate", "activation")
     assert all(getattr(oss.problem, f) == getattr(PRESETS["gpt-oss-20b"], f) for f in layout)
     vl = read_config(_write(tmp_path / "vl", {"model_type": "qwen3_vl_moe", "text_config": QWEN3_MOE}))
     assert vl.problem.num_experts == 128  # a multimodal config's experts live in text_config
@@ -275,7 +276,8 @@ def test_a_gpt_oss_layout_is_built_checked_and_timed(tmp_path: Path) -> None:
     result = run_tune([target], tokens=[3], backends=["eager", "batched_mm", "grouped_mm"], device="cpu",
                       store=TuneStore(tmp_path / "tuning.sqlite3"), rounds=1, sample_s=0.0)  # fmt: skip
     assert not result.errors and {r["backend"] for r in result.records} == {"eager", "batched_mm", "grouped_mm"}
-    assert result.records[0]["problem"].endswith("gated+has_bias+is_transposed+interleaved+custom_gate")
+    key = result.records[0]["problem"]
+    assert key.endswith("/clamped_swiglu(alpha=1.702,limit=7)/gated+has_bias+is_transposed+interleaved")
 
 
 def test_a_quantised_gpt_oss_layer_is_a_usage_error(tmp_path: Path) -> None:

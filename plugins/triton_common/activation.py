@@ -1,4 +1,4 @@
-"""Epilogue activations of the experts GEMMs, selected by a constexpr code."""
+"""Epilogue activations and gates of the experts GEMMs, selected by constexpr codes (selector.gates as data)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import triton.language as tl
 
 # "none": a linear epilogue (the down projection, or an up projection whose activation runs in torch)
 ACT_CODE: dict[str, int] = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+# selector.gates names -> the GATE constexpr of `gate`; 0 (act_mul) compiles to act(gate) * up, as before gates
+GATE_CODE: dict[str, int] = {"act_mul": 0, "clamped_swiglu": 1}
 
 
 @triton.jit
@@ -22,4 +24,18 @@ def activation(x, ACT: tl.constexpr):
         y = tl.maximum(x, 0.0)
     else:
         y = x
+    return y
+
+
+@triton.jit
+def gate(g, u, alpha, limit, ACT: tl.constexpr, GATE: tl.constexpr):
+    """The gated epilogue on fp32 gate and up tiles (biases already added). GATE 1 is GPT-OSS's clamped SwiGLU,
+    (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha g) with g = min(g, limit); alpha and limit are runtime
+    scalars, so one compile serves every layer's values. Else act(g) * u."""
+    if GATE == 1:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        y = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
+    else:
+        y = activation(g, ACT) * u
     return y

@@ -18,11 +18,14 @@ from selector.plugins.quant_kernels import (
 )
 from selector.probes import Environment
 
-from selector import BackendSpec, Problem, Requirements, hookimpl
+from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
 from selector.costmodel import floor_seconds
+from selector.gates import ACT_MUL, CLAMPED_SWIGLU
 from selector.types import COMPILE_MODES
 
 ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
+# the gates its gate_up epilogue runs (plugins/triton_common/activation.py): act(gate) * up and GPT-OSS's
+GATES = frozenset({ACT_MUL, CLAMPED_SWIGLU})
 
 
 def _load():  # noqa: ANN202
@@ -38,6 +41,18 @@ def _estimate(problem: Problem, env: Environment) -> float:
     if problem.weight_format != "dense":
         return 28e-6 + 1.15 * floor_seconds(problem, env)
     return 25e-6 + 1.15 * floor_seconds(problem, env)
+
+
+def _check(problem: Problem, env: Environment) -> Availability | None:
+    # quantised experts run plugins/quant_kernels' grouped kernels, whose epilogue has act(gate) * up only
+    if problem.weight_format != "dense" and problem.gated and not problem.gate.is_default:
+        return Availability(
+            Status.UNSUPPORTED_CONFIG,
+            f"runs gate {problem.gate.label()} for dense experts only; {problem.weight_format} experts run "
+            "plugins/quant_kernels' grouped kernels, whose epilogue runs act(gate) * up",
+            "pick a torch backend for this layer (grouped_mm, batched_mm or eager), or run it unquantised",
+        )
+    return check_quantized(problem, env)
 
 
 def _tune_kernels(problem: Problem, token_counts: Sequence[int], budget_s: float) -> Mapping[str, Any]:
@@ -70,10 +85,11 @@ def selector_backends() -> Sequence[BackendSpec]:
                 transposed=True,  # the kernel reads either stride order
                 interleaved=True,  # the epilogue pairs [g0, u0, g1, u1, ...] as well as [gate | up]
                 expert_parallel=True,  # align drops sentinel ids; the combine skips their slots
-                custom_gate=False,  # the gate is fused into the GEMM epilogue: only act(gate) * up
+                custom_gate=False,  # the gate is fused into the GEMM epilogue: only the gates it declares
+                gates=GATES,  # the clamped SwiGLU for dense experts (quantised ones: `_check`)
                 post_expert_norm=False,
             ),
-            check=check_quantized,
+            check=_check,
             description="fused Triton kernels: GPU-side align, gate_up+activation, down+routing weight "
             "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,

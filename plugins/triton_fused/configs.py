@@ -47,6 +47,14 @@ def shape_key(num_experts: int, hidden: int, intermediate: int, top_k: int) -> s
     return f"E={num_experts},H={hidden},I={intermediate},k={top_k}"
 
 
+def layout_key(key: str, *, transposed: bool = False, interleaved: bool = False) -> str:
+    """The table key of a shape in a weight layout other than the plain one (``...,k=4,transposed,interleaved``):
+    such layers look up their own entry first and fall back to the plain layout's tiles of the same shape
+    (valid for every layout: the kernel reads the same tile sizes in either stride order), then the heuristics.
+    The gate is not part of the key: the epilogue's cost is small next to the GEMM the tiles are for."""
+    return key + "".join(f",{name}" for name, on in (("transposed", transposed), ("interleaved", interleaved)) if on)
+
+
 def config_file_name(device_name: str) -> str:
     return device_name.strip().replace(" ", "_").replace("/", "_") + ".json"
 
@@ -280,6 +288,7 @@ def clear_caches() -> None:
 def _get_config_cached(
     num_experts: int, hidden: int, intermediate: int, num_tokens: int, top_k: int, dtype: torch.dtype,
     gated: bool, device_type: str, device_index: int | None, config_dir: str, user_dir: str,
+    transposed: bool = False, interleaved: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     num_sms = 132
     if device_type == "cuda":
@@ -287,10 +296,13 @@ def _get_config_cached(
         name = _device_name(device_index)
         if name and gated and dtype in (torch.bfloat16, torch.float16):
             key = shape_key(num_experts, hidden, intermediate, top_k)
-            for table in (load_user_table(name, user_dir), load_table(name, config_dir)):
-                cfg = lookup(table, key, num_tokens)
-                if cfg is not None:
-                    return cfg
+            own = layout_key(key, transposed=transposed, interleaved=interleaved)
+            tables = (load_user_table(name, user_dir), load_table(name, config_dir))
+            for k in dict.fromkeys((own, key)):  # this layout's tiles, else the plain layout's of the shape
+                for table in tables:
+                    cfg = lookup(table, k, num_tokens)
+                    if cfg is not None:
+                        return cfg
     return normalize(
         default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated=gated, num_sms=num_sms)
     )
@@ -306,11 +318,14 @@ def get_config(
     *,
     gated: bool = True,
     device: torch.device | str | None = None,
+    transposed: bool = False,
+    interleaved: bool = False,
 ) -> dict[str, Any]:
     """The tile config for one call: this node's tuned table, else the shipped table for this GPU, if either has
-    the shape; else the heuristics."""
+    the shape in this layout (`layout_key`), then the same for the plain layout of the shape; else the
+    heuristics."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     return _get_config_cached(
         num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated, dev.type, dev.index,
-        str(_config_dir()), str(user_config_dir()),
+        str(_config_dir()), str(user_config_dir()), transposed, interleaved,
     )  # fmt: skip

@@ -14,14 +14,30 @@ from selector.plugins.triton_fused.kernels import fused_experts
 
 from selector import graphs, layers
 from selector.guard import guard_code
-from selector.problem import activation_name
+from selector.gates import DEFAULT_GATE, Gate
+from selector.problem import activation_name, gate_of
 
 GRAPH_MAX_TOKENS = graphs.REPEAT_TOKENS  # recorded on first use up to graphs.DECODE_TOKENS, above when repeated
+
+
+def _gate(module: torch.nn.Module) -> Gate:
+    """The gate the epilogue runs: the module's recognised gate (selector.gates). The selection never sends a
+    custom Python gate here; a direct call with one is refused rather than computed as act(gate) * up."""
+    if not getattr(module, "has_gate", True):
+        return DEFAULT_GATE
+    gate = gate_of(module)
+    if gate is None:
+        raise ValueError(
+            f"triton_fused: {type(module).__name__}._apply_gate is not a gate of selector.gates, so the fused "
+            "epilogue cannot run it; declare it (selector.experts(gate=selector.Gate(...))) or pick a torch backend"
+        )
+    return gate
 
 
 def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     up_w = layers.up_weight(module)
     guard = guard_code(module, hidden.device)  # routing checked inside the align / combine launches
+    gate = _gate(module)
     return fused_experts(
         hidden.to(up_w.dtype),
         up_w,
@@ -29,13 +45,16 @@ def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, 
         index,
         weights,
         num_experts=module.num_experts,
-        activation=activation_name(module.act_fn),
+        activation=activation_name(getattr(module, "act_fn", None)) if gate.is_default else "silu",
         gated=getattr(module, "has_gate", True),
         interleaved=not getattr(module, "is_concatenated", True),
         transposed=getattr(module, "is_transposed", False),
         gate_up_bias=layers.up_bias(module),
         down_bias=layers.down_bias(module),
         guard=guard,
+        gate=gate.name,
+        gate_alpha=gate.alpha,
+        gate_limit=gate.limit,
     ).to(hidden.dtype)
 
 
@@ -43,8 +62,9 @@ def _graph_key(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tenso
     tensors = [layers.up_weight(module), module.down_proj, layers.up_bias(module), layers.down_bias(module)]
     pointers = tuple(t.data_ptr() if t is not None else 0 for t in tensors)  # new weights -> new graph
     guard = guard_code(module, hidden.device)  # a graph records the guard it was captured with
+    gate = _gate(module)  # and the gate's parameters, baked into its launches
     return (tuple(hidden.shape), hidden.dtype, tuple(index.shape), index.dtype, weights.dtype, hidden.device, pointers,
-            guard)  # fmt: skip
+            guard, gate)  # fmt: skip
 
 
 def triton_fused_experts_forward(

@@ -4,6 +4,9 @@ Computes, for hidden_states x [T, H], routing ids [T, k] and routing weights [T,
 
     out[t] = sum_j w[t, j] * ( down_e( act(gate_e(x_t) + bg_e) * (up_e(x_t) + bu_e) ) + bd_e ),  e = ids[t, j]
 
+or, with the clamped SwiGLU gate (GPT-OSS), ``(clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+``g = min(gate_e(x_t) + bg_e, limit)`` and ``u = up_e(x_t) + bu_e`` in place of ``act(...) * (...)``.
+
 with the weights laid out as a Transformers experts module stores them (see ``fused_experts``). Ids outside
 [0, num_experts) are the expert-parallel sentinel: they contribute nothing.
 
@@ -26,11 +29,14 @@ Temporaries: intermediate (T*k*I) and y (T*k*H) in the input dtype plus a few sm
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
-from selector.plugins.triton_common.activation import ACT_CODE
+from selector.plugins.triton_common.activation import ACT_CODE, GATE_CODE
 from selector.plugins.triton_common.activation import activation as _activation
+from selector.plugins.triton_common.activation import gate as _gate
 from selector.plugins.triton_common.align import align
 from selector.plugins.triton_common.combine import combine
 from selector.plugins.triton_common.launch import cdiv, empty, launch
@@ -42,12 +48,14 @@ from . import configs as _configs
 __all__ = [
     "SUPPORTED_ACTIVATIONS",
     "SUPPORTED_DTYPES",
+    "SUPPORTED_GATES",
     "fused_experts",
     "fused_experts_impl",
 ]
 
 SUPPORTED_ACTIVATIONS: frozenset[str] = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32})
+SUPPORTED_GATES: frozenset[str] = frozenset(GATE_CODE)  # selector.gates names the gated epilogue runs
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -80,6 +88,8 @@ def _moe_gemm_kernel(
     stride_bn,
     stride_om,
     stride_on,
+    gate_alpha,
+    gate_limit,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -87,6 +97,7 @@ def _moe_gemm_kernel(
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     ACT: tl.constexpr,
+    GATE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_W: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -96,8 +107,9 @@ def _moe_gemm_kernel(
     """out[row, n] = epilogue( sum_k A[row // a_div, k] * W[e, n, k] ) for the rows of each expert block.
 
     N is the number of OUTPUT channels (I for gate_up, H for down). Gated: weight rows n (gate) and
-    n + up_offset (up) when concatenated, 2n and 2n+1 when interleaved. W is addressed through
-    (stride_wn, stride_wk), so transposed storage needs no copy.
+    n + up_offset (up) when concatenated, 2n and 2n+1 when interleaved; the bias is added to both before the
+    gate (GATE, ACT: triton_common.activation.gate, with gate_alpha / gate_limit for the clamped SwiGLU). W is
+    addressed through (stride_wn, stride_wk), so transposed storage needs no copy.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -147,7 +159,7 @@ def _moe_gemm_kernel(
             bias = tl.load(bias_ptr + expert * stride_be + offs_c * stride_bn, mask=c_ok, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-        res = _activation(gate, ACT) * up
+        res = _gate(gate, up, gate_alpha, gate_limit, ACT, GATE)
     elif GATED:
         bg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         bu_ptrs = bg_ptrs + up_offset * stride_wn
@@ -175,7 +187,7 @@ def _moe_gemm_kernel(
             bu_v = tl.load(bias_base + (offs_n + up_offset) * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
             acc_g = acc_g + bg_v[None, :]
             acc_u = acc_u + bu_v[None, :]
-        res = _activation(acc_g, ACT) * acc_u
+        res = _gate(acc_g, acc_u, gate_alpha, gate_limit, ACT, GATE)
     else:
         b_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -217,7 +229,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _launch_gemm(
     a, w, bias, out, sorted_rows, block_expert, topk_w, *, num_valid, n_out, k_dim, a_div, block_m,
-    stride_wn, stride_wk, up_offset, gated, interleaved, act, mul_w, cfg, dot_prec,
+    stride_wn, stride_wk, up_offset, gated, interleaved, act, mul_w, cfg, dot_prec, gate=0, gate_alpha=1.0,
+    gate_limit=0.0,
 ):  # fmt: skip
     num_blocks_m = block_expert.numel()
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -229,10 +242,10 @@ def _launch_gemm(
          num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset,
          a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
          bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-         out.stride(0), out.stride(1)),
+         out.stride(0), out.stride(1), float(gate_alpha), float(gate_limit)),
         dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], GATED=gated, INTERLEAVED=interleaved,
-             ACT=act, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0), EVEN_N=(n_out % bn == 0),
-             DOT_PREC=dot_prec),
+             ACT=act, GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0),
+             EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec),
         cfg["num_warps"], cfg["num_stages"],
     )  # fmt: skip
 
@@ -252,9 +265,23 @@ def _dims(hidden_states, gate_up_proj, down_proj, gated, transposed):
     return i_dim, c1, (s1n, s1k), (s2n, s2k)
 
 
+def _validate_gate(gate, gate_alpha, gate_limit, gated):
+    if gate not in SUPPORTED_GATES:
+        raise ValueError(f"triton_fused: gate {gate!r} is not supported; supported: {sorted(SUPPORTED_GATES)}")
+    if gate == "act_mul":
+        return
+    if not gated:
+        raise ValueError(f"triton_fused: gate {gate!r} needs gated experts (gate_up_proj holds gate and up)")
+    for name, value in (("gate_alpha", gate_alpha), ("gate_limit", gate_limit)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"triton_fused: gate {gate!r} needs a finite number {name}, got {value!r}")
+
+
 def _validate(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation,
-              gated, transposed, gate_up_bias, down_bias):  # fmt: skip
-    if activation not in SUPPORTED_ACTIVATIONS:
+              gated, transposed, gate_up_bias, down_bias, gate="act_mul", gate_alpha=None,
+              gate_limit=None):  # fmt: skip
+    _validate_gate(gate, gate_alpha, gate_limit, gated)
+    if activation not in SUPPORTED_ACTIVATIONS and (gate == "act_mul" or not gated):
         raise ValueError(
             f"triton_fused: activation {activation!r} is not supported; supported: {sorted(SUPPORTED_ACTIVATIONS)}"
         )
@@ -310,9 +337,13 @@ def fused_experts_impl(
     down_bias: torch.Tensor | None = None,
     config: dict | None = None,
     guard: int = 0,
+    gate: str = "act_mul",
+    gate_alpha: float | None = None,
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
     """The kernels, without validation and without the custom-op wrapper. `guard`: a selector.guard code (0: off)
-    that the align and combine launches check the routing against."""
+    that the align and combine launches check the routing against; `gate`: a name of SUPPORTED_GATES, with its
+    parameters (the clamped SwiGLU's alpha and limit)."""
     t, h = hidden_states.shape
     top_k = top_k_index.shape[1]
     out = empty((t, h), hidden_states.dtype, hidden_states.device, float("nan"))
@@ -321,7 +352,8 @@ def fused_experts_impl(
     i_dim, _, (s1n, s1k), (s2n, s2k) = _dims(hidden_states, gate_up_proj, down_proj, gated, transposed)
     if config is None:  # cached and already normalised
         cfg = _configs.get_config(
-            num_experts, h, i_dim, t, top_k, hidden_states.dtype, gated=gated, device=hidden_states.device
+            num_experts, h, i_dim, t, top_k, hidden_states.dtype, gated=gated, device=hidden_states.device,
+            transposed=transposed, interleaved=interleaved and gated,
         )
     else:
         cfg = _configs.normalize(config)
@@ -339,11 +371,14 @@ def fused_experts_impl(
     sorted_rows, block_expert = align(ids, num_experts, bm, checks, tw)
 
     inter = empty((n_pairs, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
+    gate_code = GATE_CODE[gate] if gated else 0
+    act_code = ACT_CODE[activation] if gate_code == 0 else 0  # the clamped SwiGLU brings its own activation
     _launch_gemm(
         hidden_states, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
         num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=top_k, block_m=bm, stride_wn=s1n, stride_wk=s1k,
-        up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=ACT_CODE[activation], mul_w=False,
-        cfg=cfg["gate_up"], dot_prec=dot_prec,
+        up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code, mul_w=False,
+        cfg=cfg["gate_up"], dot_prec=dot_prec, gate=gate_code,
+        gate_alpha=1.0 if gate_alpha is None else gate_alpha, gate_limit=0.0 if gate_limit is None else gate_limit,
     )  # fmt: skip
     y = empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
     _launch_gemm(
@@ -376,18 +411,22 @@ def _triton_fused_experts_op(
     down_bias: torch.Tensor | None,
     config: list[int] | None,
     guard: int = 0,
+    gate: str = "act_mul",
+    gate_alpha: float = 1.0,
+    gate_limit: float = 0.0,
 ) -> torch.Tensor:
     cfg = _configs.decode_config(config) if config is not None else None
     return fused_experts_impl(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-        interleaved, transposed, gate_up_bias, down_bias, cfg, guard,
+        interleaved, transposed, gate_up_bias, down_bias, cfg, guard, gate, gate_alpha, gate_limit,
     )  # fmt: skip
 
 
 @_triton_fused_experts_op.register_fake
 def _triton_fused_experts_fake(
     hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-    interleaved, transposed, gate_up_bias, down_bias, config, guard=0,
+    interleaved, transposed, gate_up_bias, down_bias, config, guard=0, gate="act_mul", gate_alpha=1.0,
+    gate_limit=0.0,
 ):  # fmt: skip
     return hidden_states.new_empty(hidden_states.shape)
 
@@ -408,6 +447,9 @@ def fused_experts(
     down_bias: torch.Tensor | None = None,
     config: dict | None = None,
     guard: int = 0,
+    gate: str = "act_mul",
+    gate_alpha: float | None = None,
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
     """MoE experts forward: returns [T, H] in hidden_states' dtype (fp32 accumulation).
 
@@ -417,6 +459,8 @@ def fused_experts(
       not gated: gate_up_proj is the up projection [E, I, H] ([E, H, I] if transposed), activation only
       down_proj  [E, H, I] ([E, I, H] if transposed)
       gate_up_bias [E, 2I] (or [E, I] not gated), down_bias [E, H]; both added before activation / weighting.
+    ``gate`` (gated experts): "act_mul" is act(gate) * up with ``activation``; "clamped_swiglu" is GPT-OSS's
+    (clamp(up, -gate_limit, gate_limit) + 1) * g * sigmoid(gate_alpha * g), g = min(gate, gate_limit).
     Ids outside [0, num_experts) (expert-parallel sentinel) contribute nothing. ``config`` overrides the tile
     configuration (see ``configs.normalize``); by default it comes from the shipped JSON or the heuristics.
     Under torch.compile the call goes through the torch custom op ``selector::triton_fused_experts`` (opaque,
@@ -426,7 +470,7 @@ def fused_experts(
     """
     _validate(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-        transposed, gate_up_bias, down_bias,
+        transposed, gate_up_bias, down_bias, gate, gate_alpha, gate_limit,
     )  # fmt: skip
     grad = torch.is_grad_enabled() and hidden_states.requires_grad  # the op makes a backward fail loudly
     if not torch.compiler.is_compiling() and not grad:
@@ -434,10 +478,11 @@ def fused_experts(
         # machine (measured), more than the whole decode step; the op only matters to torch.compile.
         return fused_experts_impl(
             hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-            interleaved, transposed, gate_up_bias, down_bias, config, guard,
+            interleaved, transposed, gate_up_bias, down_bias, config, guard, gate, gate_alpha, gate_limit,
         )  # fmt: skip
     return torch.ops.selector.triton_fused_experts(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
         interleaved, transposed, gate_up_bias, down_bias,
-        _configs.encode_config(config) if config is not None else None, guard,
+        _configs.encode_config(config) if config is not None else None, guard, gate,
+        1.0 if gate_alpha is None else float(gate_alpha), 0.0 if gate_limit is None else float(gate_limit),
     )  # fmt: skip

@@ -497,7 +497,7 @@ class LayerBench:
     interleaved, biases): `bench(task) -> seconds`. Inputs for one token count at a time are kept."""
 
     def __init__(self, problem: Problem, device: torch.device, timer: Callable[[Callable[[], None]], float]) -> None:
-        from selector.plugins.triton_common.activation import ACT_CODE
+        from selector.plugins.triton_common.activation import ACT_CODE, GATE_CODE
 
         from . import kernels as _k
 
@@ -515,7 +515,11 @@ class LayerBench:
         probe = torch.empty(1, h, device=device, dtype=self.dtype)
         _, _, self.s1, self.s2 = _k._dims(probe, self.w1, self.w2, True, problem.is_transposed)
         self.interleaved = problem.interleaved
-        self.act = ACT_CODE.get(problem.activation, ACT_CODE["silu"])
+        self.act = ACT_CODE.get(problem.activation, ACT_CODE["silu"]) if problem.gate.is_default else 0
+        # the layer's own gate in the gate_up epilogue (the clamped SwiGLU's alpha and limit as runtime scalars)
+        self.gate = GATE_CODE[problem.gate.name]
+        self.gate_args = {"gate": self.gate, "gate_alpha": problem.gate.alpha,
+                          "gate_limit": problem.gate.limit} if self.gate else {}  # fmt: skip
         self.prec = _k._dot_precision(self.dtype)
         self._cell: tuple[int, dict[str, Any]] | None = None
 
@@ -545,7 +549,7 @@ class LayerBench:
             args = {"a": c["x"], "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
                     "k_dim": self.h, "a_div": self.top_k, "stride_wn": self.s1[0], "stride_wk": self.s1[1],
                     "up_offset": self.i_dim, "gated": True, "interleaved": self.interleaved, "act": self.act,
-                    "mul_w": False}  # fmt: skip
+                    "mul_w": False, **self.gate_args}  # fmt: skip
         else:
             args = {"a": c["inter"], "w": self.w2, "bias": self.b2, "out": c["y"], "topk_w": c["tw"], "n_out": self.h,
                     "k_dim": self.i_dim, "a_div": 1, "stride_wn": self.s2[0], "stride_wk": self.s2[1], "up_offset": 0,
@@ -556,6 +560,7 @@ class LayerBench:
             n_out=args["n_out"], k_dim=args["k_dim"], a_div=args["a_div"], block_m=bm, stride_wn=args["stride_wn"],
             stride_wk=args["stride_wk"], up_offset=args["up_offset"], gated=args["gated"],
             interleaved=args["interleaved"], act=args["act"], mul_w=args["mul_w"], cfg=cfg, dot_prec=self.prec,
+            **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args},
         ))  # fmt: skip
 
 
@@ -573,6 +578,9 @@ def _not_tunable(problem: Problem) -> str | None:
         return "the tile tables hold gated experts only; non-gated layers run the heuristics' tiles"
     if problem.dtype not in ("bfloat16", "float16"):
         return f"the tile tables hold bfloat16 / float16 layers only, not {problem.dtype}"
+    if problem.custom_gate or problem.post_expert_norm:
+        what = "a custom gate function" if problem.custom_gate else "a post-expert norm"
+        return f"triton_fused does not run layers with {what}: there are no tiles to tune for them"
     return None
 
 
@@ -600,16 +608,21 @@ def tune_kernels(
     """Tune the tiles of one layer at these token counts on this GPU within `budget_s` seconds (compiles
     included) and merge them into the user tile table, where `configs.get_config` finds them first.
 
-    Shapes the shipped table has are left alone, and token counts the user table already holds measured
-    tiles for are skipped, unless `force`. Largest token counts first, each with its share of the budget; a
-    budget cut keeps the best tiles measured so far ("tokens_partial": tuned again next time) and writes the
-    tiles that would run anyway for the token counts it never reached ("tokens_default"). `measure`, `clock`,
-    `device_name` and `directory` replace the GPU timing, the clock, the GPU's name and the user table's folder
-    (tests). Returns a summary: tokens tuned and left on defaults, the configs chosen with their times and the
-    defaults' times, seconds spent, whether the budget cut it short, and where it was written.
+    The tiles go under the layer's shape in its weight layout (`configs.layout_key`: GPT-OSS's transposed,
+    interleaved experts get their own entry). Shapes the shipped table has are left alone, and token counts the
+    user table already holds measured tiles for are skipped, unless `force`. Largest token counts first, each
+    with its share of the budget; a budget cut keeps the best tiles measured so far ("tokens_partial": tuned
+    again next time) and writes the tiles that would run anyway for the token counts it never reached
+    ("tokens_default"). `measure`, `clock`, `device_name` and `directory` replace the GPU timing, the clock,
+    the GPU's name and the user table's folder (tests). Returns a summary: tokens tuned and left on defaults,
+    the configs chosen with their times and the defaults' times, seconds spent, whether the budget cut it
+    short, and where it was written.
     """
     start = clock()
-    key = _configs.shape_key(problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k)
+    key = _configs.layout_key(
+        _configs.shape_key(problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k),
+        transposed=problem.is_transposed, interleaved=problem.interleaved,
+    )
     summary: dict[str, Any] = {
         "backend": "triton_fused", "shape": key, "device": device_name, "budget_s": float(budget_s),
         "tokens_tuned": [], "tokens_partial": [], "tokens_default": [], "configs": {}, "time_us": {},

@@ -11,7 +11,8 @@ from selector.types import Problem
 
 def is_plain(problem: Problem) -> bool:
     return problem.gated and not (problem.has_bias or problem.is_transposed or problem.interleaved
-                                  or problem.custom_gate or problem.post_expert_norm or problem.expert_parallel)  # fmt: skip
+                                  or problem.custom_gate or not problem.gate.is_default or problem.post_expert_norm
+                                  or problem.expert_parallel)  # fmt: skip
 
 
 def _activation(torch: Any, name: str) -> Any:
@@ -45,10 +46,13 @@ def make_problem_layer(torch: Any, problem: Problem, device: Any, seed: int = 0)
         data = torch.randn(*shape, device=device, dtype=dtype, generator=gen) * scale
         return torch.nn.Parameter(data, requires_grad=False)
 
-    gate_fn = clamped_swiglu if problem.custom_gate else None
+    # a custom gate: Python the selector does not recognise (a copy of the clamped SwiGLU); a recognised gate:
+    # declared as data, so the layer is the one problem_from_module reads back
+    gate_fn = (lambda module, x: clamped_swiglu(module, x)) if problem.custom_gate else None
+    gate = None if problem.custom_gate or problem.gate.is_default else problem.gate
 
     @selector.experts(has_bias=problem.has_bias, is_transposed=problem.is_transposed,
-                      is_concatenated=not problem.interleaved, gate_fn=gate_fn)  # fmt: skip
+                      is_concatenated=not problem.interleaved, gate_fn=gate_fn, gate=gate)  # fmt: skip
     class TuneExperts(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()

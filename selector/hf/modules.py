@@ -56,7 +56,7 @@ def describe_problem(problem: Problem) -> str:
         f"k={problem.top_k}",
         problem.dtype,
         problem.device,
-        problem.activation,
+        problem.activation if problem.gate.is_default else problem.gate.label(),
     ]
     flags += [
         name

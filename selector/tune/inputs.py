@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from selector.gates import GPT_OSS_ALPHA, GPT_OSS_LIMIT, clamped_swiglu
 from selector.types import Problem
 
 GRID = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-20b")  # --preset grid
@@ -74,7 +75,10 @@ def problem_from_config(config: Mapping[str, Any], source: str = "config.json") 
     if act not in _ACTIVATIONS:
         notes.append(f"hidden_act {act!r} is not one selector times: timing silu")
     if model_type == "gpt_oss":  # biases, [E, H, 2I] weights, interleaved gate/up, clamped SwiGLU (presets.py)
-        problem = replace(problem, has_bias=True, is_transposed=True, interleaved=True, custom_gate=True)
+        gate = clamped_swiglu(float(config.get("swiglu_alpha", GPT_OSS_ALPHA)),
+                              float(config.get("swiglu_limit", GPT_OSS_LIMIT)))  # fmt: skip
+        problem = replace(problem, has_bias=True, is_transposed=True, interleaved=True, activation=gate.name,
+                          gate=gate)  # fmt: skip
     quant = config.get("quantization_config")
     if isinstance(quant, Mapping):
         method = str(quant.get("quant_method", "")).lower()
