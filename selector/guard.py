@@ -135,11 +135,14 @@ def resolve(code: int, device: torch.device, num_experts: int) -> RoutingGuard |
     return found
 
 
-def routing_guard(module: torch.nn.Module, device: torch.device) -> RoutingGuard | None:
-    """The guard of one eager call of `module` on `device`, or None (level "off", tracing, or no flag yet)."""
+def routing_guard(
+    module: torch.nn.Module, device: torch.device, num_experts: int | None = None
+) -> RoutingGuard | None:
+    """The guard of one eager call of `module` on `device`, or None (level "off", tracing, or no flag yet).
+    `num_experts`: the size of the id space when it is not the module's own (global ids across ranks)."""
     if torch.compiler.is_compiling():
         return None
-    return resolve(guard_code(module, device), device, int(module.num_experts))
+    return resolve(guard_code(module, device), device, int(module.num_experts if num_experts is None else num_experts))
 
 
 def safe_id(guard: RoutingGuard, drop: bool) -> int:
@@ -189,11 +192,15 @@ def register_cuda_sanitizer(kernel: Sanitizer) -> None:
 
 
 def guard_routing(
-    module: torch.nn.Module, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, drop: bool = False
+    module: torch.nn.Module,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    drop: bool = False,
+    num_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """`sanitize_routing`, and whether the guard ran (a backend that drops bad slots then treats id E as a
     sentinel on a module that is not expert-parallel too)."""
-    guard = routing_guard(module, top_k_index.device)
+    guard = routing_guard(module, top_k_index.device, num_experts)
     if guard is None or top_k_index.numel() == 0:
         return top_k_index, top_k_weights, False
     if top_k_index.is_cuda and _CUDA_SANITIZER is not None:
@@ -202,12 +209,17 @@ def guard_routing(
 
 
 def sanitize_routing(
-    module: torch.nn.Module, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, drop: bool = False
+    module: torch.nn.Module,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    drop: bool = False,
+    num_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, weights) a backend can run whatever the router produced: bad slots get weight NaN and `safe_id`
     (E with `drop`: out of every matmul, for backends that skip id E; else expert 0), recorded in the device flag.
-    Unchanged where the guard is off (SELECTOR_VALIDATE=off, tracing)."""
-    return guard_routing(module, top_k_index, top_k_weights, drop)[:2]
+    `num_experts`: the id space when it is not the module's (global ids). Unchanged where the guard is off
+    (SELECTOR_VALIDATE=off, tracing)."""
+    return guard_routing(module, top_k_index, top_k_weights, drop, num_experts)[:2]
 
 
 def _layer(tag: int) -> tuple[str, int | None, bool]:

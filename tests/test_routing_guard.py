@@ -399,6 +399,7 @@ def test_quantised_kernels_guard(guard_interpreter, case, value, mode):
 GPU_CASES = {
     "triton_fused": ("triton_fused", "dense", "dropped"),
     "grouped_mm": ("grouped_mm", "dense", "dropped"),
+    "grouped_mm_autograd": ("grouped_mm", "dense", "dropped"),  # its torch tail: autograd records the call
     "batched_mm": ("batched_mm", "dense", "dropped"),
     "eager": ("eager", "dense", "dropped"),
     "auto": ("auto", "dense", None),
@@ -410,7 +411,8 @@ GPU_TOKENS = 64
 
 
 def _gpu_case(name: str):
-    """(module, inputs dtype, hidden size) of one GPU case, its backend requested."""
+    """(module, inputs dtype, hidden size) of one GPU case, its backend requested; inference (no parameter wants
+    a gradient) but for the autograd case."""
     request, fmt, _ = GPU_CASES[name]
     if fmt == "dense":
         m, dtype, hidden = make_experts(E, H, I, dtype=torch.bfloat16, device="cuda", seed=3), torch.bfloat16, H
@@ -419,6 +421,8 @@ def _gpu_case(name: str):
 
         base = make_experts(E, 64, 32, seed=4, device="cuda")
         m, dtype, hidden = quant.quantize_experts(base, fmt, "float32", (32, 32)), torch.float32, 64
+    if not name.endswith("_autograd"):
+        m.requires_grad_(False)
     selector.set_experts_implementation(m, request)
     return m, dtype, hidden
 
@@ -536,10 +540,10 @@ COST_ROUNDS = 7
 @pytest.mark.gpu
 def test_guard_cost_on_gpu(monkeypatch, capsys):
     """Prints the guard's cost per call, Qwen3-30B-A3B experts (H 2048, I 768, E 128, k 8), bf16, per backend and
-    T: T <= 8 under CUDA-graph replay of the whole call (eager, which cannot be captured, back to back), larger T
+    T, inference (no gradient recorded): T <= 8 under CUDA-graph replay of the whole call (eager, which cannot be captured, back to back), larger T
     back to back; guard on ("first") against off in interleaved rounds of ~40 ms each, median and spread (max -
     min) of the rounds. Asserts the guarded clean output equals the unguarded one bit for bit."""
-    m = make_experts(128, 2048, 768, dtype=torch.bfloat16, device="cuda", seed=5)
+    m = make_experts(128, 2048, 768, dtype=torch.bfloat16, device="cuda", seed=5).requires_grad_(False)  # inference
     rows = []
     for backend, token_counts in COST_BACKENDS.items():
         selector.set_experts_implementation(m, backend)
