@@ -39,6 +39,7 @@ FLAG_WORDS = 8
 BAD_IDS, BAD_WEIGHTS, LAYER, VALUE = 0, 1, 2, 3  # words of the device flag
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # a reported id value is clamped to int32
 _TAG = "_selector_guard_tag"  # the module's layer tag, in its __dict__
+_CACHED = "_selector_guard"  # the module's last resolved guard and what it was resolved for, in its __dict__
 
 
 class Flags(NamedTuple):
@@ -142,7 +143,18 @@ def routing_guard(
     `num_experts`: the size of the id space when it is not the module's own (global ids across ranks)."""
     if torch.compiler.is_compiling():
         return None
-    return resolve(guard_code(module, device), device, int(module.num_experts if num_experts is None else num_experts))
+    if validation_level(on_gpu=device.type != "cpu") == "off":  # read per call: the level may change between calls
+        return None
+    count = int(module.num_experts if num_experts is None else num_experts)
+    # the lookup cached on the module: id() tells a copy, which keeps the __dict__ but needs a tag of its own
+    key = (id(module), device, count, layers.is_expert_parallel(module))
+    cached = module.__dict__.get(_CACHED)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    found = resolve(guard_code(module, device), device, count)
+    if found is not None:
+        module.__dict__[_CACHED] = (key, found)
+    return found
 
 
 def safe_id(guard: RoutingGuard, drop: bool) -> int:

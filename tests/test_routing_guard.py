@@ -190,6 +190,22 @@ def test_expert_parallel_sentinel_is_no_fault_but_beyond_it_is():
         selector.check()
 
 
+def test_a_copied_module_gets_its_own_tag_despite_the_cached_guard():
+    import copy
+
+    m = make_experts(E, H, I, seed=1)
+    selector.set_experts_implementation(m, "grouped_mm")
+    x, ids, w = _inputs()
+    m(x, ids, w)
+    m(x, ids, w)  # the guard is now cached in m.__dict__, which a copy carries along
+    twin = copy.deepcopy(m)
+    twin(x, ids, w)
+    twin(x, *_make_bad(ids, w, -1))
+    assert guard.pending_faults("cpu")["layer"] == guard.layer_tag(twin) != guard.layer_tag(m)
+    with pytest.raises(ExpertsInputError, match=rf"experts layer Experts #{guard.layer_tag(twin)}:"):
+        selector.check()
+
+
 def test_level_off_turns_the_guard_off(monkeypatch):
     monkeypatch.setenv("SELECTOR_VALIDATE", "off")
     m = make_experts(E, H, I, seed=1)
