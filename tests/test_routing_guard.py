@@ -340,14 +340,14 @@ def test_sanitize_kernel_drop_matches_the_torch_sanitiser(guard_interpreter, ids
     guard.clear()
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 70])
-def test_grouped_mm_triton_combine_matches_the_torch_tail(guard_interpreter, tokens):
+@pytest.mark.parametrize("tokens,hidden", [(1, 200), (5, 200), (70, 200), (3, 2100)])  # 2100: two column blocks
+def test_grouped_mm_triton_combine_matches_the_torch_tail(guard_interpreter, tokens, hidden):
     """The one-launch combine of grouped_mm on a GPU against the torch tail it replaces: the same fp32 sums (up to
     their order), the rows of ids >= E (sentinel, dropped) counting 0 * weight: 0, or NaN for a NaN weight."""
     from selector.plugins.grouped_mm.combine import weighted_combine
 
     g = torch.Generator().manual_seed(tokens)
-    k, hidden = 3, 200  # k not a power of two, H not a multiple of the column block
+    k = 3  # not a power of two; H not a multiple of the column block
     ids = torch.randint(0, E + 1, (tokens, k), generator=g)  # E: the sentinel
     w = torch.rand(tokens, k, generator=g)
     ids[0, 1], w[0, 1] = E, float("nan")  # a slot the guard dropped
