@@ -555,10 +555,11 @@ COST_ROUNDS = 7
 
 @pytest.mark.gpu
 def test_guard_cost_on_gpu(monkeypatch, capsys):
-    """Prints the guard's cost per call, Qwen3-30B-A3B experts (H 2048, I 768, E 128, k 8), bf16, per backend and
-    T, inference (no gradient recorded): T <= 8 under CUDA-graph replay of the whole call (eager, which cannot be captured, back to back), larger T
-    back to back; guard on ("first") against off in interleaved rounds of ~40 ms each, median and spread (max -
-    min) of the rounds. Asserts the guarded clean output equals the unguarded one bit for bit."""
+    """Prints the guard's cost per call, Qwen3-30B-A3B experts (H 2048, I 768, E 128, k 8), bf16, inference (no
+    gradient recorded), per backend and T: T <= 8 under CUDA-graph replay of the whole call (eager, which cannot
+    be captured, back to back), larger T back to back; guard on ("first") against off in interleaved rounds of
+    ~40 ms each, median and spread (max - min) of the rounds. Asserts the guarded clean output equals the
+    unguarded one bit for bit."""
     m = make_experts(128, 2048, 768, dtype=torch.bfloat16, device="cuda", seed=5).requires_grad_(False)  # inference
     rows = []
     for backend, token_counts in COST_BACKENDS.items():
