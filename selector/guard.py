@@ -4,8 +4,8 @@ Values of ids and weights are checked on the host only on a module's first call 
 a sync per call would stall the host that feeds the GPU). Every later call is guarded on the device: the
 backend's routing step (fused into the Triton align, or one small kernel before a torch backend) finds ids
 outside [0, E) (other than the expert-parallel sentinel E on an expert-parallel module) and NaN / infinite
-weights, takes those slots out of the computation (the torch backends: the dropped id E, which they skip like
-an expert-parallel sentinel; backends without that path: expert 0), sets their tokens' outputs to NaN (never
+weights, takes those slots out of every other token's computation (grouped_mm and eager: the dropped id E, which
+they skip like an expert-parallel sentinel; the rest: expert 0), sets their tokens' outputs to NaN (never
 another token's, never an out-of-bounds read, never a device assert) and records the fault in a small flag per
 device:
 
@@ -296,6 +296,7 @@ __all__ = [
     "FLAG_WORDS",
     "Flags",
     "RoutingGuard",
+    "Sanitizer",
     "check",
     "clear",
     "flags_for",
