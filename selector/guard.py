@@ -4,8 +4,10 @@ Values of ids and weights are checked on the host only on a module's first call 
 a sync per call would stall the host that feeds the GPU). Every later call is guarded on the device: the
 backend's routing step (fused into the Triton align, or one small kernel before a torch backend) finds ids
 outside [0, E) (other than the expert-parallel sentinel E on an expert-parallel module) and NaN / infinite
-weights, routes those slots to a safe expert, sets their tokens' outputs to NaN (never another token's, never
-an out-of-bounds read, never a device assert) and records the fault in a small flag per device:
+weights, takes those slots out of every other token's computation (grouped_mm and eager: the dropped id E, which
+they skip like an expert-parallel sentinel; the rest: expert 0), sets their tokens' outputs to NaN (never
+another token's, never an out-of-bounds read, never a device assert) and records the fault in a small flag per
+device:
 
 - ``flag`` (int32 [FLAG_WORDS], device memory, atomics): bad ids, bad weights, the tag of the layer whose fault
   was recorded first and one bad id value of that fault;
@@ -37,6 +39,7 @@ FLAG_WORDS = 8
 BAD_IDS, BAD_WEIGHTS, LAYER, VALUE = 0, 1, 2, 3  # words of the device flag
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # a reported id value is clamped to int32
 _TAG = "_selector_guard_tag"  # the module's layer tag, in its __dict__
+_CACHED = "_selector_guard"  # the module's last resolved guard and what it was resolved for, in its __dict__
 
 
 class Flags(NamedTuple):
@@ -133,28 +136,51 @@ def resolve(code: int, device: torch.device, num_experts: int) -> RoutingGuard |
     return found
 
 
-def routing_guard(module: torch.nn.Module, device: torch.device) -> RoutingGuard | None:
-    """The guard of one eager call of `module` on `device`, or None (level "off", tracing, or no flag yet)."""
+def routing_guard(
+    module: torch.nn.Module, device: torch.device, num_experts: int | None = None
+) -> RoutingGuard | None:
+    """The guard of one eager call of `module` on `device`, or None (level "off", tracing, or no flag yet).
+    `num_experts`: the size of the id space when it is not the module's own (global ids across ranks)."""
     if torch.compiler.is_compiling():
         return None
-    return resolve(guard_code(module, device), device, int(module.num_experts))
+    if validation_level(on_gpu=device.type != "cpu") == "off":  # read per call: the level may change between calls
+        return None
+    count = int(module.num_experts if num_experts is None else num_experts)
+    # the lookup cached on the module: id() tells a copy, which keeps the __dict__ but needs a tag of its own
+    key = (id(module), device, count, layers.is_expert_parallel(module))
+    cached = module.__dict__.get(_CACHED)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    found = resolve(guard_code(module, device), device, count)
+    if found is not None:
+        module.__dict__[_CACHED] = (key, found)
+    return found
 
 
-def sanitize_torch(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing guard in torch ops (CPU, or no Triton): bad slots get expert 0 and weight NaN, which makes
-    their token's output NaN in every backend and leaves every other token's untouched; the flag records them.
-    No host sync: the counts and the recorded value stay tensors."""
+def safe_id(guard: RoutingGuard, drop: bool) -> int:
+    """The id a bad slot gets: E (dropped: the backend skips it like an expert-parallel sentinel, so no matmul
+    batch changes) or 0 (a backend without a sentinel path computes it on expert 0)."""
+    return guard.num_experts if drop else 0
+
+
+def sanitize_torch(
+    ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard, drop: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing guard in torch ops (CPU, or no Triton): bad slots get weight NaN and `safe_id` (with `drop`,
+    bad-weight slots are dropped too), which makes their token's output NaN in every backend and leaves every
+    other token's untouched; the flag records them. No host sync: the counts and the recorded value stay tensors."""
     if ids.numel() == 0:
         return ids, weights
     limit = guard.num_experts + 1 if guard.sentinel else guard.num_experts
     bad_id = (ids < 0) | (ids >= limit)
-    bad = bad_id | ~torch.isfinite(weights)
-    clean_ids = ids.masked_fill(bad_id, 0)
+    bad_w = ~torch.isfinite(weights)
+    bad = bad_id | bad_w
+    clean_ids = ids.masked_fill(bad if drop else bad_id, safe_id(guard, drop))
     clean_weights = weights.masked_fill(bad, float("nan"))
     flag = guard.flag
     n_ids = bad_id.sum(dtype=torch.int32)
     n_bad = bad.sum(dtype=torch.int32)
-    flag[BAD_IDS : BAD_WEIGHTS + 1] += torch.stack([n_ids, (~torch.isfinite(weights)).sum(dtype=torch.int32)])
+    flag[BAD_IDS : BAD_WEIGHTS + 1] += torch.stack([n_ids, bad_w.sum(dtype=torch.int32)])
     claim = (flag[LAYER] == 0) & (n_bad > 0)
     flat_ids, flat_bad = ids.reshape(-1), bad_id.reshape(-1)
     first = flat_ids[flat_bad.to(torch.int32).argmax()].clamp(INT32_MIN, INT32_MAX).to(torch.int32)
@@ -166,29 +192,46 @@ def sanitize_torch(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard
     return clean_ids, clean_weights
 
 
-_CUDA_SANITIZER: Callable[[torch.Tensor, torch.Tensor, RoutingGuard], tuple[torch.Tensor, torch.Tensor]] | None = None
+Sanitizer = Callable[[torch.Tensor, torch.Tensor, RoutingGuard, bool], tuple[torch.Tensor, torch.Tensor]]
+_CUDA_SANITIZER: Sanitizer | None = None
 
 
-def register_cuda_sanitizer(
-    kernel: Callable[[torch.Tensor, torch.Tensor, RoutingGuard], tuple[torch.Tensor, torch.Tensor]],
-) -> None:
-    """Let `sanitize_routing` run `kernel` (one launch) on CUDA tensors instead of the torch ops (about a dozen
-    launches). plugins/triton_common/guard.py registers its Triton kernel when imported."""
+def register_cuda_sanitizer(kernel: Sanitizer) -> None:
+    """Let `sanitize_routing` run `kernel(ids, weights, guard, drop)` (one launch) on CUDA tensors instead of the
+    torch ops (about a dozen launches). plugins/triton_common/guard.py registers its Triton kernel when imported."""
     global _CUDA_SANITIZER
     _CUDA_SANITIZER = kernel
 
 
-def sanitize_routing(
-    module: torch.nn.Module, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, weights) a backend can run whatever the router produced: bad slots routed to expert 0 with weight
-    NaN, recorded in the device flag. Unchanged where the guard is off (SELECTOR_VALIDATE=off, tracing)."""
-    guard = routing_guard(module, top_k_index.device)
+def guard_routing(
+    module: torch.nn.Module,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    drop: bool = False,
+    num_experts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`sanitize_routing`, and whether the guard ran (a backend that drops bad slots then treats id E as a
+    sentinel on a module that is not expert-parallel too)."""
+    guard = routing_guard(module, top_k_index.device, num_experts)
     if guard is None or top_k_index.numel() == 0:
-        return top_k_index, top_k_weights
+        return top_k_index, top_k_weights, False
     if top_k_index.is_cuda and _CUDA_SANITIZER is not None:
-        return _CUDA_SANITIZER(top_k_index, top_k_weights, guard)
-    return sanitize_torch(top_k_index, top_k_weights, guard)
+        return (*_CUDA_SANITIZER(top_k_index, top_k_weights, guard, drop), True)
+    return (*sanitize_torch(top_k_index, top_k_weights, guard, drop), True)
+
+
+def sanitize_routing(
+    module: torch.nn.Module,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    drop: bool = False,
+    num_experts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights) a backend can run whatever the router produced: bad slots get weight NaN and `safe_id`
+    (E with `drop`: out of every matmul, for backends that skip id E; else expert 0), recorded in the device flag.
+    `num_experts`: the id space when it is not the module's (global ids). Unchanged where the guard is off
+    (SELECTOR_VALIDATE=off, tracing)."""
+    return guard_routing(module, top_k_index, top_k_weights, drop, num_experts)[:2]
 
 
 def _layer(tag: int) -> tuple[str, int | None, bool]:
@@ -253,10 +296,12 @@ __all__ = [
     "FLAG_WORDS",
     "Flags",
     "RoutingGuard",
+    "Sanitizer",
     "check",
     "clear",
     "flags_for",
     "guard_code",
+    "guard_routing",
     "layer_tag",
     "name_layers",
     "pending_faults",
@@ -264,6 +309,7 @@ __all__ = [
     "register_cuda_sanitizer",
     "resolve",
     "routing_guard",
+    "safe_id",
     "sanitize_routing",
     "sanitize_torch",
 ]

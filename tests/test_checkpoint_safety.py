@@ -227,3 +227,52 @@ def test_a_misshapen_mistyped_or_bad_activation_scale_is_named(tmp_path: Path, b
     t[f"{P}.1.up_proj.activation_scale"] = bad
     with pytest.raises(ValueError, match=rf"{P}\.1\.up_proj\.activation_scale: {message}"):
         load(write(tmp_path, t))
+
+
+def static_fused_tensors() -> dict[str, torch.Tensor]:
+    """Transformers' fused naming of a static-activation FP8 module: one [E] activation scale per projection."""
+    module = make_experts(E, H, I, seed=3)
+    scales = Q.calibrate_activation_scales(module, torch.randn(16, H), torch.randint(0, E, (16, 2)))
+    Q.quantize_experts(module, "fp8_block", "float32", (32, 32), activation_quant="static", activation_scales=scales)
+    names = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv",
+             "gate_up_proj_activation_scale", "down_proj_activation_scale")  # fmt: skip
+    return {f"{P}.{n}": getattr(module, n).detach().cpu().clone() for n in names}
+
+
+STATIC_CONFIG = {"quantization_config": {**FP8_CONFIG["quantization_config"], "activation_scheme": "static"}}
+
+
+@pytest.mark.parametrize("config", [STATIC_CONFIG, None], ids=["static_config", "no_config"])
+def test_fused_naming_static_checkpoint_loads_its_activation_scales(tmp_path: Path, config: dict | None) -> None:
+    t = static_fused_tensors()
+    module = load(write(tmp_path, t, config))
+    assert Q.quant_format(module).activation_quant == "static"
+    for name in ("gate_up_proj_activation_scale", "down_proj_activation_scale"):
+        assert torch.equal(getattr(module, name).float().cpu().reshape(E), t[f"{P}.{name}"].float().reshape(E))
+
+
+@pytest.mark.parametrize("kept", ["gate_up_proj_activation_scale", "down_proj_activation_scale"])
+def test_fused_naming_with_one_projection_s_activation_scales_is_refused(tmp_path: Path, kept: str) -> None:
+    other = "down_proj_activation_scale" if kept.startswith("gate") else "gate_up_proj_activation_scale"
+    source = write(tmp_path, drop(static_fused_tensors(), f"{P}.{other}"), STATIC_CONFIG)
+    with pytest.raises(ValueError, match=rf"{P}: static activation scales for only one of gate_up_proj and down_proj"):
+        load(source)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (torch.ones(E + 1), rf"expected {E} activation scale value\(s\), found shape \({E + 1},\)"),
+        (torch.ones(E, dtype=torch.int32), "activation scales must be floating point, found torch.int32"),
+        (torch.tensor([1.0, float("nan"), 1.0]), "activation scales must be finite and positive"),
+        (torch.tensor([1.0, float("inf"), 1.0]), "activation scales must be finite and positive"),
+        (torch.tensor([0.5, -0.5, 1.0]), r"activation scales must be finite and positive, found \[0.5, -0.5, 1.0\]"),
+        (torch.zeros(E), "activation scales must be finite and positive"),
+    ],
+)
+@pytest.mark.parametrize("name", ["gate_up_proj_activation_scale", "down_proj_activation_scale"])
+def test_fused_naming_bad_activation_scale_is_named(tmp_path: Path, name: str, bad: torch.Tensor, message: str) -> None:
+    t = static_fused_tensors()
+    t[f"{P}.{name}"] = bad
+    with pytest.raises(ValueError, match=rf"{P}\.{name}: {message}"):
+        load(write(tmp_path, t, STATIC_CONFIG))

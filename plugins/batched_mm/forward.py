@@ -26,7 +26,8 @@ def batched_mm_experts_forward(
     num_tokens, top_k = top_k_index.shape
     transposed = getattr(module, "is_transposed", False)
     up_w = layers.up_weight(module)
-    # bad slots -> expert 0 with weight NaN: an out-of-range id would trip a device assert in the gather
+    # bad slots -> expert 0 with weight NaN: an out-of-range id would trip a device assert in the gather; every
+    # slot is its own bmm batch entry, so the expert a bad slot computes on changes no other slot's bits
     if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
         import selector.plugins.triton_common.guard  # noqa: F401
     top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)

@@ -13,6 +13,7 @@ import torch
 from selector.plugins.deepgemm.forward import load_deepgemm
 
 from selector import layers
+from selector.guard import sanitize_routing
 
 MEGA_SYMBOLS = (
     "transform_sf_into_required_layout",
@@ -128,8 +129,14 @@ def megamoe_experts_forward(
 
     x, x_sf = dg.per_token_cast_to_fp8(hidden_states.to(torch.bfloat16), use_ue8m0=True, gran_k=32,
                                        use_packed_ue8m0=True)
-    ids = top_k_index.to(torch.int64)
     sentinel = module.num_experts if group.size() == 1 else experts
+    # the routing guard over the ids the kernel reads (global across the group): a bad id -> expert 0 with weight
+    # NaN (the kernel's weighted sum turns that token's row NaN; it would read any other id as an expert or a
+    # rank), recorded and raised at the next call or selector.check(); the sentinel stays a sentinel
+    if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import)
+        import selector.plugins.triton_common.guard  # noqa: F401
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights, num_experts=sentinel)
+    ids = top_k_index.to(torch.int64)
     ids = ids.masked_fill(ids >= sentinel, -1)  # the kernel skips -1 slots
     buffer.x[:num_tokens].copy_(x)
     buffer.x_sf[:num_tokens].copy_(x_sf)

@@ -34,15 +34,17 @@ def eager_experts_forward(
     up_w, down_w = layers.up_weight(module), module.down_proj
     up_b, down_b = layers.up_bias(module), layers.down_bias(module)
     x = hidden_states.to(up_w.dtype)
-    # bad slots -> expert 0 with weight NaN: their tokens' rows turn NaN instead of silently missing a slot
+    # bad slots -> the dropped id E with weight NaN: skipped like a sentinel (no expert's batch changes), their
+    # tokens' rows NaN below
     if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
         import selector.plugins.triton_common.guard  # noqa: F401
-    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
+    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights, drop=True)
 
     if torch.compiler.is_compiling():  # say why here: under fullgraph=True this is the error the user reads
         torch._dynamo.graph_break(msg=FULLGRAPH_MESSAGE)
     per_slot = torch.zeros(num_tokens, top_k, hidden_states.shape[1], dtype=x.dtype, device=x.device)
-    hit = torch.unique(top_k_index[top_k_index < num_experts]).tolist()  # the sentinel id is skipped
+    present = torch.unique(top_k_index).tolist()  # the one host sync of the loop
+    hit = [expert for expert in present if expert < num_experts]  # the sentinel id is skipped
     for expert in hit:
         token_idx, slot_idx = torch.where(top_k_index == expert)
         h = _linear(x[token_idx], up_w[expert], None if up_b is None else up_b[expert], transposed)
@@ -51,4 +53,9 @@ def eager_experts_forward(
         h = layers.post_norm(module, h)
         weight = top_k_weights[token_idx, slot_idx].unsqueeze(-1)
         per_slot[token_idx, slot_idx] = (h.float() * weight.float()).to(x.dtype)
-    return per_slot.float().sum(dim=1).to(hidden_states.dtype)
+    out = per_slot.float().sum(dim=1)
+    if len(hit) < len(present):
+        # a skipped slot contributes 0 * weight, as in the sorting backends: 0, or NaN for a dropped bad slot
+        skipped = (top_k_index >= num_experts).unsqueeze(-1)
+        out = out + (top_k_weights.float().unsqueeze(-1) * 0.0).masked_fill(~skipped, 0.0).sum(dim=1)
+    return out.to(hidden_states.dtype)

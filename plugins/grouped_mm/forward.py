@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from selector import layers
-from selector.guard import sanitize_routing
+from selector.guard import guard_routing
 
 
 @torch.library.custom_op("selector::grouped_mm_loop", mutates_args=())
@@ -108,29 +108,37 @@ def grouped_mm_experts_forward(
     num_experts = module.num_experts
     transposed = getattr(module, "is_transposed", False)
     up_w = layers.up_weight(module)
-    # bad slots -> expert 0 with weight NaN: an id of -1 would sort first and shift every other token's rows
+    # bad slots -> the dropped id E with weight NaN: out of every matmul (an id of -1 would sort first and shift
+    # every other token's rows; expert 0 would change that expert's batch), their tokens' rows NaN
     if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
         import selector.plugins.triton_common.guard  # noqa: F401
-    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
+    top_k_index, top_k_weights, guarded = guard_routing(module, top_k_index, top_k_weights, drop=True)
 
     ids = top_k_index.reshape(-1)
-    sorted_ids, order = torch.sort(ids, stable=True)  # sentinels (id == E) sort to the tail
+    sorted_ids, order = torch.sort(ids, stable=True)  # sentinels and dropped slots (id == E) sort to the tail
     x = hidden_states.to(up_w.dtype)[order // top_k]  # [S, H]
     # histc, not bincount: no host sync, so CUDA graphs can capture it; values > E-1 (sentinels) drop out
     counts_in = sorted_ids.float() if ids.device.type == "cpu" else sorted_ids.int()
     counts = torch.histc(counts_in, bins=num_experts, min=0, max=num_experts - 1)
     offsets = torch.cumsum(counts, dim=0).to(torch.int32)
-    bias_ids = sorted_ids.clamp(max=num_experts - 1)
 
     up_b, down_b = layers.up_bias(module), layers.down_bias(module)
+    bias_ids = None if up_b is None and down_b is None else sorted_ids.clamp(max=num_experts - 1)
     h = _grouped_linear(x, up_w, offsets, None if up_b is None else up_b[bias_ids], transposed)
     h = layers.activate(module, h)
     h = _grouped_linear(h, module.down_proj, offsets, None if down_b is None else down_b[bias_ids], transposed)
     h = layers.post_norm(module, h)
 
+    if h.is_cuda and not torch.compiler.is_compiling():
+        from selector.plugins.grouped_mm import combine  # Triton is imported on a GPU only
+
+        if combine.available(h, top_k_weights):
+            # one launch reads each slot's row once; rows of ids >= E (never written) count as 0 * weight
+            flat_w = top_k_weights.reshape(-1)
+            return combine.weighted_combine(h, order, ids, flat_w, num_tokens, num_experts, hidden_states.dtype)
     weights = top_k_weights.reshape(-1)[order].float()
-    if layers.is_expert_parallel(module):
-        # rows past the last offset were never written: zero them, not just weight them by 0 (NaN * 0)
+    if guarded or layers.is_expert_parallel(module):
+        # rows past the last offset were never written: zero them (0 * weight: 0, or NaN for a dropped bad slot)
         h = h.masked_fill((sorted_ids >= num_experts).unsqueeze(-1), 0.0)
     weighted = h.float() * weights.unsqueeze(-1)
     unsorted = torch.empty_like(weighted)

@@ -3,8 +3,9 @@
 - ``check_slots`` / ``record_faults``: jitted pieces the align kernels call on the pairs they read anyway (no
   launch of their own on the fused path);
 - ``sanitize_triton(ids, weights, guard)``: what ``selector.guard.sanitize_routing`` runs on a GPU (registered
-  when this module is imported), one launch: bad slots get expert 0 and weight NaN (their token's output turns
-  NaN, nobody else's changes), the flag records them. On a CPU, and without Triton, the same runs in torch ops
+  when this module is imported), one launch: bad slots get weight NaN and ``selector.guard.safe_id`` (E, the
+  dropped id, for backends that skip it; else expert 0): their token's output turns NaN, nobody else's changes;
+  the flag records them. On a CPU, and without Triton, the same runs in torch ops
   (``selector.guard.sanitize_torch``).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from selector.guard import RoutingGuard, register_cuda_sanitizer
+from selector.guard import RoutingGuard, register_cuda_sanitizer, safe_id
 
 try:
     import triton
@@ -23,7 +24,7 @@ except ImportError:  # pragma: no cover - the torch backends run without Triton
 SANITIZE_BLOCK = 1024
 
 if triton is not None:
-    from .launch import cdiv, launch
+    from .launch import cdiv, launch, next_pow2
 
     @triton.jit
     def check_slots(ids, w, in_range, limit):
@@ -48,15 +49,18 @@ if triton is not None:
             tl.store(flag_ptr + 3, tl.where(n_ids > 0, value, 0), mask=old == 0)
             tl.store(host_ptr, tag)  # pinned host memory: the host sees it without a sync
 
-    @triton.jit(do_not_specialize=["n", "limit", "tag"])
-    def _sanitize_kernel(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, flag_ptr, host_ptr, n, limit, tag,
-                         BLOCK: tl.constexpr):  # fmt: skip
+    @triton.jit(do_not_specialize=["n", "limit", "tag", "safe"])
+    def _sanitize_kernel(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, flag_ptr, host_ptr, n, limit, tag, safe,
+                         BLOCK: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         in_range = offs < n
         ids = tl.load(ids_ptr + offs, mask=in_range, other=0)
         w = tl.load(w_ptr + offs, mask=in_range, other=0.0)
         bad_id, bad_w = check_slots(ids, w, in_range, limit)
-        tl.store(ids_out_ptr + offs, tl.where(bad_id, tl.zeros_like(ids), ids), mask=in_range)
+        moved = bad_id
+        if DROP:  # a bad weight's slot leaves the matmuls too
+            moved = bad_id | bad_w
+        tl.store(ids_out_ptr + offs, tl.where(moved, tl.zeros_like(ids) + safe, ids), mask=in_range)
         nan = tl.full([BLOCK], float("nan"), w.dtype)
         tl.store(w_out_ptr + offs, tl.where(bad_id | bad_w, nan, w), mask=in_range)
         n_ids = tl.sum(bad_id.to(tl.int32), axis=0)
@@ -64,7 +68,8 @@ if triton is not None:
         record_faults(flag_ptr, host_ptr, tag, n_ids, n_w, reported_value(ids, bad_id))
 
 
-def sanitize_triton(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard) -> tuple[torch.Tensor, torch.Tensor]:
+def sanitize_triton(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard,
+                    drop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``sanitize_torch`` in one Triton launch (the GPU path; the interpreter runs it on a CPU in tests)."""
     shape = ids.shape
     flat_ids, flat_w = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
@@ -72,10 +77,11 @@ def sanitize_triton(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuar
     clean_ids, clean_w = torch.empty_like(flat_ids), torch.empty_like(flat_w)
     if n:
         limit = guard.num_experts + 1 if guard.sentinel else guard.num_experts
+        block = min(SANITIZE_BLOCK, max(16, next_pow2(n)))  # decode: one small program, not 1024 lanes
         launch(
-            _sanitize_kernel, (cdiv(n, SANITIZE_BLOCK),),
-            (flat_ids, flat_w, clean_ids, clean_w, guard.flag, guard.host, n, limit, guard.tag),
-            dict(BLOCK=SANITIZE_BLOCK), 4,
+            _sanitize_kernel, (cdiv(n, block),),
+            (flat_ids, flat_w, clean_ids, clean_w, guard.flag, guard.host, n, limit, guard.tag, safe_id(guard, drop)),
+            dict(BLOCK=block, DROP=drop), 1 if block <= 128 else 4,
         )  # fmt: skip
     return clean_ids.view(shape), clean_w.view(shape)
 
