@@ -105,6 +105,26 @@ def _cases(world: int, rank: int) -> list[tuple[str, bool, int, list[int], bool]
     return cases
 
 
+# The layers every case runs, by label: (strategy, capacity). The padded exchange without a capacity runs only where
+# every rank holds the same token count; with a capacity of the largest count of any case it runs everywhere.
+CAPACITY = 8  # the most tokens of any rank in any case (mixed: 5 + rank on 4 ranks)
+VARIANTS = {
+    "all_to_all": ("all_to_all", None),
+    "all_reduce": ("all_reduce", None),
+    "all_to_all_padded": ("all_to_all_padded", None),
+    f"all_to_all_padded@{CAPACITY}": ("all_to_all_padded", CAPACITY),
+}
+UNEQUAL_COUNTS = ("mixed", "empty-rank")  # the cases whose ranks hold different token counts
+
+
+def _variants_for(case: str, same: bool) -> tuple[str, ...]:
+    if same:
+        return tuple(VARIANTS)
+    if case in UNEQUAL_COUNTS:
+        return ("all_to_all", f"all_to_all_padded@{CAPACITY}")
+    return ("all_to_all", "all_to_all_padded", f"all_to_all_padded@{CAPACITY}")
+
+
 def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str = "cpu") -> None:
     import torch.distributed as dist
 
@@ -122,15 +142,18 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
     tolerance = 2e-5 if device == "cpu" else 2e-3  # on a GPU a float32 kernel may run its dots in TF32
     failures: list[str] = []
     ran: dict[str, int] = {}
+    strategies_ran: dict[str, int] = {}
     try:
         full = make_experts(E, H, I, seed=SEED, device=device)  # the same weights on every rank
         full._is_expert_parallel = True  # the single-process run sees the global sentinel slots too
         locals_ = {}
-        for strategy in STRATEGIES:
+        for label, (strategy, capacity) in VARIANTS.items():
             for backend in backends:
-                layer = shard_experts(copy.deepcopy(full), strategy=strategy, same_tokens=True, implementation=backend)
+                layer = shard_experts(
+                    copy.deepcopy(full), strategy=strategy, same_tokens=True, implementation=backend, capacity=capacity
+                )
                 assert isinstance(layer, ExpertParallel) and layer.strategy == strategy
-                locals_[strategy, backend] = layer
+                locals_[label, backend] = layer
         for case, same, tokens, allowed, sentinel in _cases(world, rank):
             gen = torch.Generator().manual_seed(SEED + (0 if same else 1000 * (rank + 1)) + len(case))
             hidden = torch.randn(tokens, H, generator=gen)
@@ -139,12 +162,13 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
                 index[::2, -1] = E
             ref = reference_experts(full, hidden, index, weights)
             hidden, index, weights = hidden.to(device), index.to(device), weights.to(device)
-            for strategy in ("all_reduce", "all_to_all") if same else ("all_to_all",):
+            for label in _variants_for(case, same):
                 for backend in backends:
-                    where = f"rank {rank}/{world} case {case} {strategy} {backend}"
-                    layer = locals_[strategy, backend]
+                    where = f"rank {rank}/{world} case {case} {label} {backend}"
+                    layer = locals_[label, backend]
                     out = layer(hidden, index, weights)
                     again = layer(hidden, index, weights)
+                    strategies_ran[label] = strategies_ran.get(label, 0) + 1
                     single = selector.dispatch.run_experts(full, hidden, index, weights, backend)
                     if out.shape != (tokens, H) or out.dtype != torch.float32:
                         failures.append(f"{where}: output {tuple(out.shape)} {out.dtype}")
@@ -160,6 +184,23 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
                         ran[last] = ran.get(last, 0) + 1
                     if backend != "auto" and last not in (None, backend):
                         failures.append(f"{where}: local experts ran {last}")
+        # the padded exchange refuses ranks that disagree on the token count, on every rank alike (no rank hangs)
+        padded = locals_["all_to_all_padded", "eager"]
+        count = 2 + rank
+        try:
+            padded(torch.randn(count, H, device=device), *(t.to(device) for t in _routing(count, list(range(E)), gen)))
+            failures.append(f"rank {rank}: all_to_all_padded ran with unequal token counts and no capacity")
+        except ValueError as exc:
+            if "needs the same token count on every rank" not in str(exc):
+                failures.append(f"rank {rank}: unequal counts raised {exc}")
+        tight = locals_[f"all_to_all_padded@{CAPACITY}", "eager"]
+        count = CAPACITY + 1 if rank == 0 else 1
+        try:
+            tight(torch.randn(count, H, device=device), *(t.to(device) for t in _routing(count, list(range(E)), gen)))
+            failures.append(f"rank {rank}: all_to_all_padded ran {CAPACITY + 1} tokens at capacity {CAPACITY}")
+        except ValueError as exc:
+            if f"pass a capacity of at least {CAPACITY + 1}" not in str(exc):
+                failures.append(f"rank {rank}: a capacity too small raised {exc}")
         # the function form and the model-tree form give the same as the wrapper
         gen = torch.Generator().manual_seed(SEED + rank)
         hidden = torch.randn(3, H, generator=gen)
@@ -187,7 +228,8 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
     except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
         failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures, "ran": ran}))
+        report = {"failures": failures, "ran": ran, "strategies": strategies_ran}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
         dist.destroy_process_group()
 
 
@@ -213,6 +255,7 @@ def test_every_cpu_backend_under_both_strategies_matches_one_process(world: int,
     assert not failures, "\n".join(failures)
     ran = set().union(*(report["ran"] for report in reports))
     assert {"eager", "grouped_mm", "batched_mm"} <= ran, ran
+    assert set(reports[0]["strategies"]) == set(VARIANTS)
 
 
 @pytest.mark.gpu
