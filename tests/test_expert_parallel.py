@@ -259,16 +259,91 @@ def test_every_cpu_backend_under_both_strategies_matches_one_process(world: int,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_nccl_ranks_on_gpus_match_one_process(world: int, tmp_path: Path) -> None:
-    """The same cases on CUDA over nccl, `triton_fused` among the local backends; a world of one runs every
-    collective on one GPU."""
+    """The same cases on CUDA over nccl, `triton_fused` among the local backends, every strategy; a world of one
+    runs every collective on one GPU."""
     if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs")
+        pytest.skip(f"needs {world} CUDA GPUs, {torch.cuda.device_count()} visible")
     reports = _spawn(world, tmp_path, _rank_main, "cuda")
     failures = [f for report in reports for f in report["failures"]]
     assert not failures, "\n".join(failures)
     assert {"eager", "grouped_mm", "batched_mm", "triton_fused"} <= set().union(*(r["ran"] for r in reports))
+    assert set(reports[0]["strategies"]) == set(VARIANTS)
+
+
+GRAPH_BACKENDS = ("auto", "triton_fused")
+GRAPH_TOKENS = (1, 3)  # the replays' token count never changes: the padded exchange's shapes are the capacity's
+
+
+def _graph_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
+    """A CUDA graph captures an `auto` ExpertParallel layer (which takes all_to_all_padded there) and replays it on
+    new routing; the replays must match float64 and the eager layer."""
+    import torch.distributed as dist
+
+    from selector.parallel import ExpertParallel, shard_experts
+    from selector.testing import make_experts, reference_experts
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    failures: list[str] = []
+    try:
+        full = make_experts(E, H, I, seed=SEED, device="cuda")
+        full._is_expert_parallel = True
+        for backend in GRAPH_BACKENDS:
+            for tokens in GRAPH_TOKENS:
+                where = f"rank {rank}/{world} {backend} T={tokens}"
+                layer = shard_experts(copy.deepcopy(full), implementation=backend)
+                assert isinstance(layer, ExpertParallel) and layer.strategy == "all_to_all"
+                if layer.captured_strategy != "all_to_all_padded":
+                    failures.append(f"{where}: a captured call would run {layer.captured_strategy}")
+                    continue
+                gen = torch.Generator().manual_seed(SEED + 7 * rank + tokens)
+                static = [t.cuda() for t in (torch.randn(tokens, H, generator=gen), *_routing(tokens, list(range(E)), gen))]
+                # the eager padded call proves the capacity and initialises the communicator before the capture
+                layer.strategy = "all_to_all_padded"
+                eager_padded = layer(*static)
+                side = torch.cuda.Stream()  # the warm-up CUDA graphs want, on a side stream
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    layer(*static)
+                torch.cuda.current_stream().wait_stream(side)
+                layer.strategy = "all_to_all"
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = layer(*static)
+                for replay in range(3):
+                    fresh = (torch.randn(tokens, H, generator=gen), *_routing(tokens, list(range(E)), gen))
+                    for buffer, value in zip(static, fresh):
+                        buffer.copy_(value)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    ref = reference_experts(full, *fresh)
+                    eager = layer(*static)  # the eager all_to_all on the same inputs
+                    err = (out.double().cpu() - ref).abs().max().item()
+                    err_eager = (out - eager).abs().max().item()
+                    if err > 2e-3 or err_eager > 2e-3:
+                        failures.append(f"{where} replay {replay}: error {err:.2e} vs float64, {err_eager:.2e} vs eager")
+                if (eager_padded.shape, eager_padded.dtype) != ((tokens, H), torch.float32):
+                    failures.append(f"{where}: the eager padded call gave {tuple(eager_padded.shape)}")
+    except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures}))
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_cuda_graph_captures_the_padded_exchange_over_nccl(world: int, tmp_path: Path) -> None:
+    """No host sync per layer: `auto` under capture takes all_to_all_padded, and its replays stay right."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, {torch.cuda.device_count()} visible")
+    reports = _spawn(world, tmp_path, _graph_rank_main)
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
 
 
 # --- Transformers' own expert parallelism with selector backends as the local experts ------------------------------
