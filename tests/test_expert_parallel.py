@@ -18,59 +18,11 @@ import pytest
 import torch
 
 import selector
-from selector.parallel import STRATEGIES, ParallelFacts, check_strategy, choose, explain
-from selector.types import Status
 
 E, H, I, K = 8, 16, 8, 2
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "auto")
 GPU_BACKENDS = (*BACKENDS, "triton_fused")
 SEED = 1234
-
-
-# --- the strategies, judged without a process group ----------------------------------------------------------------
-
-
-def _facts(**over: object) -> ParallelFacts:
-    base = {"has_group": True, "world_size": 4, "backend": "gloo", "num_experts": 8, "same_tokens": False}
-    base.update(over)
-    return ParallelFacts(**base)  # type: ignore[arg-type]
-
-
-def test_auto_takes_all_to_all_and_all_reduce_needs_the_same_tokens() -> None:
-    assert choose(_facts()) == "all_to_all"
-    verdicts = explain(_facts())
-    assert list(verdicts) == ["all_to_all", "all_reduce"]
-    assert verdicts["all_to_all"].ok and not verdicts["all_reduce"].ok
-    assert "same_tokens=True" in verdicts["all_reduce"].remedy
-    assert choose(_facts(same_tokens=True), "all_reduce") == "all_reduce"
-    with pytest.raises(ValueError, match="did not say every rank holds the same tokens"):
-        choose(_facts(), "all_reduce")
-
-
-def test_strategies_refuse_without_group_on_other_backends_and_uneven_experts() -> None:
-    no_group = check_strategy(STRATEGIES["all_to_all"], _facts(has_group=False, world_size=0, backend=None))
-    assert no_group.status is Status.UNSUPPORTED_CONFIG and "needs a torch.distributed process group" in no_group.reason
-    mpi = check_strategy(STRATEGIES["all_to_all"], _facts(backend="mpi"))
-    assert "gloo or nccl" in mpi.reason and "'mpi'" in mpi.reason
-    uneven = check_strategy(STRATEGIES["all_reduce"], _facts(world_size=3, same_tokens=True))
-    assert "size 3 must divide the 8 experts" in uneven.reason
-    with pytest.raises(ValueError, match=r"no expert-parallel strategy runs here \(all_to_all: .*size 3"):
-        choose(_facts(world_size=3))
-    known = "unknown expert-parallel strategy 'ring'; known: auto, all_reduce, all_to_all"
-    with pytest.raises(ValueError, match=known):
-        choose(_facts(), "ring")
-
-
-def test_a_layer_without_process_group_refuses_before_cutting_weights() -> None:
-    from selector.parallel import ExpertParallel, shard_experts
-    from selector.testing import make_experts
-
-    experts = make_experts(E, H, I, seed=SEED)
-    with pytest.raises(ValueError, match="needs a torch.distributed process group.*fix: call torch.distributed.init"):
-        shard_experts(experts)
-    assert experts.gate_up_proj.shape[0] == E and experts.num_experts == E
-    with pytest.raises(ValueError, match="needs a torch.distributed process group"):
-        ExpertParallel(experts, num_experts=E)
 
 
 # --- the spawned ranks ---------------------------------------------------------------------------------------------
