@@ -70,15 +70,15 @@ def transformers_all_to_all() -> tuple[Any, str]:
     """(Transformers' AllToAllEP class, "") where Transformers 5.23+ is importable, else (None, why not)."""
     try:
         import transformers
-    except ImportError:
-        return None, "transformers is not installed"
+    except ImportError as exc:  # absent, or its import-time check of huggingface-hub / tokenizers failed
+        return None, f"transformers does not import: {exc}"
     from selector.requirements import version_tuple
 
     if version_tuple(transformers.__version__) < (5, 23):
         return None, f"transformers {transformers.__version__} has no expert parallelism (5.23+)"
     try:
         from transformers.distributed.expert_parallel import AllToAllEP
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - a peer that does not load is reported, the rest still runs
         return None, f"transformers {transformers.__version__}: {exc}"
     return AllToAllEP, ""
 
