@@ -298,6 +298,45 @@ def test_a_cuda_graph_captures_the_padded_exchange_over_nccl(world: int, tmp_pat
     assert not failures, "\n".join(failures)
 
 
+def _compile_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
+    """torch.compile(fullgraph=True) of an `auto` layer: no graph break, so no host sync (all_to_all_padded)."""
+    import torch.distributed as dist
+
+    from selector.parallel import shard_experts
+    from selector.testing import make_experts, reference_experts
+
+    dist.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
+    failures: list[str] = []
+    try:
+        full = make_experts(E, H, I, seed=SEED)
+        full._is_expert_parallel = True
+        layer = shard_experts(copy.deepcopy(full), implementation="grouped_mm")
+        gen = torch.Generator().manual_seed(SEED + rank)
+        inputs = [(torch.randn(4, H, generator=gen), *_routing(4, list(range(E)), gen)) for _ in range(2)]
+        layer(*inputs[0])  # selector chooses inside torch.compile only for modules it has seen
+        compiled = torch.compile(layer, fullgraph=True)  # a host sync would be a graph break: an error here
+        for n, args in enumerate(inputs):
+            err = (compiled(*args).double() - reference_experts(full, *args)).abs().max().item()
+            if err > 2e-5:
+                failures.append(f"rank {rank} input {n}: compiled error {err:.2e}")
+        if layer.strategy != "all_to_all" or layer.captured_strategy != "all_to_all_padded":
+            failures.append(f"rank {rank}: strategies {layer.strategy}, {layer.captured_strategy}")
+    except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
+        failures.append(f"rank {rank}: {type(exc).__name__}: {str(exc)[:2000]}")
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures}))
+        dist.destroy_process_group()
+
+
+@pytest.mark.compile
+def test_torch_compile_traces_the_auto_layer_without_a_graph_break(tmp_path: Path) -> None:
+    reports = _spawn(2, tmp_path, _compile_rank_main)
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
+
+
 # --- Transformers' own expert parallelism with selector backends as the local experts ------------------------------
 
 HF_IMPLEMENTATIONS = ("selector:eager", "selector:grouped_mm", "selector:batched_mm", "auto")
