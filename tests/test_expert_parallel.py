@@ -97,6 +97,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
     strategies_ran: dict[str, int] = {}
     try:
         full = make_experts(E, H, I, seed=SEED, device=device)  # the same weights on every rank
+        full.requires_grad_(False)  # forward only (the collectives carry no gradient); triton_fused has no backward
         full._is_expert_parallel = True  # the single-process run sees the global sentinel slots too
         locals_ = {}
         for label, (strategy, capacity) in VARIANTS.items():
@@ -242,7 +243,7 @@ def _graph_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> No
     )
     failures: list[str] = []
     try:
-        full = make_experts(E, H, I, seed=SEED, device="cuda")
+        full = make_experts(E, H, I, seed=SEED, device="cuda").requires_grad_(False)  # forward only
         full._is_expert_parallel = True
         for backend in GRAPH_BACKENDS:
             for tokens in GRAPH_TOKENS:
@@ -310,7 +311,7 @@ def _compile_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> 
     )
     failures: list[str] = []
     try:
-        full = make_experts(E, H, I, seed=SEED)
+        full = make_experts(E, H, I, seed=SEED).requires_grad_(False)  # forward only
         full._is_expert_parallel = True
         layer = shard_experts(copy.deepcopy(full), implementation="grouped_mm")
         gen = torch.Generator().manual_seed(SEED + rank)
