@@ -171,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--markdown", action="store_true", help="markdown report")
     doctor.add_argument("--require", action="append", metavar="BACKEND", help="exit 1 unless this backend can run here")
     ep = doctor.add_argument_group("expert parallelism (judges the strategies for a group of ranks)")
-    ep.add_argument("--ep-size", type=int, metavar="N", help="ranks of the expert-parallel group; exit 1 if no strategy runs")
-    ep.add_argument("--ep-backend", choices=["nccl", "gloo"], help="default: nccl where torch has CUDA and a GPU is seen")
+    ep.add_argument("--ep-size", type=int, metavar="N",
+                    help="ranks of the expert-parallel group; exit 1 if no strategy runs")  # fmt: skip
+    ep.add_argument("--ep-backend", choices=["nccl", "gloo"],
+                    help="default: nccl where torch has CUDA and a GPU is seen")  # fmt: skip
     ep.add_argument("--ep-same-tokens", action="store_true", help="every rank holds the same tokens (all_reduce)")
     _add_problem_options(doctor)
     doctor.set_defaults(func=_cmd_doctor)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
-from selector.doctor import DoctorReport
 from selector.compat_table import markdown_table
+from selector.doctor import DoctorReport
 from selector.parallel.report import section_markdown, section_text
 from selector.types import BackendSpec, Candidate, Problem, Ranking
 

@@ -254,7 +254,8 @@ def _graph_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> No
                     failures.append(f"{where}: a captured call would run {layer.captured_strategy}")
                     continue
                 gen = torch.Generator().manual_seed(SEED + 7 * rank + tokens)
-                static = [t.cuda() for t in (torch.randn(tokens, H, generator=gen), *_routing(tokens, list(range(E)), gen))]
+                first = (torch.randn(tokens, H, generator=gen), *_routing(tokens, list(range(E)), gen))
+                static = [t.cuda() for t in first]
                 # the eager padded call proves the capacity and initialises the communicator before the capture
                 layer.strategy = "all_to_all_padded"
                 eager_padded = layer(*static)
@@ -278,7 +279,9 @@ def _graph_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> No
                     err = (out.double().cpu() - ref).abs().max().item()
                     err_eager = (out - eager).abs().max().item()
                     if err > 2e-3 or err_eager > 2e-3:
-                        failures.append(f"{where} replay {replay}: error {err:.2e} vs float64, {err_eager:.2e} vs eager")
+                        failures.append(
+                            f"{where} replay {replay}: error {err:.2e} vs float64, {err_eager:.2e} vs eager"
+                        )
                 if (eager_padded.shape, eager_padded.dtype) != ((tokens, H), torch.float32):
                     failures.append(f"{where}: the eager padded call gave {tuple(eager_padded.shape)}")
     except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise

@@ -87,7 +87,8 @@ def test_a_tiny_gloo_run_times_every_variant_and_agrees_with_transformers(tmp_pa
         if row["max_abs_diff_vs_all_to_all"] is not None:
             assert row["max_abs_diff_vs_all_to_all"] < 1e-5, row
     # padded at capacity T moves T rows each way to the other rank: 3 x (16 x 4 + 2 x (8 + 4)) + 3 x 16 x 4 bytes
-    padded = next(r for r in report["rows"] if r["variant"] == "exchange:all_to_all_padded" and r["tokens_per_rank"] == 3)
+    padded = next(r for r in report["rows"]
+                  if r["variant"] == "exchange:all_to_all_padded" and r["tokens_per_rank"] == 3)  # fmt: skip
     assert padded["bytes_sent"] == {"dispatch": 3 * (64 + 24), "combine": 3 * 64, "total": 3 * 64 * 2 + 72}
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from selector.probes import collect_environment
 
 from selector.parallel import PREFERENCE, STRATEGIES, ParallelFacts, check_strategy, choose, explain
 from selector.parallel.report import build_section, doctor_facts, no_group_section
-from selector.probes import collect_environment
 from selector.types import Status
 
 E, H, I = 8, 16, 8
@@ -95,7 +95,7 @@ def test_a_layer_without_process_group_refuses_before_cutting_weights() -> None:
         shard_experts(experts, strategy="all_to_all_padded", capacity=4)
 
 
-# --- doctor ------------------------------------------------------------------------------------------------------------
+# --- doctor -----------------------------------------------------------------------------------------------------------
 
 
 def test_doctor_facts_read_nccl_off_the_probes() -> None:
@@ -134,7 +134,8 @@ def test_doctor_renders_each_strategy_with_its_verdicts_in_text_json_and_markdow
     assert section["auto"] == "all_to_all" and section["auto_captured"] == "all_to_all_padded"
     assert section["nccl_version"] == "2.27.3" and section["world_size"] == 2
     by_name = {s["name"]: s for s in section["strategies"]}
-    assert by_name["all_to_all"]["status"] == "ok" and by_name["all_to_all"]["captured"]["status"] == "unsupported_config"
+    assert by_name["all_to_all"]["status"] == "ok"
+    assert by_name["all_to_all"]["captured"]["status"] == "unsupported_config"
     assert by_name["all_to_all_padded"]["capturable"] is True
     markdown = render_markdown(report)
     assert "| all_to_all_padded | ok | ok |" in markdown and "| all_reduce | unsupported_config |" in markdown
@@ -148,6 +149,10 @@ def test_doctor_without_a_group_says_so_and_a_group_where_nothing_runs_is_broken
     assert "Expert parallelism: no process group (`selector doctor --ep-size N`" in render_text(report)
     assert report.to_dict()["expert_parallel"]["has_group"] is False and report.exit_code == 0
     assert no_group_section(8).chosen is None
+    from selector.parallel.report import group_section
+
+    live = group_section(None, 8)  # no process group initialised in this process
+    assert live.source == "no process group" and not live.facts.has_group
     uneven = _report(build_section(_facts(world_size=3), "--ep-size 3"))
     assert uneven.exit_code == 1
     assert any("expert parallelism over 3 ranks: no strategy runs (all_to_all:" in b for b in uneven.broken)

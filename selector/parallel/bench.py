@@ -120,7 +120,7 @@ def sent_bytes(
     return {"dispatch": dispatch, "combine": combine, "total": dispatch + combine}
 
 
-# --- one rank -----------------------------------------------------------------------------------------------------------
+# --- one rank ---------------------------------------------------------------------------------------------------------
 
 
 def _local_experts(shape: Shape, per_rank: int, dtype: Any, device: str, seed: int) -> Any:
@@ -328,7 +328,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, options: dict[str, Any], 
         dist.destroy_process_group()
 
 
-# --- the parent: spawn, gather, render ---------------------------------------------------------------------------------
+# --- the parent: spawn, gather, render --------------------------------------------------------------------------------
 
 
 def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -357,7 +357,8 @@ def _time_text(seconds: float) -> str:
 
 def render_table(summary: Sequence[dict[str, Any]], skipped: dict[str, str]) -> str:
     """The short table: per cell and variant, time (spread), bandwidth per rank, and the layer vs Transformers."""
-    lines = [f"{'shape':<16} {'T/rank':>6}  {'variant':<30} {'time':>10} {'spread':>7}  per-rank GB/s / vs transformers"]
+    head = f"{'shape':<16} {'T/rank':>6}  {'variant':<30} {'time':>10} {'spread':>7}"
+    lines = [f"{head}  per-rank GB/s / vs transformers"]
     reference = {(s["shape"], s["tokens_per_rank"]): s["time_s"] for s in summary
                  if s["variant"] == "transformers:all_to_all"}  # fmt: skip
     for s in summary:

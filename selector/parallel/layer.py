@@ -33,7 +33,7 @@ def _group_or_world(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None
 def _nccl_version() -> tuple[int, ...] | None:
     try:
         version = torch.cuda.nccl.version()
-    except Exception:  # a CPU build or a torch without the binding: unknown, not an error
+    except Exception:  # noqa: BLE001 - a CPU build or a torch without the binding: unknown, not an error
         return None
     return tuple(version) if isinstance(version, tuple) else None
 

@@ -32,8 +32,10 @@ class StrategyLine:
     captured: Availability  # called where a CUDA graph captures or torch.compile traces
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "tradeoff": self.tradeoff,
-                "capturable": self.capturable, **self.verdict.to_dict(), "captured": self.captured.to_dict()}  # fmt: skip
+        return {
+            "name": self.name, "description": self.description, "tradeoff": self.tradeoff,
+            "capturable": self.capturable, **self.verdict.to_dict(), "captured": self.captured.to_dict(),
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ def _version_tuple(text: str) -> tuple[int, ...] | None:
     return tuple(parts) or None
 
 
-def nccl_facts(env: Environment, environ: Mapping[str, str] | None = None) -> tuple[tuple[int, ...] | None, str, str | None]:
+def nccl_facts(
+    env: Environment, environ: Mapping[str, str] | None = None
+) -> tuple[tuple[int, ...] | None, str, str | None]:
     """(NCCL version or None, where it was read, why NCCL cannot run here or None), from the probes alone."""
     torch = next((p for p in env.packages if p.name == "torch"), None)
     problem = None
@@ -82,7 +86,8 @@ def nccl_facts(env: Environment, environ: Mapping[str, str] | None = None) -> tu
     for facts in probe_packages(NCCL_DISTRIBUTIONS, environ):
         if facts.version:
             return _version_tuple(facts.version), f"{facts.name} {facts.version} ({facts.source})", problem
-    return None, "no nvidia-nccl distribution installed (a torch built with NCCL inside: its version is not read)", problem
+    unknown = "no nvidia-nccl distribution installed (a torch built with NCCL inside: its version is not read)"
+    return None, unknown, problem
 
 
 def doctor_facts(
@@ -102,9 +107,8 @@ def build_section(facts: ParallelFacts, source: str, nccl_source: str = "") -> P
     """Every strategy's verdicts for the facts, in the order `auto` tries them."""
     captured_facts = replace(facts, capturing=True)
     lines = tuple(
-        StrategyLine(name, s.description, s.tradeoff, s.capturable, check_strategy(s, facts),
-                     check_strategy(s, captured_facts))  # fmt: skip
-        for name, s in ((n, STRATEGIES[n]) for n in PREFERENCE)
+        StrategyLine(n, s.description, s.tradeoff, s.capturable, check_strategy(s, facts), check_strategy(s, captured_facts))
+        for n, s in ((n, STRATEGIES[n]) for n in PREFERENCE)
     )
 
     def auto(f: ParallelFacts) -> str | None:
@@ -114,6 +118,15 @@ def build_section(facts: ParallelFacts, source: str, nccl_source: str = "") -> P
             return None
 
     return ParallelSection(facts, source, lines, auto(facts), auto(captured_facts), nccl_source)
+
+
+def group_section(group: Any, num_experts: int, same_tokens: bool = False) -> ParallelSection:
+    """The section for a live process group (None: the default world), inside a process that initialised one;
+    loads torch.distributed, which the doctor command itself never does."""
+    from selector.parallel.layer import facts_of
+
+    facts = facts_of(group, num_experts, same_tokens)
+    return build_section(facts, "the initialised process group" if facts.has_group else "no process group")
 
 
 def no_group_section(num_experts: int) -> ParallelSection:
@@ -126,7 +139,8 @@ def section_title(section: ParallelSection) -> str:
         return "Expert parallelism: no process group (`selector doctor --ep-size N` judges a group of N ranks)"
     nccl = f", NCCL {version_text(f.nccl_version)}" if f.backend == "nccl" and f.nccl_version else ""
     same = ", the same tokens on every rank" if f.same_tokens else ""
-    head = f"Expert parallelism ({f.world_size} ranks over {f.backend}{nccl}, E={f.num_experts}{same}; {section.source})"
+    group = f"{f.world_size} ranks over {f.backend}{nccl}, E={f.num_experts}{same}"
+    head = f"Expert parallelism ({group}; {section.source})"
     if section.chosen is None:
         return f"{head}: no strategy runs"
     captured = section.chosen_captured or "nothing"
@@ -160,8 +174,10 @@ def section_text(section: ParallelSection, ok: str, bad: str) -> list[str]:
 
 def section_markdown(section: ParallelSection) -> list[str]:
     """The section as markdown lines: a heading and one table row per strategy."""
-    lines = [f"## {section_title(section)}", "", "| strategy | eager | under CUDA graphs / torch.compile | reason | fix |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"## {section_title(section)}", "", "| strategy | eager | under CUDA graphs / torch.compile | reason | fix |",
+        "|---|---|---|---|---|",
+    ]  # fmt: skip
     for line in section.lines:
         v, c = line.verdict, line.captured
         reason = v.reason if not v.ok else (c.reason if not c.ok else v.reason)
@@ -172,6 +188,6 @@ def section_markdown(section: ParallelSection) -> list[str]:
 
 
 __all__ = [
-    "NCCL_DISTRIBUTIONS", "ParallelSection", "StrategyLine", "build_section", "doctor_facts", "nccl_facts",
-    "no_group_section", "section_markdown", "section_text", "section_title",
+    "NCCL_DISTRIBUTIONS", "ParallelSection", "StrategyLine", "build_section", "doctor_facts", "group_section",
+    "nccl_facts", "no_group_section", "section_markdown", "section_text", "section_title",
 ]  # fmt: skip
