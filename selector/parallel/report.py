@@ -107,7 +107,8 @@ def build_section(facts: ParallelFacts, source: str, nccl_source: str = "") -> P
     """Every strategy's verdicts for the facts, in the order `auto` tries them."""
     captured_facts = replace(facts, capturing=True)
     lines = tuple(
-        StrategyLine(n, s.description, s.tradeoff, s.capturable, check_strategy(s, facts), check_strategy(s, captured_facts))
+        StrategyLine(n, s.description, s.tradeoff, s.capturable, check_strategy(s, facts),
+                     check_strategy(s, captured_facts))
         for n, s in ((n, STRATEGIES[n]) for n in PREFERENCE)
     )
 
