@@ -240,11 +240,20 @@ def _variants(
     out["layer:all_to_all"] = (lambda: exact(hidden, index, weights), None)
     out["layer:all_to_all_padded"] = (lambda: padded(hidden, index, weights), None)
     if device == "cuda":
+        replay, failure = None, ""
         try:
             # the warm-up runs the padded layer eagerly (proving the capacity); the capture skips the proof
-            out["layer:all_to_all_padded+graph"] = (_graphed(lambda: padded(hidden, index, weights)), None)
+            replay = _graphed(lambda: padded(hidden, index, weights))
         except Exception as exc:  # noqa: BLE001 - a capture that fails is a result, not the end of the run
-            skipped["layer:all_to_all_padded+graph"] = f"{type(exc).__name__}: {exc}"
+            failure = f"rank {rank}: {type(exc).__name__}: {exc}"
+        # a captured collective only records, so no peer waits on a failed capture; but every rank must then time
+        # the same variants, or their collectives would pair up wrongly
+        captured = torch.tensor([0 if failure else 1], dtype=torch.int64, device=hidden.device)
+        dist.all_reduce(captured, op=dist.ReduceOp.MIN, group=group)
+        if captured.item() and replay is not None:
+            out["layer:all_to_all_padded+graph"] = (replay, None)
+        else:
+            skipped["layer:all_to_all_padded+graph"] = failure or "the capture failed on another rank"
     all_to_all_ep, why = transformers_all_to_all()
     if all_to_all_ep is None:
         skipped["transformers:all_to_all"] = why
@@ -277,8 +286,9 @@ def _rank_main(rank: int, world: int, rendezvous: str, options: dict[str, Any], 
     if device == "cuda":
         torch.cuda.set_device(rank)
     backend_name = "nccl" if device == "cuda" else "gloo"
+    # a rank that fails leaves its peers waiting in a collective until this timeout: short, so the run ends
     dist.init_process_group(backend_name, init_method=rendezvous, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
     rows: list[dict[str, Any]] = []
     skipped_all: dict[str, str] = {}
     error = ""
@@ -384,8 +394,9 @@ def run(options: dict[str, Any], world: int) -> dict[str, Any]:
         ranks = [ctx.Process(target=_rank_main, args=(r, world, rendezvous, options, paths[r])) for r in range(world)]
         for p in ranks:
             p.start()
+        deadline = time.monotonic() + options["timeout_s"]  # for the whole run, not per rank
         for p in ranks:
-            p.join(options["timeout_s"])
+            p.join(max(0.0, deadline - time.monotonic()))
         for p in ranks:
             if p.is_alive():
                 p.kill()
@@ -415,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), help="tokens per rank")
     parser.add_argument("--backend", default="auto", help="the local experts backend (selector name or auto)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per cell")
-    parser.add_argument("--timeout", type=int, default=600, dest="timeout_s", help="seconds before a rank is killed")
+    parser.add_argument("--timeout", type=int, default=420, dest="timeout_s",
+                        help="seconds for the whole run before the ranks are killed")  # fmt: skip
     return parser
 
 
