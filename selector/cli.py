@@ -116,8 +116,17 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from selector.tuning import TuningTable, tuning_fingerprint
 
     table = TuningTable.from_records(tuning_store.known_records(), tuning_fingerprint(env, plugin_versions(registry)))
+    parallel = None
+    if args.ep_size is not None:  # judge the expert-parallel strategies for a group of that size
+        from selector.doctor import default_problem
+        from selector.parallel.report import build_section, doctor_facts
+
+        _positive("--ep-size", args.ep_size)
+        experts = (problem or default_problem(env)).num_experts
+        facts, nccl = doctor_facts(env, args.ep_size, experts, args.ep_backend, args.ep_same_tokens)
+        parallel = build_section(facts, f"--ep-size {args.ep_size}", nccl)
     report = build_report(env, registry, problem=problem, required=args.require or (), tuning=table,
-                          tuning_store=tuning_store.describe_sources())
+                          tuning_store=tuning_store.describe_sources(), parallel=parallel)
     if args.markdown:
         print(render_markdown(report, registry.specs.values()))
     else:
@@ -161,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="machine-readable report (schema selector.doctor/1)")
     out.add_argument("--markdown", action="store_true", help="markdown report")
     doctor.add_argument("--require", action="append", metavar="BACKEND", help="exit 1 unless this backend can run here")
+    ep = doctor.add_argument_group("expert parallelism (judges the strategies for a group of ranks)")
+    ep.add_argument("--ep-size", type=int, metavar="N",
+                    help="ranks of the expert-parallel group; exit 1 if no strategy runs")  # fmt: skip
+    ep.add_argument("--ep-backend", choices=["nccl", "gloo"],
+                    help="default: nccl where torch has CUDA and a GPU is seen")  # fmt: skip
+    ep.add_argument("--ep-same-tokens", action="store_true", help="every rank holds the same tokens (all_reduce)")
     _add_problem_options(doctor)
     doctor.set_defaults(func=_cmd_doctor)
 

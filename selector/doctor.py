@@ -11,6 +11,7 @@ from typing import Any
 import selector
 from selector.compat import hub_kernels_verdict
 from selector.config import ConfigError, SelectorConfig, load_config
+from selector.parallel.report import ParallelSection, no_group_section
 from selector.probes import Environment
 from selector.ranking import rank
 from selector.registry import Registry
@@ -70,6 +71,7 @@ class DoctorReport:
     warnings: list[str] = field(default_factory=list)
     usable: list[str] = field(default_factory=list)  # what `auto` may choose for the judged layer, best first
     no_estimate: list[str] = field(default_factory=list)  # runnable backends that give no cost estimate
+    parallel: ParallelSection | None = None  # the expert-parallel strategies' verdicts
 
     @property
     def exit_code(self) -> int:
@@ -92,6 +94,7 @@ class DoctorReport:
             "required": self.required,
             "usable": self.usable,
             "no_estimate": self.no_estimate,
+            "expert_parallel": self.parallel.to_dict() if self.parallel else None,
             "environment": self.environment.to_dict(),
         }
 
@@ -189,10 +192,13 @@ def build_report(
     config: SelectorConfig | None = None,
     tuning: TuningTable | None = None,
     tuning_store: str = "",
+    parallel: ParallelSection | None = None,
 ) -> DoctorReport:
     """Everything doctor shows, computed once. `problem` adds a ranking; `required` backends must run here.
     `tuning`: the measured times of this environment (the ranking uses them where they cover the problem, and
-    says so); `tuning_store`: where they were read from.
+    says so); `tuning_store`: where they were read from. `parallel`: the expert-parallel strategies judged for a
+    group (`selector.parallel.report`; a group asked for in which no strategy runs is broken); without it the
+    section says there is no process group.
 
     The backend lines are the ranking's verdicts on the judged problem (one judgement, the one `auto` makes).
     """
@@ -237,6 +243,11 @@ def build_report(
         denied = sorted(n for n in config.deny if n in ranking.verdicts and ranking.verdicts[n].ok)
         broken.append(f"no backend can run this layer here: the config denies every runnable one "
                       f"({', '.join(denied)}); remove one from 'deny' in {', '.join(config.files) or 'the config'}")
+    if parallel is None:
+        parallel = no_group_section(judged.num_experts)
+    elif parallel.facts.has_group and parallel.chosen is None:
+        reasons = "; ".join(f"{line.name}: {line.verdict.reason}" for line in parallel.lines)
+        broken.append(f"expert parallelism over {parallel.facts.world_size} ranks: no strategy runs ({reasons})")
     return DoctorReport(
         environment=env,
         checks=checks,
@@ -252,6 +263,7 @@ def build_report(
         usable=usable,
         no_estimate=[c.name for c in ranking.candidates
                      if c.source != "measured" and not _has_estimate(registry, c.name, judged, env)],
+        parallel=parallel,
     )
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
-from selector.doctor import DoctorReport
 from selector.compat_table import markdown_table
+from selector.doctor import DoctorReport
+from selector.parallel.report import section_markdown, section_text
 from selector.types import BackendSpec, Candidate, Problem, Ranking
 
 OK, BAD, WARN = "✓", "✗", "!"
@@ -77,6 +78,8 @@ def render_text(report: DoctorReport) -> str:
                 lines.append(f"      fix: {b.verdict.remedy}")
         if b.first_call_cost:
             lines.append(f"      first call: {b.first_call_cost}")
+    if report.parallel is not None:
+        lines += ["", *section_text(report.parallel, OK, BAD)]
     if report.config.get("files"):
         lines += ["", "Config: " + ", ".join(report.config["files"])]
     if report.ranking is not None:
@@ -106,6 +109,8 @@ def render_markdown(report: DoctorReport, specs: Iterable[BackendSpec] = ()) -> 
               "| backend | status | reason | fix |", "|---|---|---|---|"]
     for b in report.backends:
         lines.append(f"| {b.name} | {b.verdict.status.value} | {b.verdict.reason} | {b.verdict.remedy} |")
+    if report.parallel is not None:
+        lines += ["", *section_markdown(report.parallel)]
     if report.ranking is not None:
         lines += ["", "## Ranking", "", "```", *ranking_lines(report.ranking, report.no_estimate), "```"]
     specs = list(specs)

@@ -60,6 +60,7 @@ SLOW_TESTS = frozenset({
     "test_gpu_kernels_real.py::test_sonicmoe_kernel_dir_loads_through_kernels",
     "test_hub_backends.py::test_kernels_itself_loads_what_locate_calls_cached",
     "test_hub_backends.py::test_megamoe_call_path_against_fake",
+    "test_parallel_bench.py::test_a_tiny_gloo_run_times_every_variant_and_agrees_with_transformers",
     "test_tile_tuning.py::test_cli_without_triton_prints_one_line",
     "test_hub_backends.py::test_megamoe_forward_refuses_missing_group_and_wrong_weights",
     "test_transformers_integration.py::test_backends_match_eager_logits_and_greedy_tokens",

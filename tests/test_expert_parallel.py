@@ -18,59 +18,11 @@ import pytest
 import torch
 
 import selector
-from selector.parallel import STRATEGIES, ParallelFacts, check_strategy, choose, explain
-from selector.types import Status
 
 E, H, I, K = 8, 16, 8, 2
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "auto")
 GPU_BACKENDS = (*BACKENDS, "triton_fused")
 SEED = 1234
-
-
-# --- the strategies, judged without a process group ----------------------------------------------------------------
-
-
-def _facts(**over: object) -> ParallelFacts:
-    base = {"has_group": True, "world_size": 4, "backend": "gloo", "num_experts": 8, "same_tokens": False}
-    base.update(over)
-    return ParallelFacts(**base)  # type: ignore[arg-type]
-
-
-def test_auto_takes_all_to_all_and_all_reduce_needs_the_same_tokens() -> None:
-    assert choose(_facts()) == "all_to_all"
-    verdicts = explain(_facts())
-    assert list(verdicts) == ["all_to_all", "all_reduce"]
-    assert verdicts["all_to_all"].ok and not verdicts["all_reduce"].ok
-    assert "same_tokens=True" in verdicts["all_reduce"].remedy
-    assert choose(_facts(same_tokens=True), "all_reduce") == "all_reduce"
-    with pytest.raises(ValueError, match="did not say every rank holds the same tokens"):
-        choose(_facts(), "all_reduce")
-
-
-def test_strategies_refuse_without_group_on_other_backends_and_uneven_experts() -> None:
-    no_group = check_strategy(STRATEGIES["all_to_all"], _facts(has_group=False, world_size=0, backend=None))
-    assert no_group.status is Status.UNSUPPORTED_CONFIG and "needs a torch.distributed process group" in no_group.reason
-    mpi = check_strategy(STRATEGIES["all_to_all"], _facts(backend="mpi"))
-    assert "gloo or nccl" in mpi.reason and "'mpi'" in mpi.reason
-    uneven = check_strategy(STRATEGIES["all_reduce"], _facts(world_size=3, same_tokens=True))
-    assert "size 3 must divide the 8 experts" in uneven.reason
-    with pytest.raises(ValueError, match=r"no expert-parallel strategy runs here \(all_to_all: .*size 3"):
-        choose(_facts(world_size=3))
-    known = "unknown expert-parallel strategy 'ring'; known: auto, all_reduce, all_to_all"
-    with pytest.raises(ValueError, match=known):
-        choose(_facts(), "ring")
-
-
-def test_a_layer_without_process_group_refuses_before_cutting_weights() -> None:
-    from selector.parallel import ExpertParallel, shard_experts
-    from selector.testing import make_experts
-
-    experts = make_experts(E, H, I, seed=SEED)
-    with pytest.raises(ValueError, match="needs a torch.distributed process group.*fix: call torch.distributed.init"):
-        shard_experts(experts)
-    assert experts.gate_up_proj.shape[0] == E and experts.num_experts == E
-    with pytest.raises(ValueError, match="needs a torch.distributed process group"):
-        ExpertParallel(experts, num_experts=E)
 
 
 # --- the spawned ranks ---------------------------------------------------------------------------------------------
@@ -105,6 +57,26 @@ def _cases(world: int, rank: int) -> list[tuple[str, bool, int, list[int], bool]
     return cases
 
 
+# The layers every case runs, by label: (strategy, capacity). The padded exchange without a capacity runs only where
+# every rank holds the same token count; with a capacity of the largest count of any case it runs everywhere.
+CAPACITY = 8  # the most tokens of any rank in any case (mixed: 5 + rank on 4 ranks)
+VARIANTS = {
+    "all_to_all": ("all_to_all", None),
+    "all_reduce": ("all_reduce", None),
+    "all_to_all_padded": ("all_to_all_padded", None),
+    f"all_to_all_padded@{CAPACITY}": ("all_to_all_padded", CAPACITY),
+}
+UNEQUAL_COUNTS = ("mixed", "empty-rank")  # the cases whose ranks hold different token counts
+
+
+def _variants_for(case: str, same: bool) -> tuple[str, ...]:
+    if same:
+        return tuple(VARIANTS)
+    if case in UNEQUAL_COUNTS:
+        return ("all_to_all", f"all_to_all_padded@{CAPACITY}")
+    return ("all_to_all", "all_to_all_padded", f"all_to_all_padded@{CAPACITY}")
+
+
 def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str = "cpu") -> None:
     import torch.distributed as dist
 
@@ -122,15 +94,19 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
     tolerance = 2e-5 if device == "cpu" else 2e-3  # on a GPU a float32 kernel may run its dots in TF32
     failures: list[str] = []
     ran: dict[str, int] = {}
+    strategies_ran: dict[str, int] = {}
     try:
         full = make_experts(E, H, I, seed=SEED, device=device)  # the same weights on every rank
+        full.requires_grad_(False)  # forward only (the collectives carry no gradient); triton_fused has no backward
         full._is_expert_parallel = True  # the single-process run sees the global sentinel slots too
         locals_ = {}
-        for strategy in STRATEGIES:
+        for label, (strategy, capacity) in VARIANTS.items():
             for backend in backends:
-                layer = shard_experts(copy.deepcopy(full), strategy=strategy, same_tokens=True, implementation=backend)
+                layer = shard_experts(
+                    copy.deepcopy(full), strategy=strategy, same_tokens=True, implementation=backend, capacity=capacity
+                )
                 assert isinstance(layer, ExpertParallel) and layer.strategy == strategy
-                locals_[strategy, backend] = layer
+                locals_[label, backend] = layer
         for case, same, tokens, allowed, sentinel in _cases(world, rank):
             gen = torch.Generator().manual_seed(SEED + (0 if same else 1000 * (rank + 1)) + len(case))
             hidden = torch.randn(tokens, H, generator=gen)
@@ -139,12 +115,13 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
                 index[::2, -1] = E
             ref = reference_experts(full, hidden, index, weights)
             hidden, index, weights = hidden.to(device), index.to(device), weights.to(device)
-            for strategy in ("all_reduce", "all_to_all") if same else ("all_to_all",):
+            for label in _variants_for(case, same):
                 for backend in backends:
-                    where = f"rank {rank}/{world} case {case} {strategy} {backend}"
-                    layer = locals_[strategy, backend]
+                    where = f"rank {rank}/{world} case {case} {label} {backend}"
+                    layer = locals_[label, backend]
                     out = layer(hidden, index, weights)
                     again = layer(hidden, index, weights)
+                    strategies_ran[label] = strategies_ran.get(label, 0) + 1
                     single = selector.dispatch.run_experts(full, hidden, index, weights, backend)
                     if out.shape != (tokens, H) or out.dtype != torch.float32:
                         failures.append(f"{where}: output {tuple(out.shape)} {out.dtype}")
@@ -160,6 +137,23 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
                         ran[last] = ran.get(last, 0) + 1
                     if backend != "auto" and last not in (None, backend):
                         failures.append(f"{where}: local experts ran {last}")
+        # the padded exchange refuses ranks that disagree on the token count, on every rank alike (no rank hangs)
+        padded = locals_["all_to_all_padded", "eager"]
+        count = 2 + rank
+        try:
+            padded(torch.randn(count, H, device=device), *(t.to(device) for t in _routing(count, list(range(E)), gen)))
+            failures.append(f"rank {rank}: all_to_all_padded ran with unequal token counts and no capacity")
+        except ValueError as exc:
+            if "needs the same token count on every rank" not in str(exc):
+                failures.append(f"rank {rank}: unequal counts raised {exc}")
+        tight = locals_[f"all_to_all_padded@{CAPACITY}", "eager"]
+        count = CAPACITY + 1 if rank == 0 else 1
+        try:
+            tight(torch.randn(count, H, device=device), *(t.to(device) for t in _routing(count, list(range(E)), gen)))
+            failures.append(f"rank {rank}: all_to_all_padded ran {CAPACITY + 1} tokens at capacity {CAPACITY}")
+        except ValueError as exc:
+            if f"pass a capacity of at least {CAPACITY + 1}" not in str(exc):
+                failures.append(f"rank {rank}: a capacity too small raised {exc}")
         # the function form and the model-tree form give the same as the wrapper
         gen = torch.Generator().manual_seed(SEED + rank)
         hidden = torch.randn(3, H, generator=gen)
@@ -187,7 +181,8 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
     except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
         failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures, "ran": ran}))
+        report = {"failures": failures, "ran": ran, "strategies": strategies_ran}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
         dist.destroy_process_group()
 
 
@@ -213,19 +208,137 @@ def test_every_cpu_backend_under_both_strategies_matches_one_process(world: int,
     assert not failures, "\n".join(failures)
     ran = set().union(*(report["ran"] for report in reports))
     assert {"eager", "grouped_mm", "batched_mm"} <= ran, ran
+    assert set(reports[0]["strategies"]) == set(VARIANTS)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_nccl_ranks_on_gpus_match_one_process(world: int, tmp_path: Path) -> None:
-    """The same cases on CUDA over nccl, `triton_fused` among the local backends; a world of one runs every
-    collective on one GPU."""
+    """The same cases on CUDA over nccl, `triton_fused` among the local backends, every strategy; a world of one
+    runs every collective on one GPU."""
     if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs")
+        pytest.skip(f"needs {world} CUDA GPUs, {torch.cuda.device_count()} visible")
     reports = _spawn(world, tmp_path, _rank_main, "cuda")
     failures = [f for report in reports for f in report["failures"]]
     assert not failures, "\n".join(failures)
     assert {"eager", "grouped_mm", "batched_mm", "triton_fused"} <= set().union(*(r["ran"] for r in reports))
+    assert set(reports[0]["strategies"]) == set(VARIANTS)
+
+
+GRAPH_BACKENDS = ("auto", "triton_fused")
+GRAPH_TOKENS = (1, 3)  # the replays' token count never changes: the padded exchange's shapes are the capacity's
+
+
+def _graph_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
+    """A CUDA graph captures an `auto` ExpertParallel layer (which takes all_to_all_padded there) and replays it on
+    new routing; the replays must match float64 and the eager layer."""
+    import torch.distributed as dist
+
+    from selector.parallel import ExpertParallel, shard_experts
+    from selector.testing import make_experts, reference_experts
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    failures: list[str] = []
+    try:
+        full = make_experts(E, H, I, seed=SEED, device="cuda").requires_grad_(False)  # forward only
+        full._is_expert_parallel = True
+        for backend in GRAPH_BACKENDS:
+            for tokens in GRAPH_TOKENS:
+                where = f"rank {rank}/{world} {backend} T={tokens}"
+                layer = shard_experts(copy.deepcopy(full), implementation=backend)
+                assert isinstance(layer, ExpertParallel) and layer.strategy == "all_to_all"
+                if layer.captured_strategy != "all_to_all_padded":
+                    failures.append(f"{where}: a captured call would run {layer.captured_strategy}")
+                    continue
+                gen = torch.Generator().manual_seed(SEED + 7 * rank + tokens)
+                first = (torch.randn(tokens, H, generator=gen), *_routing(tokens, list(range(E)), gen))
+                static = [t.cuda() for t in first]
+                # the eager padded call proves the capacity and initialises the communicator before the capture
+                layer.strategy = "all_to_all_padded"
+                eager_padded = layer(*static)
+                side = torch.cuda.Stream()  # the warm-up CUDA graphs want, on a side stream
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    layer(*static)
+                torch.cuda.current_stream().wait_stream(side)
+                layer.strategy = "all_to_all"
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = layer(*static)
+                for replay in range(3):
+                    fresh = (torch.randn(tokens, H, generator=gen), *_routing(tokens, list(range(E)), gen))
+                    for buffer, value in zip(static, fresh):
+                        buffer.copy_(value)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    ref = reference_experts(full, *fresh)
+                    eager = layer(*static)  # the eager all_to_all on the same inputs
+                    err = (out.double().cpu() - ref).abs().max().item()
+                    err_eager = (out - eager).abs().max().item()
+                    if err > 2e-3 or err_eager > 2e-3:
+                        failures.append(
+                            f"{where} replay {replay}: error {err:.2e} vs float64, {err_eager:.2e} vs eager"
+                        )
+                if (eager_padded.shape, eager_padded.dtype) != ((tokens, H), torch.float32):
+                    failures.append(f"{where}: the eager padded call gave {tuple(eager_padded.shape)}")
+    except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures}))
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_cuda_graph_captures_the_padded_exchange_over_nccl(world: int, tmp_path: Path) -> None:
+    """No host sync per layer: `auto` under capture takes all_to_all_padded, and its replays stay right."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, {torch.cuda.device_count()} visible")
+    reports = _spawn(world, tmp_path, _graph_rank_main)
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
+
+
+def _compile_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
+    """torch.compile(fullgraph=True) of an `auto` layer: no graph break, so no host sync (all_to_all_padded)."""
+    import torch.distributed as dist
+
+    from selector.parallel import shard_experts
+    from selector.testing import make_experts, reference_experts
+
+    dist.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
+    failures: list[str] = []
+    try:
+        full = make_experts(E, H, I, seed=SEED).requires_grad_(False)  # forward only
+        full._is_expert_parallel = True
+        layer = shard_experts(copy.deepcopy(full), implementation="grouped_mm")
+        gen = torch.Generator().manual_seed(SEED + rank)
+        inputs = [(torch.randn(4, H, generator=gen), *_routing(4, list(range(E)), gen)) for _ in range(2)]
+        layer(*inputs[0])  # selector chooses inside torch.compile only for modules it has seen
+        compiled = torch.compile(layer, fullgraph=True)  # a host sync would be a graph break: an error here
+        for n, args in enumerate(inputs):
+            err = (compiled(*args).double() - reference_experts(full, *args)).abs().max().item()
+            if err > 2e-5:
+                failures.append(f"rank {rank} input {n}: compiled error {err:.2e}")
+        if layer.strategy != "all_to_all" or layer.captured_strategy != "all_to_all_padded":
+            failures.append(f"rank {rank}: strategies {layer.strategy}, {layer.captured_strategy}")
+    except Exception as exc:  # noqa: BLE001 - reported through the file, the peers may hang otherwise
+        failures.append(f"rank {rank}: {type(exc).__name__}: {str(exc)[:2000]}")
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures}))
+        dist.destroy_process_group()
+
+
+@pytest.mark.compile
+def test_torch_compile_traces_the_auto_layer_without_a_graph_break(tmp_path: Path) -> None:
+    reports = _spawn(2, tmp_path, _compile_rank_main)
+    failures = [f for report in reports for f in report["failures"]]
+    assert not failures, "\n".join(failures)
 
 
 # --- Transformers' own expert parallelism with selector backends as the local experts ------------------------------

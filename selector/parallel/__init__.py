@@ -18,12 +18,14 @@ from selector.parallel.strategies import (
     check_strategy,
     choose,
     explain,
+    version_text,
 )  # fmt: skip
 
 if TYPE_CHECKING:
-    from selector.parallel.exchange import all_reduce_forward, all_to_all_forward
+    from selector.parallel.exchange import all_reduce_forward, all_to_all_forward, all_to_all_padded_forward
     from selector.parallel.layer import (
         ExpertParallel,
+        capturing_now,
         expert_parallel_forward,
         facts_of,
         parallelize_experts,
@@ -32,8 +34,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "ExpertParallel": "layer", "expert_parallel_forward": "layer", "facts_of": "layer",
-    "parallelize_experts": "layer", "shard_experts": "layer",
-    "all_reduce_forward": "exchange", "all_to_all_forward": "exchange",
+    "parallelize_experts": "layer", "shard_experts": "layer", "capturing_now": "layer",
+    "all_reduce_forward": "exchange", "all_to_all_forward": "exchange", "all_to_all_padded_forward": "exchange",
 }  # fmt: skip
 
 
@@ -48,6 +50,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AUTO", "PREFERENCE", "STRATEGIES", "ExpertParallel", "ParallelFacts", "Strategy", "all_reduce_forward",
-    "all_to_all_forward", "check_strategy", "choose", "expert_parallel_forward", "explain", "facts_of",
-    "parallelize_experts", "shard_experts",
+    "all_to_all_forward", "all_to_all_padded_forward", "capturing_now", "check_strategy", "choose",
+    "expert_parallel_forward", "explain", "facts_of", "parallelize_experts", "shard_experts", "version_text",
 ]  # fmt: skip

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -28,20 +30,49 @@ def _group_or_world(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None
     return None
 
 
-def facts_of(group: dist.ProcessGroup | None, num_experts: int, same_tokens: bool = False) -> ParallelFacts:
+def _nccl_version() -> tuple[int, ...] | None:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a CPU build or a torch without the binding: unknown, not an error
+        return None
+    return tuple(version) if isinstance(version, tuple) else None
+
+
+def facts_of(
+    group: dist.ProcessGroup | None, num_experts: int, same_tokens: bool = False, capturing: bool = False
+) -> ParallelFacts:
     """The facts a strategy is judged against, read off the group (the default world when `group` is None)."""
     group = _group_or_world(group)
     if group is None:
-        return ParallelFacts(False, 0, None, num_experts, same_tokens)
-    return ParallelFacts(True, dist.get_world_size(group), str(dist.get_backend(group)), num_experts, same_tokens)
+        return ParallelFacts(False, 0, None, num_experts, same_tokens, capturing)
+    backend = str(dist.get_backend(group))
+    nccl = _nccl_version() if backend == "nccl" else None
+    return ParallelFacts(True, dist.get_world_size(group), backend, num_experts, same_tokens, capturing, nccl)
+
+
+def capturing_now(x: torch.Tensor) -> bool:
+    """Whether this call is captured in a CUDA graph or traced by torch.compile (no host sync allowed)."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _choice(facts: ParallelFacts, strategy: str) -> str | Exception:
+    try:
+        return choose(facts, strategy)
+    except (ValueError, ImportError) as exc:
+        return exc
 
 
 class ExpertParallel(torch.nn.Module):
     """Experts spread over a process group: forward(hidden [T,H], top_k_index [T,k] global ids, weights) -> [T,H].
 
     `experts` holds this rank's `num_experts / world` experts (the rank r holds global ids r*E/w .. (r+1)*E/w-1)
-    and is marked expert-parallel here. `strategy`: "all_to_all", "all_reduce" or "auto" (all_to_all where it
-    runs); `same_tokens=True` promises every rank holds the same tokens, which all_reduce needs.
+    and is marked expert-parallel here. `strategy`: "all_to_all", "all_to_all_padded", "all_reduce" or "auto":
+    all_to_all where it runs, and where a CUDA graph captures or torch.compile traces (no host sync allowed)
+    all_reduce when `same_tokens`, else all_to_all_padded. `same_tokens=True` promises every rank holds the same
+    tokens, which all_reduce needs. `capacity`: the rows per rank all_to_all_padded pads to (the same on every rank,
+    at least every rank's token count); None pads to the token count, which every rank must then share. Eager
+    calls of all_to_all_padded prove that the ranks agree (one host sync); captured and compiled calls do not, so
+    run the shape eagerly once before capturing it, as CUDA graphs need anyway.
     `implementation`: the local backend (a name or "auto"), else the local module's own request.
     """
 
@@ -53,6 +84,7 @@ class ExpertParallel(torch.nn.Module):
         strategy: str = AUTO,
         same_tokens: bool = False,
         implementation: str | None = None,
+        capacity: int | None = None,
     ) -> None:
         super().__init__()
         self.experts = experts
@@ -61,29 +93,47 @@ class ExpertParallel(torch.nn.Module):
         world = dist.get_world_size(self.group) if self.group is not None else 1
         self.num_experts = int(num_experts) if num_experts is not None else local * world
         self.facts = facts_of(self.group, self.num_experts, same_tokens)
-        self.strategy = choose(self.facts, strategy)  # ValueError with the reason when it cannot run
+        self.strategy = choose(self.facts, strategy)  # ValueError with the reason when it cannot run eagerly
+        # where nothing may sync: decided now, raised at the first captured call when nothing can run there
+        self.captured_strategy = _choice(replace(self.facts, capturing=True), strategy)
         if local * world != self.num_experts:
             raise ValueError(
                 f"the local experts module holds {local} experts; {self.num_experts} experts over {world} ranks "
                 f"means {self.num_experts // world} per rank"
             )
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be at least 0, got {capacity}")
         experts._is_expert_parallel = True
         dispatch.forget_module(experts)
         self.implementation = implementation
+        self.capacity = capacity
         self.rank = dist.get_rank(self.group)
         self.first_expert = self.rank * local
+        self._seen: set[tuple[int, ...]] = set()  # input shapes whose values were checked
 
-    def explain(self) -> dict[str, Availability]:
-        """Every strategy's verdict for this layer and group, in the order `auto` tries them."""
-        return explain(self.facts)
+    def explain(self, capturing: bool = False) -> dict[str, Availability]:
+        """Every strategy's verdict for this layer and group, in the order `auto` tries them; `capturing`: as
+        judged where a CUDA graph captures or torch.compile traces."""
+        return explain(replace(self.facts, capturing=capturing))
+
+    def strategy_for(self, hidden_states: torch.Tensor) -> str:
+        """The strategy this call runs: the eager choice, or the capturable one under a CUDA graph or compile."""
+        if not capturing_now(hidden_states):
+            return self.strategy
+        if isinstance(self.captured_strategy, Exception):
+            raise self.captured_strategy
+        return self.captured_strategy
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        forward = FORWARDS[self.strategy]
-        return forward(
-            self.experts, self.group, self.num_experts, hidden_states, top_k_index, top_k_weights, self.implementation
-        )
+        name = self.strategy_for(hidden_states)
+        args = (self.experts, self.group, self.num_experts, hidden_states, top_k_index, top_k_weights)
+        if name != "all_to_all_padded":
+            return FORWARDS[name](*args, self.implementation, seen=self._seen)
+        # every eager call proves the ranks' capacities agree (one tiny gather and a host sync): a rank cannot
+        # know which counts its peers proved already, and a check only some ranks join would hang the others
+        return FORWARDS[name](*args, self.implementation, capacity=self.capacity, seen=self._seen)
 
     def extra_repr(self) -> str:
         return f"strategy={self.strategy}, num_experts={self.num_experts}, first_expert={self.first_expert}"
@@ -99,12 +149,15 @@ def expert_parallel_forward(
     strategy: str = AUTO,
     same_tokens: bool = False,
     implementation: str | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
-    """One expert-parallel call without a wrapper module (the strategy is chosen on every call)."""
+    """One expert-parallel call without a wrapper module (the strategy is chosen on every call; the padded
+    exchange proves the ranks' capacity on every eager call, one host sync)."""
     group = _group_or_world(group)
-    name = choose(facts_of(group, num_experts, same_tokens), strategy)
+    name = choose(facts_of(group, num_experts, same_tokens, capturing_now(hidden_states)), strategy)
     local._is_expert_parallel = True
-    return FORWARDS[name](local, group, num_experts, hidden_states, top_k_index, top_k_weights, implementation)
+    extra = {"capacity": capacity} if name == "all_to_all_padded" else {}
+    return FORWARDS[name](local, group, num_experts, hidden_states, top_k_index, top_k_weights, implementation, **extra)
 
 
 def shard_experts(
@@ -113,6 +166,7 @@ def shard_experts(
     strategy: str = AUTO,
     same_tokens: bool = False,
     implementation: str | None = None,
+    capacity: int | None = None,
 ) -> ExpertParallel:
     """Keep this rank's slice of a full experts module (the same weights on every rank) and wrap it.
 
@@ -134,7 +188,7 @@ def shard_experts(
                 setattr(experts, name, piece)
     if hasattr(experts, "num_experts"):
         experts.num_experts = per_rank
-    return ExpertParallel(experts, group, total, strategy, same_tokens, implementation)
+    return ExpertParallel(experts, group, total, strategy, same_tokens, implementation, capacity)
 
 
 def parallelize_experts(
@@ -143,6 +197,7 @@ def parallelize_experts(
     strategy: str = AUTO,
     same_tokens: bool = False,
     implementation: str | None = None,
+    capacity: int | None = None,
 ) -> list[str]:
     """Replace every `selector.experts` module of a model tree by its `shard_experts` wrapper, in place.
 
@@ -152,8 +207,10 @@ def parallelize_experts(
     for path, module in found:
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, attr, shard_experts(module, group, strategy, same_tokens, implementation))
+        setattr(parent, attr, shard_experts(module, group, strategy, same_tokens, implementation, capacity))
     return [path for path, _ in found]
 
 
-__all__ = ["ExpertParallel", "expert_parallel_forward", "facts_of", "parallelize_experts", "shard_experts"]
+__all__ = [
+    "ExpertParallel", "capturing_now", "expert_parallel_forward", "facts_of", "parallelize_experts", "shard_experts",
+]  # fmt: skip
