@@ -137,6 +137,7 @@ def reference_experts(
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     out64 = out.detach().cpu().double()
+    ref = ref.detach().cpu().double()  # a reference may be computed on the output's device
     assert torch.isfinite(out64).all(), "output holds NaN or inf"
     denom = ref.norm().item()
     return (out64 - ref).norm().item() / (denom if denom > 0 else 1.0)
