@@ -5,7 +5,9 @@ adapter (`selector.hf`), `selector bench` and the tests. Its public functions ar
 per-module state it keeps (the request, the choice per token bucket, the backend that ran last) lives in
 the module's `__dict__` under names nobody else reads.
 
-- `run_experts(module, hidden_states, top_k_index, top_k_weights)`: validate, choose, run.
+- `run_experts(module, hidden_states, top_k_index, top_k_weights)`: validate, choose, run. Under torch.compile
+  "auto" without autograd runs as one opaque op, `selector::experts`, whose implementation is this eager path:
+  the choice per token bucket and the backends' own CUDA graphs happen at run time (docs/design/compile.md).
 - `grad_inputs(module, hidden_states, top_k_weights)`: what autograd differentiates in a call.
 - `choose_backend(...)`: the backend for one call (a name the module asked for, or "auto"'s pick per
   token-count bucket). A named backend that cannot run raises ImportError / ValueError naming the fix.
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from selector import guard, layers, settings
+from selector import graphs, guard, layers, settings
 from selector.config import SelectorConfig, load_config
 from selector.environment import current_environment
 from selector.errors import unavailable_error
@@ -218,11 +220,13 @@ def choose_backend(
     requested: str | None = None,
     capturing: bool = False,
     needs_grad: tuple[str, ...] | None = None,
+    compiled: bool = False,
 ) -> str:
     """The backend for one call: `requested` (default: the module's request) if it can run, else raises.
 
     `needs_grad`: what the call's backward differentiates (`grad_inputs`); None: the module's weights under the
-    current grad mode. A backend whose backward does not cover it is refused (auto skips it).
+    current grad mode. A backend whose backward does not cover it is refused (auto skips it). `compiled`: the call
+    belongs to a compiled model (run by its opaque op), so auto keeps to backends declared for torch.compile.
     """
     if requested is None:
         requested = requested_implementation(module)
@@ -230,7 +234,10 @@ def choose_backend(
         needs_grad = grad_inputs(module)
     # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph, differentiated
     problem = replace(
-        problem_of(module, top_k), compile=torch.compiler.is_compiling(), cuda_graph=capturing, grad_inputs=needs_grad
+        problem_of(module, top_k),
+        compile=compiled or torch.compiler.is_compiling(),
+        cuda_graph=capturing,
+        grad_inputs=needs_grad,
     )
     bucket = None if num_tokens is None else token_bucket(num_tokens)
     if requested == AUTO:
@@ -314,12 +321,16 @@ def weight_format(module: torch.nn.Module) -> str:
 
 @torch.compiler.assume_constant_result
 def _choose_constant(uid: str, top_k: int, requested: str, needs_grad: str) -> str:
-    # Runs eagerly while torch.compile traces, its result a constant: one choice per compiled layer.
+    # Runs eagerly while torch.compile traces, its result a constant: AUTO (the layer runs through the opaque
+    # `selector::experts`, which chooses per call), else one backend per compiled layer, traced.
     module = _TRACKED.get(uid)
     if module is None:
         raise RuntimeError("an experts module reached torch.compile before selector saw it: run it once first")
     grads = tuple(needs_grad.split(",")) if needs_grad else ()
-    return choose_backend(module, None, top_k, None if requested == "" else requested, needs_grad=grads)
+    name = requested or requested_implementation(module)
+    if name == AUTO and not grads:
+        return AUTO
+    return choose_backend(module, None, top_k, name, needs_grad=grads)
 
 
 def run_experts(
@@ -336,6 +347,18 @@ def run_experts(
     """
     if torch.compiler.is_compiling():
         return _run_traced(module, hidden_states, top_k_index, top_k_weights, implementation)
+    return _run_eager(module, hidden_states, top_k_index, top_k_weights, implementation, compiled=False)
+
+
+def _run_eager(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    implementation: str | None,
+    compiled: bool,
+) -> torch.Tensor:
+    """run_experts outside tracing; `compiled`: called by the opaque op of a compiled model (see choose_backend)."""
     weight = layers.up_weight(module)
     weight_key = (weight.dtype, weight.device, weight.shape)
     facts = module.__dict__.get(_FACTS)
@@ -362,11 +385,12 @@ def run_experts(
     requested = implementation or module.__dict__.get(_REQUEST, AUTO)
     bucket = token_bucket(num_tokens) if requested == AUTO else 0
     needs_grad = grad_inputs(module, hidden_states, top_k_weights)
-    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, needs_grad, _RESOLVER.generation)
+    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, needs_grad, compiled,
+           _RESOLVER.generation)  # fmt: skip
     choices = module.__dict__.setdefault(_CHOICES, {})
     chosen = choices.get(key)
     if chosen is None:  # decided once per key; a request that cannot run raises here every time
-        name = choose_backend(module, num_tokens, top_k, implementation, capturing, needs_grad)
+        name = choose_backend(module, num_tokens, top_k, implementation, capturing, needs_grad, compiled)
         chosen = (name, _RESOLVER.forward_of(name, facts[3]))
         if len(choices) > 64:
             choices.clear()
@@ -397,9 +421,10 @@ def _run_traced(
         hidden_size=hidden_size,
         expert_parallel=layers.is_expert_parallel(module),
     )
-    # Shapes may be symbolic while tracing and only constants can cross into the choice: under torch.compile
-    # auto chooses once per layer, for a typical token count and the k of the last eager call (else the
-    # declared k).
+    # Shapes may be symbolic while tracing and only constants can cross into the choice. "auto" without autograd
+    # becomes one opaque op that chooses per call at run time; a named backend, or auto under autograd (whose
+    # backward AOTAutograd must trace), is chosen once per layer for a typical token count and the k of the last
+    # eager call (else the declared k), and traced.
     uid = tracked_id(module)
     if uid is None:
         raise RuntimeError(
@@ -408,7 +433,51 @@ def _run_traced(
         )
     needs_grad = ",".join(grad_inputs(module, hidden_states, top_k_weights))
     name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad)
+    if name == AUTO:
+        return torch.ops.selector.experts(uid, implementation or "", hidden_states, top_k_index, top_k_weights)
     return _RESOLVER.forward_of(name, weight_format(module))(module, hidden_states, top_k_index, top_k_weights)
+
+
+# The opaque op a compiled model calls for "auto": inductor sees one extern kernel whose output is shaped like
+# hidden_states; its implementation is the eager path, so the backend is chosen per token bucket from the real
+# token count, and a backend that replays its own recorded CUDA graph at small T does so (the compiled graph
+# alone would launch each kernel from Python). Defined on the raw library, not torch.library.custom_op: no
+# Python autograd wrapper on every call (the op runs only where autograd records nothing).
+_LIBRARY = torch.library.Library("selector", "FRAGMENT")
+_LIBRARY.define(
+    "experts(str layer, str implementation, Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights) -> Tensor"
+)
+
+
+def _own_graphs_allowed(hidden_states: torch.Tensor) -> bool:
+    """Whether a backend may record its own graph in this compiled call: on the device's default stream only.
+    torch.compile's CUDA-graph modes warm up on a side stream with the thread's allocations routed into their
+    pool, then capture (where graphs_enabled says no by itself)."""
+    if not hidden_states.is_cuda:
+        return True
+    return torch.cuda.current_stream(hidden_states.device) == torch.cuda.default_stream(hidden_states.device)
+
+
+def _experts_op(
+    layer: str, implementation: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    module = _TRACKED.get(layer)
+    if module is None:
+        raise RuntimeError(f"selector::experts: the experts module {layer!r} no longer exists (compiled before a copy?)")
+    with graphs.own_graphs(_own_graphs_allowed(hidden_states)):
+        out = _run_eager(module, hidden_states, top_k_index, top_k_weights, implementation or None, compiled=True)
+    # inductor takes the fake's layout (contiguous, hidden_states' dtype) as the output's
+    return out.to(hidden_states.dtype).contiguous()
+
+
+def _experts_fake(
+    layer: str, implementation: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+_LIBRARY.impl("experts", _experts_op, "CompositeExplicitAutograd")
+torch.library.register_fake("selector::experts", _experts_fake, lib=_LIBRARY)
 
 
 __all__ = [
