@@ -40,6 +40,10 @@ from selector.types import ExpertsForward, Problem, Ranking
 from selector.validation import validate_inputs
 
 AUTO = "auto"
+# A backend's forward with this attribute set to True runs, under torch.compile and without autograd, through the
+# opaque `selector::experts` like auto does: its eager call (its own recorded CUDA graphs) beats what inductor
+# makes of its trace. A forward that replays graphs of its own sets it.
+OPAQUE_WHEN_COMPILED = "selector_opaque_when_compiled"
 
 # Per-module state, in the module's __dict__ (plain attributes would be registered as submodule state).
 _REQUEST = "_selector_implementation"  # what the user asked for this module
@@ -435,7 +439,10 @@ def _run_traced(
     name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad)
     if name == AUTO:
         return torch.ops.selector.experts(uid, implementation or "", hidden_states, top_k_index, top_k_weights)
-    return _RESOLVER.forward_of(name, weight_format(module))(module, hidden_states, top_k_index, top_k_weights)
+    forward = _RESOLVER.forward_of(name, weight_format(module))
+    if not needs_grad and getattr(forward, OPAQUE_WHEN_COMPILED, False):  # its eager call beats its traced one
+        return torch.ops.selector.experts(uid, name, hidden_states, top_k_index, top_k_weights)
+    return forward(module, hidden_states, top_k_index, top_k_weights)
 
 
 # The opaque op a compiled model calls for "auto": inductor sees one extern kernel whose output is shaped like
@@ -482,6 +489,7 @@ torch.library.register_fake("selector::experts", _experts_fake, lib=_LIBRARY)
 
 __all__ = [
     "AUTO",
+    "OPAQUE_WHEN_COMPILED",
     "PINNED_DEFAULTS",
     "backend_forward",
     "check_backend_name",

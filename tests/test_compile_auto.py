@@ -16,7 +16,7 @@ from experts_fixtures import TOLERANCE, make_experts, random_routing, relative_e
 
 import selector
 from selector import BackendSpec, Requirements, graphs, hookimpl
-from selector.dispatch import backend_forward, last_backend, track
+from selector.dispatch import OPAQUE_WHEN_COMPILED, backend_forward, last_backend, track
 
 SMALL_TOKENS = 4  # the fake decode backend is fastest up to this many tokens, the prefill one above
 RAN: list[str] = []
@@ -143,6 +143,49 @@ def test_a_named_backend_is_traced_not_run_through_the_op(fresh_registry) -> Non
         module(*_inputs(3))
         torch.compile(module, backend=backend)(*_inputs(3))
     assert not any("selector.experts" in target for target in seen)
+
+
+class OpaqueKernel:
+    """A fake plugin whose forward asks to run eagerly inside compiled models (as one replaying its own graphs)."""
+
+    @staticmethod
+    @hookimpl
+    def selector_backends():  # noqa: ANN205
+        def load() -> Callable[..., torch.Tensor]:
+            forward = _forward_as("fake_opaque")()
+            setattr(forward, OPAQUE_WHEN_COMPILED, True)
+            return forward
+
+        return [BackendSpec(name="fake_opaque", load=load, requirements=Requirements(devices=frozenset({"cpu"})))]
+
+
+def _targets(compiled_call: Callable[[], object]) -> list[str]:
+    seen: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    compiled_call(backend)
+    return seen
+
+
+def test_a_named_backend_that_asks_for_it_runs_through_the_op_without_autograd(fresh_registry) -> None:  # noqa: ANN001
+    fresh_registry(OpaqueKernel)
+    module = _layer()
+    selector.set_experts_implementation(module, "fake_opaque")
+    with torch.no_grad():
+        module(*_inputs(3))
+        RAN.clear()
+        targets = _targets(lambda backend: torch.compile(module, backend=backend, fullgraph=True)(*_inputs(5)))
+    assert any("selector.experts" in t for t in targets)
+    assert RAN == ["fake_opaque"] and last_backend(module) == "fake_opaque"  # run by the op, eagerly
+    torch._dynamo.reset()
+    module.requires_grad_(True)
+    RAN.clear()
+    targets = _targets(lambda backend: torch.compile(module, backend=backend, fullgraph=True)(*_inputs(5)))
+    assert not any("selector.experts" in t for t in targets)  # autograd: traced (the op has no backward)
+    assert RAN == ["fake_opaque"]  # ... while tracing
 
 
 def test_the_op_is_one_node_and_its_fake_is_shaped_like_hidden_states(fresh_registry) -> None:  # noqa: ANN001

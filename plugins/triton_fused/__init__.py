@@ -20,9 +20,21 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements, hookimpl
 from selector.costmodel import floor_seconds
-from selector.types import COMPILE_MODES
+from selector.types import COMPILE_MODES, GRAD_INPUTS, Availability, Status
 
 ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
+# what backward.py differentiates (recomputed in torch); another activation runs forward-only
+BACKWARD_ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
+
+
+def _check(problem: Problem, env: Environment) -> Availability | None:
+    if problem.requires_grad and problem.activation not in BACKWARD_ACTIVATIONS:
+        return Availability(
+            Status.UNSUPPORTED_CONFIG,
+            f"has no backward for the {problem.activation!r} activation",
+            "run under torch.no_grad(), or pick a differentiable backend such as grouped_mm",
+        )
+    return check_quantized(problem, env)
 
 
 def _load():  # noqa: ANN202
@@ -73,12 +85,13 @@ def selector_backends() -> Sequence[BackendSpec]:
                 custom_gate=False,  # the gate is fused into the GEMM epilogue: only act(gate) * up
                 post_expert_norm=False,
             ),
-            check=check_quantized,
+            check=_check,
             description="fused Triton kernels: GPU-side align, gate_up+activation, down+routing weight "
             "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,
             first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
-            differentiable=frozenset(),  # forward-only kernels: its custom op has no autograd formula
+            differentiable=frozenset(GRAD_INPUTS),  # backward.py: recomputed in torch, dense experts only
+            grad_weight_formats=frozenset({"dense"}),
             compile_modes=frozenset(COMPILE_MODES),  # one opaque custom op under torch.compile, graph-capturable
             fullgraph=True,
             tune_kernels=_tune_kernels,  # tiles for shapes without a shipped table, into a user tile table
