@@ -50,6 +50,7 @@ _REQUEST = "_selector_implementation"  # what the user asked for this module
 _LAST = "_selector_last_backend"  # the backend that ran the last forward
 _TOP_K = "_selector_top_k"  # k of the last eager forward: what a choice made under torch.compile uses
 _UID = "_selector_uid"
+_OWNER = "_selector_uid_owner"  # id() of the module the uid was given to: a deep copy keeps the uid, not the id
 _PROBLEM = "_selector_problem"
 _FACTS = "_selector_facts"
 _CHOICES = "_selector_choices"
@@ -292,6 +293,7 @@ def track(module: torch.nn.Module) -> str:
     if uid is None or _TRACKED.get(uid) is not module:  # new, or a deep copy that kept its original's id
         uid = f"experts-{next(_NEXT_UID)}"
         module.__dict__[_UID] = uid
+        module.__dict__[_OWNER] = id(module)
         _TRACKED[uid] = module
     return uid
 
@@ -324,15 +326,16 @@ def weight_format(module: torch.nn.Module) -> str:
 
 
 @torch.compiler.assume_constant_result
-def _choose_constant(uid: str, top_k: int, requested: str, needs_grad: str) -> str:
+def _choose_constant(uid: str, top_k: int, requested: str, needs_grad: str, opaque: bool) -> str:
     # Runs eagerly while torch.compile traces, its result a constant: AUTO (the layer runs through the opaque
-    # `selector::experts`, which chooses per call), else one backend per compiled layer, traced.
+    # `selector::experts`, which chooses per call), else one backend per compiled layer, traced. `opaque`: the
+    # traced module is the one behind `uid` (not a copy that kept it), so the op may run it by its id.
     module = _TRACKED.get(uid)
     if module is None:
         raise RuntimeError("an experts module reached torch.compile before selector saw it: run it once first")
     grads = tuple(needs_grad.split(",")) if needs_grad else ()
     name = requested or requested_implementation(module)
-    if name == AUTO and not grads:
+    if name == AUTO and not grads and opaque:
         return AUTO
     return choose_backend(module, None, top_k, name, needs_grad=grads)
 
@@ -436,12 +439,16 @@ def _run_traced(
             "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
         )
     needs_grad = ",".join(grad_inputs(module, hidden_states, top_k_weights))
-    name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad)
+    # a deep copy compiled before selector saw it run still carries its original's id: traced, by its own weights
+    opaque = getattr(module, _OWNER, None) == id(module)
+    name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad, opaque)
     if name == AUTO:
-        return torch.ops.selector.experts(uid, implementation or "", hidden_states, top_k_index, top_k_weights)
+        return torch.ops.selector.experts(
+            uid, implementation or "", hidden_states, top_k_index, top_k_weights, layers.up_weight(module)
+        )
     forward = _RESOLVER.forward_of(name, weight_format(module))
-    if not needs_grad and getattr(forward, OPAQUE_WHEN_COMPILED, False):  # its eager call beats its traced one
-        return torch.ops.selector.experts(uid, name, hidden_states, top_k_index, top_k_weights)
+    if opaque and not needs_grad and getattr(forward, OPAQUE_WHEN_COMPILED, False):  # eager beats its trace
+        return torch.ops.selector.experts(uid, name, hidden_states, top_k_index, top_k_weights, layers.up_weight(module))
     return forward(module, hidden_states, top_k_index, top_k_weights)
 
 
@@ -449,10 +456,12 @@ def _run_traced(
 # hidden_states; its implementation is the eager path, so the backend is chosen per token bucket from the real
 # token count, and a backend that replays its own recorded CUDA graph at small T does so (the compiled graph
 # alone would launch each kernel from Python). Defined on the raw library, not torch.library.custom_op: no
-# Python autograd wrapper on every call (the op runs only where autograd records nothing).
+# Python autograd wrapper on every call (the op runs only where autograd records nothing). The module's up
+# weight goes in too, unused by the implementation: inductor then knows the op reads it.
 _LIBRARY = torch.library.Library("selector", "FRAGMENT")
 _LIBRARY.define(
-    "experts(str layer, str implementation, Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights) -> Tensor"
+    "experts(str layer, str implementation, Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, "
+    "Tensor up_weight) -> Tensor"
 )
 
 
@@ -466,19 +475,32 @@ def _own_graphs_allowed(hidden_states: torch.Tensor) -> bool:
 
 
 def _experts_op(
-    layer: str, implementation: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    layer: str,
+    implementation: str,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    up_weight: torch.Tensor,
 ) -> torch.Tensor:
     module = _TRACKED.get(layer)
     if module is None:
-        raise RuntimeError(f"selector::experts: the experts module {layer!r} no longer exists (compiled before a copy?)")
-    with graphs.own_graphs(_own_graphs_allowed(hidden_states)):
+        raise RuntimeError(f"selector::experts: the experts module {layer!r} no longer exists; compile its model again")
+    if _own_graphs_allowed(hidden_states):  # the usual case: no context manager on the hot path
         out = _run_eager(module, hidden_states, top_k_index, top_k_weights, implementation or None, compiled=True)
+    else:
+        with graphs.own_graphs(False):
+            out = _run_eager(module, hidden_states, top_k_index, top_k_weights, implementation or None, compiled=True)
     # inductor takes the fake's layout (contiguous, hidden_states' dtype) as the output's
     return out.to(hidden_states.dtype).contiguous()
 
 
 def _experts_fake(
-    layer: str, implementation: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    layer: str,
+    implementation: str,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    up_weight: torch.Tensor,
 ) -> torch.Tensor:
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 

@@ -216,7 +216,7 @@ def test_opcheck_the_experts_op(fresh_registry) -> None:  # noqa: ANN001
     uid = track(module)
     torch.library.opcheck(
         torch.ops.selector.experts.default,
-        (uid, "", hidden, index, weights),
+        (uid, "", hidden, index, weights, module.gate_up_proj),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 
@@ -224,7 +224,29 @@ def test_opcheck_the_experts_op(fresh_registry) -> None:  # noqa: ANN001
 def test_the_op_names_a_module_that_is_gone() -> None:
     hidden, index, weights = _inputs(2)
     with pytest.raises(RuntimeError, match="no longer exists"):
-        torch.ops.selector.experts("experts-gone", "", hidden, index, weights)
+        torch.ops.selector.experts("experts-gone", "", hidden, index, weights, torch.zeros(1))
+
+
+def test_a_copy_compiled_before_any_eager_call_runs_its_own_weights(fresh_registry) -> None:  # noqa: ANN001
+    import copy
+
+    fresh_registry(TwoKernels)
+    module = _layer()
+    with torch.no_grad():
+        module(*_inputs(3))
+        twin = copy.deepcopy(module)  # keeps the original's id until selector sees it run
+        twin.gate_up_proj.mul_(2.0)
+        hidden, index, weights = _inputs(3)
+        targets = _targets(lambda backend: torch.compile(twin, backend=backend, fullgraph=True)(hidden, index, weights))
+        assert not any("selector.experts" in t for t in targets)  # traced: the op would run the original
+        torch._dynamo.reset()
+        out = torch.compile(twin, backend="eager", fullgraph=True)(hidden, index, weights)
+        assert relative_error(out, backend_forward("eager")(twin, hidden, index, weights)) < 1e-5
+        assert relative_error(out, backend_forward("eager")(module, hidden, index, weights)) > 1e-2
+        torch._dynamo.reset()
+        twin(*_inputs(3))  # seen run: its own id, so the op from now on
+        targets = _targets(lambda backend: torch.compile(twin, backend=backend, fullgraph=True)(hidden, index, weights))
+        assert any("selector.experts" in t for t in targets)
 
 
 def test_inductor_compiles_the_op_and_matches_eager(fresh_registry) -> None:  # noqa: ANN001
