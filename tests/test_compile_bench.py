@@ -44,7 +44,7 @@ def test_gpu_compiled_bench_on_one_small_preset(tmp_path) -> None:  # noqa: ANN0
     from selector.cli import main
 
     assert main(["bench", "--compile", "default,reduce-overhead", "--preset", "qwen1.5-moe-a2.7b", "--tokens", "1,64",
-                 "--rounds", "2", "--out", str(tmp_path)]) == 0  # fmt: skip
+                 "--backends", "auto", "--rounds", "2", "--out", str(tmp_path)]) == 0  # fmt: skip
     data = json.loads((tmp_path / "compiled.json").read_text())
     rows = [r for r in data["rows"] if r["backend"] == "auto"]
     assert {r["tokens"] for r in rows} == {1, 64}
