@@ -295,6 +295,7 @@ def track(module: torch.nn.Module) -> str:
         module.__dict__[_UID] = uid
         module.__dict__[_OWNER] = id(module)
         _TRACKED[uid] = module
+        _pin_defaults(module)  # before any trace: set by a first call inside a compiled model, a recompile
     return uid
 
 
@@ -325,19 +326,25 @@ def weight_format(module: torch.nn.Module) -> str:
     return getattr(module, "selector_weight_format", None) or "dense"
 
 
-@torch.compiler.assume_constant_result
-def _choose_constant(uid: str, top_k: int, requested: str, needs_grad: str, opaque: bool) -> str:
-    # Runs eagerly while torch.compile traces, its result a constant: AUTO (the layer runs through the opaque
-    # `selector::experts`, which chooses per call), else one backend per compiled layer, traced. `opaque`: the
-    # traced module is the one behind `uid` (not a copy that kept it), so the op may run it by its id.
+def _traced_module(uid: str) -> torch.nn.Module:
     module = _TRACKED.get(uid)
     if module is None:
         raise RuntimeError("an experts module reached torch.compile before selector saw it: run it once first")
+    return module
+
+
+@torch.compiler.assume_constant_result
+def _auto_at_run_time(uid: str, requested: str) -> bool:
+    # Runs eagerly while torch.compile traces, its result a constant: whether the call is "auto" (the module's
+    # request unless the caller names one), which the opaque `selector::experts` chooses per call.
+    return (requested or requested_implementation(_traced_module(uid))) == AUTO
+
+
+@torch.compiler.assume_constant_result
+def _choose_constant(uid: str, top_k: int, requested: str, needs_grad: str) -> str:
+    # Runs eagerly while torch.compile traces, its result a constant: one choice per compiled layer, traced.
     grads = tuple(needs_grad.split(",")) if needs_grad else ()
-    name = requested or requested_implementation(module)
-    if name == AUTO and not grads and opaque:
-        return AUTO
-    return choose_backend(module, None, top_k, name, needs_grad=grads)
+    return choose_backend(_traced_module(uid), None, top_k, requested or None, needs_grad=grads)
 
 
 def run_experts(
@@ -440,14 +447,15 @@ def _run_traced(
         )
     needs_grad = ",".join(grad_inputs(module, hidden_states, top_k_weights))
     # a deep copy compiled before selector saw it run still carries its original's id: traced, by its own weights
-    opaque = getattr(module, _OWNER, None) == id(module)
-    name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad, opaque)
-    if name == AUTO:
+    opaque = not needs_grad and getattr(module, _OWNER, None) == id(module)
+    # (the op's path reads nothing its run-time eager call writes, such as the k it records: no recompile after)
+    if opaque and _auto_at_run_time(uid, implementation or ""):
         return torch.ops.selector.experts(
             uid, implementation or "", hidden_states, top_k_index, top_k_weights, layers.up_weight(module)
         )
+    name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad)
     forward = _RESOLVER.forward_of(name, weight_format(module))
-    if opaque and not needs_grad and getattr(forward, OPAQUE_WHEN_COMPILED, False):  # eager beats its trace
+    if opaque and getattr(forward, OPAQUE_WHEN_COMPILED, False):  # its eager call beats its trace
         return torch.ops.selector.experts(uid, name, hidden_states, top_k_index, top_k_weights, layers.up_weight(module))
     return forward(module, hidden_states, top_k_index, top_k_weights)
 

@@ -6,7 +6,7 @@ call per (module, shape) in a CUDA graph and replays it: the inputs are
 copied into the graph's buffers, the graph replays, the output is cloned out (the caller may keep it).
 Graphs are kept beside the module in a weak map, not in it: a CUDA graph cannot be deep-copied, and users
 copy models. Never used while torch.compile traces or while the caller captures its own graph; a compiled model
-calls the layer through an opaque op that replays these graphs off the default stream only (`own_graphs`).
+calls the layer through an opaque op that replays these graphs on the default stream only (`own_graphs`).
 """
 
 from __future__ import annotations
