@@ -16,6 +16,7 @@ import torch
 from experts_fixtures import Layout, make_experts, random_routing, relative_error
 
 import selector
+from selector import layers
 from selector.dispatch import get_backend_registry, last_backend, problem_of
 from selector.plugins.triton_fused import BACKWARD_ACTIVATIONS
 from selector.plugins.triton_fused.backward import backward_for_test, context_for_test
@@ -155,6 +156,19 @@ def test_triton_fused_declares_its_backward_for_dense_experts_and_these_activati
     assert not verdict.ok and "no backward for fp8_block" in verdict.reason
 
 
+def test_auto_under_autograd_on_an_h200_now_ranks_triton_fused_first() -> None:
+    from selector.presets import preset
+    from selector.ranking import rank
+    from selector.registry import get_registry
+
+    env = collect_environment({"SELECTOR_GPUS": "NVIDIA H200:9.0:141", "PATH": ""})
+    if not evaluate(get_registry().get("triton_fused"), preset("qwen3-30b-a3b").with_tokens(8), env).ok:
+        pytest.skip("triton is not installed here")
+    problem = replace(preset("qwen3-30b-a3b"), grad_inputs=GRAD_INPUTS)
+    for tokens in (8, 4096):
+        assert rank(problem.with_tokens(tokens), env, get_registry()).best == "triton_fused", tokens
+
+
 # -- the real op: the Triton interpreter on a CPU, the kernels on a GPU --
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -198,7 +212,7 @@ def test_opcheck_the_triton_fused_op_with_its_backward() -> None:
 
 def _grads(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     out = module(*inputs)
-    wrt = [inputs[0], inputs[2], module.gate_up_proj, module.down_proj]
+    wrt = [inputs[0], inputs[2], layers.up_weight(module), module.down_proj]
     upstream = torch.linspace(-1.0, 1.0, out.numel(), device=out.device, dtype=out.dtype).view_as(out)
     return list(torch.autograd.grad(out, wrt, upstream))
 
@@ -222,7 +236,7 @@ def test_gpu_triton_fused_gradients_match_grouped_mm_in_bf16(layout: Layout, tok
 
 
 @pytest.mark.gpu
-def test_gpu_auto_picks_triton_fused_when_fine_tuning() -> None:
+def test_gpu_auto_fine_tunes_through_a_backward() -> None:
     module = make_experts(8, 256, 128, dtype=torch.bfloat16, device="cuda", seed=0)
     index, weights = random_routing(64, 8, 2, device="cuda")
     hidden = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
