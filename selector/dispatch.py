@@ -295,7 +295,8 @@ def track(module: torch.nn.Module) -> str:
         module.__dict__[_UID] = uid
         module.__dict__[_OWNER] = id(module)
         _TRACKED[uid] = module
-        _pin_defaults(module)  # before any trace: set by a first call inside a compiled model, a recompile
+        if layers.up_weight(module).element_size() > 1:  # one-byte weights get their format from selector.hf
+            _pin_defaults(module)  # before any trace: pinned by a first call inside a compiled model, a recompile
     return uid
 
 
@@ -420,21 +421,13 @@ def _run_traced(
     top_k_weights: torch.Tensor,
     implementation: str | None,
 ) -> torch.Tensor:
-    """run_experts while torch.compile traces: shape checks, one constant choice per layer, the backend.
+    """run_experts while torch.compile traces: the opaque op for auto, else shape checks, one constant choice per
+    layer, the backend.
 
     Nothing here reads or writes the module's __dict__ or caches: Dynamo (torch 2.11) cannot trace calls on a
     module's __dict__ (`setdefault` broke the graph at every layer), and every write would be a side effect
     replayed after the graph. Attribute reads are plain getattr, which Dynamo guards like any other.
     """
-    num_experts, hidden_size, _ = layers.dims(module)
-    validate_inputs(
-        hidden_states,
-        top_k_index,
-        top_k_weights,
-        num_experts=num_experts,
-        hidden_size=hidden_size,
-        expert_parallel=layers.is_expert_parallel(module),
-    )
     # Shapes may be symbolic while tracing and only constants can cross into the choice. "auto" without autograd
     # becomes one opaque op that chooses per call at run time; a named backend, or auto under autograd (whose
     # backward AOTAutograd must trace), is chosen once per layer for a typical token count and the k of the last
@@ -448,11 +441,21 @@ def _run_traced(
     needs_grad = ",".join(grad_inputs(module, hidden_states, top_k_weights))
     # a deep copy compiled before selector saw it run still carries its original's id: traced, by its own weights
     opaque = not needs_grad and getattr(module, _OWNER, None) == id(module)
-    # (the op's path reads nothing its run-time eager call writes, such as the k it records: no recompile after)
+    # The op's path reads nothing its run-time eager call writes (the k it records, the weight format it pins):
+    # no recompile after the first call. Its implementation checks the inputs, every call, as uncompiled.
     if opaque and _auto_at_run_time(uid, implementation or ""):
         return torch.ops.selector.experts(
             uid, implementation or "", hidden_states, top_k_index, top_k_weights, layers.up_weight(module)
         )
+    num_experts, hidden_size, _ = layers.dims(module)
+    validate_inputs(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        num_experts=num_experts,
+        hidden_size=hidden_size,
+        expert_parallel=layers.is_expert_parallel(module),
+    )
     name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad)
     forward = _RESOLVER.forward_of(name, weight_format(module))
     if opaque and getattr(forward, OPAQUE_WHEN_COMPILED, False):  # its eager call beats its trace

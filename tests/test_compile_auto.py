@@ -347,3 +347,15 @@ def test_gpu_compiled_auto_chooses_per_token_count_as_declared() -> None:
             out = compiled(*inputs)
             assert last_backend(module) == choose_backend(module, tokens, 4, compiled=True), tokens
             assert relative_error(out, backend_forward("grouped_mm")(module, *inputs)) < TOLERANCE[torch.bfloat16]
+
+
+def test_the_op_checks_the_inputs_when_the_compiled_model_runs(fresh_registry) -> None:  # noqa: ANN001
+    fresh_registry(TwoKernels)
+    module = _layer()
+    with torch.no_grad():
+        module(*_inputs(3))
+        compiled = torch.compile(module, backend="eager", fullgraph=True)
+        hidden, index, weights = _inputs(3)
+        index[1, 0] = 9  # not an expert of this layer (E=4)
+        with pytest.raises(ValueError, match="expert"):
+            compiled(hidden, index, weights)
