@@ -23,6 +23,10 @@ of a device copy measured in the same run. Cells run in priority order under a t
 counted from the start); what does not fit is recorded as skipped. JSON is rewritten after every cell, so
 a run cut short keeps what it measured. Prints a short markdown table last.
 
+--interleave-compiled gives the compiled cells of one setting interleaved rounds too (auto against Transformers'
+best backend under the same drift): one model, each backend's compiled decode step cached side by side by
+Dynamo (the experts implementation is guarded), so it cannot go with --skip-module-guards.
+
 --skip-module-guards compiles through selector.hf.compile_config(skip_module_guards=True): Dynamo stops
 guarding torch's own nn modules (unsafe where modules change between calls); each compiled cell then starts
 from torch._dynamo.reset(), so no cell finds another backend's graph.
@@ -97,6 +101,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compiled-cell-s", type=float, default=60.0,
                    help="a compiled cell is only started with at least this much budget left")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--interleave-compiled", action="store_true",
+                   help="compiled cells of one setting take their rounds in turn (see above)")
     p.add_argument("--fullgraph", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the decode step as one graph (a graph break is then an error, recorded)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled cells")
@@ -342,9 +348,10 @@ def compile_mode_for(backend: str, model) -> str:
         return "default"  # the module's own loop reads expert ids on the host
     if backend != "auto":
         return "reduce-overhead"  # Transformers' batched_mm / grouped_mm have no host sync
-    # what auto runs under torch.compile: one choice per layer, among compile-friendly backends
+    # auto under torch.compile (no autograd) is one opaque op that chooses per call, inside a CUDA-graph
+    # capture among graph-safe backends only: reduce-overhead, as long as one of them runs this layer
     module = next(m for members in hf.experts_modules(model).values() for _, m in members)
-    problem = replace(dispatch.problem_of(module, dispatch.declared_top_k(module)), compile=True)
+    problem = replace(dispatch.problem_of(module, dispatch.declared_top_k(module)), compile=True, cuda_graph=True)
     pick = dispatch.rank_problem(problem).best
     spec = selector.get_registry().specs.get(pick)
     return "reduce-overhead" if spec is not None and spec.cuda_graph_safe else "default"
@@ -364,6 +371,7 @@ class CellRun:
         self.t1: list[float] = []
         self.runs: list[tuple[float, list[float]]] = []
         self.seconds = 0.0
+        self.timed_from: dict[str, int] | None = None  # --interleave-compiled: counts after the group's warm-ups
         self.extra: dict[str, Any] = {}
         if backend == "grouped_mm" and device.type == "cuda":
             self.cell["note"] = "Transformers swaps grouped_mm for batched_mm during decode on GPU"
@@ -454,7 +462,8 @@ class CellRun:
             cell["decode_tokens"] = n
             after = compile_stats()
             cell["warmup_counts"] = {k: self.warm_stats[k] - self.before[k] for k in self.before}
-            cell["timed_counts"] = {k: after[k] - self.warm_stats[k] for k in self.before}  # should all be 0
+            timed_from = self.timed_from or self.warm_stats  # interleaved: after every cell of the group warmed
+            cell["timed_counts"] = {k: after[k] - timed_from[k] for k in self.before}  # should all be 0
             if cell["warmup_counts"]["graph_breaks"]:
                 cell["graph_break_reasons"] = graph_break_reasons()[-5:]
 
@@ -640,17 +649,24 @@ def main() -> int:
         result["skipped"].append(f"compiled cells: {why}")
         plan = [item for item in plan if item[0] != "compiled"]
 
-    # uncompiled cells of one setting are one group (their rounds interleave); each compiled cell is its own
+    # uncompiled cells of one setting are one group (their rounds interleave); each compiled cell is its own,
+    # unless --interleave-compiled
     groups: list[list[tuple[str, str, int, int]]] = []
+    together = {"uncompiled"} | ({"compiled"} if args.interleave_compiled else set())
+    if args.interleave_compiled:
+        if args.skip_module_guards:
+            raise SystemExit("--interleave-compiled needs Dynamo's module guards: leave out --skip-module-guards")
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 8 * len(plan)))
     for item in plan:
-        if item[0] == "uncompiled" and groups and groups[-1][0][0] == "uncompiled" and groups[-1][0][2:] == item[2:]:
+        if item[0] in together and groups and groups[-1][0][0] == item[0] and groups[-1][0][2:] == item[2:]:
             groups[-1].append(item)
         else:
             groups.append([item])
     compiled_setting: tuple[int, int] | None = None
     for group in groups:
         left = args.budget_s - (time.perf_counter() - START)
-        need = args.compiled_cell_s if group[0][0] == "compiled" else 5.0 * len(group)
+        need = args.compiled_cell_s * len(group) if group[0][0] == "compiled" else 5.0 * len(group)
         if left < need:
             result["skipped"] += [f"{m} {b} {bs}x{ln}: time budget ({left:.0f}s left)" for m, b, bs, ln in group]
             continue
@@ -663,6 +679,10 @@ def main() -> int:
             c = run.cell
             log(f"{c['mode']:10s} {c['backend']:10s} {c['batch']}x{c['prompt']} warm-up ...")
             run.warm()
+        if len(runs) > 1 and group[0][0] == "compiled":
+            counts = compile_stats()
+            for run in runs:
+                run.timed_from = counts
         for _ in range(args.repeats):
             for run in runs:
                 run.round()

@@ -5,7 +5,9 @@ adapter (`selector.hf`), `selector bench` and the tests. Its public functions ar
 per-module state it keeps (the request, the choice per token bucket, the backend that ran last) lives in
 the module's `__dict__` under names nobody else reads.
 
-- `run_experts(module, hidden_states, top_k_index, top_k_weights)`: validate, choose, run.
+- `run_experts(module, hidden_states, top_k_index, top_k_weights)`: validate, choose, run. Under torch.compile
+  "auto" without autograd runs as one opaque op, `selector::experts`, whose implementation is this eager path:
+  the choice per token bucket and the backends' own CUDA graphs happen at run time (docs/design/compile.md).
 - `grad_inputs(module, hidden_states, top_k_weights)`: what autograd differentiates in a call.
 - `choose_backend(...)`: the backend for one call (a name the module asked for, or "auto"'s pick per
   token-count bucket). A named backend that cannot run raises ImportError / ValueError naming the fix.
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from selector import guard, layers, settings
+from selector import graphs, guard, layers, settings
 from selector.config import SelectorConfig, load_config
 from selector.environment import current_environment
 from selector.errors import unavailable_error
@@ -38,12 +40,17 @@ from selector.types import ExpertsForward, Problem, Ranking
 from selector.validation import validate_inputs
 
 AUTO = "auto"
+# A backend's forward with this attribute set to True runs, under torch.compile and without autograd, through the
+# opaque `selector::experts` like auto does: its eager call (its own recorded CUDA graphs) beats what inductor
+# makes of its trace. A forward that replays graphs of its own sets it.
+OPAQUE_WHEN_COMPILED = "selector_opaque_when_compiled"
 
 # Per-module state, in the module's __dict__ (plain attributes would be registered as submodule state).
 _REQUEST = "_selector_implementation"  # what the user asked for this module
 _LAST = "_selector_last_backend"  # the backend that ran the last forward
 _TOP_K = "_selector_top_k"  # k of the last eager forward: what a choice made under torch.compile uses
 _UID = "_selector_uid"
+_OWNER = "_selector_uid_owner"  # id() of the module the uid was given to: a deep copy keeps the uid, not the id
 _PROBLEM = "_selector_problem"
 _FACTS = "_selector_facts"
 _CHOICES = "_selector_choices"
@@ -218,11 +225,13 @@ def choose_backend(
     requested: str | None = None,
     capturing: bool = False,
     needs_grad: tuple[str, ...] | None = None,
+    compiled: bool = False,
 ) -> str:
     """The backend for one call: `requested` (default: the module's request) if it can run, else raises.
 
     `needs_grad`: what the call's backward differentiates (`grad_inputs`); None: the module's weights under the
-    current grad mode. A backend whose backward does not cover it is refused (auto skips it).
+    current grad mode. A backend whose backward does not cover it is refused (auto skips it). `compiled`: the call
+    belongs to a compiled model (run by its opaque op), so auto keeps to backends declared for torch.compile.
     """
     if requested is None:
         requested = requested_implementation(module)
@@ -230,7 +239,10 @@ def choose_backend(
         needs_grad = grad_inputs(module)
     # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph, differentiated
     problem = replace(
-        problem_of(module, top_k), compile=torch.compiler.is_compiling(), cuda_graph=capturing, grad_inputs=needs_grad
+        problem_of(module, top_k),
+        compile=compiled or torch.compiler.is_compiling(),
+        cuda_graph=capturing,
+        grad_inputs=needs_grad,
     )
     bucket = None if num_tokens is None else token_bucket(num_tokens)
     if requested == AUTO:
@@ -281,7 +293,10 @@ def track(module: torch.nn.Module) -> str:
     if uid is None or _TRACKED.get(uid) is not module:  # new, or a deep copy that kept its original's id
         uid = f"experts-{next(_NEXT_UID)}"
         module.__dict__[_UID] = uid
+        module.__dict__[_OWNER] = id(module)
         _TRACKED[uid] = module
+        if layers.up_weight(module).element_size() > 1:  # one-byte weights get their format from selector.hf
+            _pin_defaults(module)  # before any trace: pinned by a first call inside a compiled model, a recompile
     return uid
 
 
@@ -312,14 +327,25 @@ def weight_format(module: torch.nn.Module) -> str:
     return getattr(module, "selector_weight_format", None) or "dense"
 
 
-@torch.compiler.assume_constant_result
-def _choose_constant(uid: str, top_k: int, requested: str, needs_grad: str) -> str:
-    # Runs eagerly while torch.compile traces, its result a constant: one choice per compiled layer.
+def _traced_module(uid: str) -> torch.nn.Module:
     module = _TRACKED.get(uid)
     if module is None:
         raise RuntimeError("an experts module reached torch.compile before selector saw it: run it once first")
+    return module
+
+
+@torch.compiler.assume_constant_result
+def _auto_at_run_time(uid: str, requested: str) -> bool:
+    # Runs eagerly while torch.compile traces, its result a constant: whether the call is "auto" (the module's
+    # request unless the caller names one), which the opaque `selector::experts` chooses per call.
+    return (requested or requested_implementation(_traced_module(uid))) == AUTO
+
+
+@torch.compiler.assume_constant_result
+def _choose_constant(uid: str, top_k: int, requested: str, needs_grad: str) -> str:
+    # Runs eagerly while torch.compile traces, its result a constant: one choice per compiled layer, traced.
     grads = tuple(needs_grad.split(",")) if needs_grad else ()
-    return choose_backend(module, None, top_k, None if requested == "" else requested, needs_grad=grads)
+    return choose_backend(_traced_module(uid), None, top_k, requested or None, needs_grad=grads)
 
 
 def run_experts(
@@ -336,6 +362,18 @@ def run_experts(
     """
     if torch.compiler.is_compiling():
         return _run_traced(module, hidden_states, top_k_index, top_k_weights, implementation)
+    return _run_eager(module, hidden_states, top_k_index, top_k_weights, implementation, compiled=False)
+
+
+def _run_eager(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    implementation: str | None,
+    compiled: bool,
+) -> torch.Tensor:
+    """run_experts outside tracing; `compiled`: called by the opaque op of a compiled model (see choose_backend)."""
     weight = layers.up_weight(module)
     weight_key = (weight.dtype, weight.device, weight.shape)
     facts = module.__dict__.get(_FACTS)
@@ -362,11 +400,12 @@ def run_experts(
     requested = implementation or module.__dict__.get(_REQUEST, AUTO)
     bucket = token_bucket(num_tokens) if requested == AUTO else 0
     needs_grad = grad_inputs(module, hidden_states, top_k_weights)
-    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, needs_grad, _RESOLVER.generation)
+    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, needs_grad, compiled,
+           _RESOLVER.generation)  # fmt: skip
     choices = module.__dict__.setdefault(_CHOICES, {})
     chosen = choices.get(key)
     if chosen is None:  # decided once per key; a request that cannot run raises here every time
-        name = choose_backend(module, num_tokens, top_k, implementation, capturing, needs_grad)
+        name = choose_backend(module, num_tokens, top_k, implementation, capturing, needs_grad, compiled)
         chosen = (name, _RESOLVER.forward_of(name, facts[3]))
         if len(choices) > 64:
             choices.clear()
@@ -382,12 +421,32 @@ def _run_traced(
     top_k_weights: torch.Tensor,
     implementation: str | None,
 ) -> torch.Tensor:
-    """run_experts while torch.compile traces: shape checks, one constant choice per layer, the backend.
+    """run_experts while torch.compile traces: the opaque op for auto, else shape checks, one constant choice per
+    layer, the backend.
 
     Nothing here reads or writes the module's __dict__ or caches: Dynamo (torch 2.11) cannot trace calls on a
     module's __dict__ (`setdefault` broke the graph at every layer), and every write would be a side effect
     replayed after the graph. Attribute reads are plain getattr, which Dynamo guards like any other.
     """
+    # Shapes may be symbolic while tracing and only constants can cross into the choice. "auto" without autograd
+    # becomes one opaque op that chooses per call at run time; a named backend, or auto under autograd (whose
+    # backward AOTAutograd must trace), is chosen once per layer for a typical token count and the k of the last
+    # eager call (else the declared k), and traced.
+    uid = tracked_id(module)
+    if uid is None:
+        raise RuntimeError(
+            "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
+            "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
+        )
+    needs_grad = ",".join(grad_inputs(module, hidden_states, top_k_weights))
+    # a deep copy compiled before selector saw it run still carries its original's id: traced, by its own weights
+    opaque = not needs_grad and getattr(module, _OWNER, None) == id(module)
+    # The op's path reads nothing its run-time eager call writes (the k it records, the weight format it pins):
+    # no recompile after the first call. Its implementation checks the inputs, every call, as uncompiled.
+    if opaque and _auto_at_run_time(uid, implementation or ""):
+        return torch.ops.selector.experts(
+            uid, implementation or "", hidden_states, top_k_index, top_k_weights, layers.up_weight(module)
+        )
     num_experts, hidden_size, _ = layers.dims(module)
     validate_inputs(
         hidden_states,
@@ -397,22 +456,73 @@ def _run_traced(
         hidden_size=hidden_size,
         expert_parallel=layers.is_expert_parallel(module),
     )
-    # Shapes may be symbolic while tracing and only constants can cross into the choice: under torch.compile
-    # auto chooses once per layer, for a typical token count and the k of the last eager call (else the
-    # declared k).
-    uid = tracked_id(module)
-    if uid is None:
-        raise RuntimeError(
-            "selector cannot choose a backend inside torch.compile for an experts module it has not seen: "
-            "call the model once before compiling, or selector.set_experts_implementation(model, ...)"
-        )
-    needs_grad = ",".join(grad_inputs(module, hidden_states, top_k_weights))
     name = _choose_constant(uid, traced_top_k(module), implementation or "", needs_grad)
-    return _RESOLVER.forward_of(name, weight_format(module))(module, hidden_states, top_k_index, top_k_weights)
+    forward = _RESOLVER.forward_of(name, weight_format(module))
+    if opaque and getattr(forward, OPAQUE_WHEN_COMPILED, False):  # its eager call beats its trace
+        return torch.ops.selector.experts(uid, name, hidden_states, top_k_index, top_k_weights, layers.up_weight(module))
+    return forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+# The opaque op a compiled model calls for "auto": inductor sees one extern kernel whose output is shaped like
+# hidden_states; its implementation is the eager path, so the backend is chosen per token bucket from the real
+# token count, and a backend that replays its own recorded CUDA graph at small T does so (the compiled graph
+# alone would launch each kernel from Python). Defined on the raw library, not torch.library.custom_op: no
+# Python autograd wrapper on every call (the op runs only where autograd records nothing). The module's up
+# weight goes in too, unused by the implementation: inductor then knows the op reads it.
+_LIBRARY = torch.library.Library("selector", "FRAGMENT")
+_LIBRARY.define(
+    "experts(str layer, str implementation, Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, "
+    "Tensor up_weight) -> Tensor"
+)
+
+
+def _own_graphs_allowed(hidden_states: torch.Tensor) -> bool:
+    """Whether a backend may record its own graph in this compiled call: on the device's default stream only.
+    torch.compile's CUDA-graph modes warm up on a side stream with the thread's allocations routed into their
+    pool, then capture (where graphs_enabled says no by itself)."""
+    if not hidden_states.is_cuda:
+        return True
+    return torch.cuda.current_stream(hidden_states.device) == torch.cuda.default_stream(hidden_states.device)
+
+
+def _experts_op(
+    layer: str,
+    implementation: str,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    up_weight: torch.Tensor,
+) -> torch.Tensor:
+    module = _TRACKED.get(layer)
+    if module is None:
+        raise RuntimeError(f"selector::experts: the experts module {layer!r} no longer exists; compile its model again")
+    if _own_graphs_allowed(hidden_states):  # the usual case: no context manager on the hot path
+        out = _run_eager(module, hidden_states, top_k_index, top_k_weights, implementation or None, compiled=True)
+    else:
+        with graphs.own_graphs(False):
+            out = _run_eager(module, hidden_states, top_k_index, top_k_weights, implementation or None, compiled=True)
+    # inductor takes the fake's layout (contiguous, hidden_states' dtype) as the output's
+    return out.to(hidden_states.dtype).contiguous()
+
+
+def _experts_fake(
+    layer: str,
+    implementation: str,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    up_weight: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+_LIBRARY.impl("experts", _experts_op, "CompositeExplicitAutograd")
+torch.library.register_fake("selector::experts", _experts_fake, lib=_LIBRARY)
 
 
 __all__ = [
     "AUTO",
+    "OPAQUE_WHEN_COMPILED",
     "PINNED_DEFAULTS",
     "backend_forward",
     "check_backend_name",

@@ -5,14 +5,16 @@ longer (on a slow host, up to a few hundred tokens: see DECODE_TOKENS / REPEAT_T
 call per (module, shape) in a CUDA graph and replays it: the inputs are
 copied into the graph's buffers, the graph replays, the output is cloned out (the caller may keep it).
 Graphs are kept beside the module in a weak map, not in it: a CUDA graph cannot be deep-copied, and users
-copy models. Never used while torch.compile traces or while the caller captures its own graph.
+copy models. Never used while torch.compile traces or while the caller captures its own graph; a compiled model
+calls the layer through an opaque op that replays these graphs on the default stream only (`own_graphs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +34,26 @@ SEEN_PER_MODULE = 16  # keys seen once (not recorded), remembered per module and
 _POOL: Any = None  # one memory pool for all graphs: they replay one after another on one stream
 _GRAPHS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, OrderedDict]] = weakref.WeakKeyDictionary()
 _RECORDINGS = 0  # graphs recorded in this process: a decode loop that records more than once per shape is a bug
+_SUPPRESSED = 0  # > 0 while `own_graphs(False)` is active: backends launch directly
+
+
+@contextlib.contextmanager
+def own_graphs(allowed: bool) -> Iterator[None]:
+    """Within the block, backends record and replay their own graphs only if `allowed` (and as graphs_enabled says).
+
+    The compiled path turns them off where a caller's graph machinery owns the stream: torch.compile's CUDA-graph
+    modes warm a graph up on a side stream, routing every allocation of the thread into their own memory pool,
+    and a graph recorded there would share that pool with theirs.
+    """
+    global _SUPPRESSED
+    if allowed:
+        yield
+        return
+    _SUPPRESSED += 1
+    try:
+        yield
+    finally:
+        _SUPPRESSED -= 1
 
 
 def recordings() -> int:
@@ -45,6 +67,7 @@ def graphs_enabled(x: torch.Tensor, max_tokens: int, variable: str) -> bool:
     # add guards that the compiled model checks on every call)
     return (
         not torch.compiler.is_compiling()
+        and not _SUPPRESSED
         and x.is_cuda
         and 0 < x.shape[0] <= max_tokens
         and settings.get(variable)

@@ -46,7 +46,8 @@ INTERPRETER_FIXTURES = frozenset({"fused_cpu", "guard_interpreter"})
 COMPILE_FILES = frozenset({"test_hf_compile_decode.py", "test_hf_guards.py"})
 # Files and tests measured at a second or more each on a 2-core CPU (`--durations`) that neither run kernels in the
 # interpreter nor compile: subprocesses, tiny models end to end, quantising on the CPU.
-SLOW_FILES = frozenset({"test_hf_generate_script.py", "test_hf_generate_bench.py", "test_expert_parallel.py"})
+SLOW_FILES = frozenset({"test_hf_generate_script.py", "test_hf_generate_bench.py", "test_expert_parallel.py",
+                        "test_compile_hf_generate.py"})
 SLOW_TESTS = frozenset({
     "test_bench.py::test_format_layers_and_their_floor_bytes",
     "test_cli.py::test_required_backend_that_cannot_run_exits_1",

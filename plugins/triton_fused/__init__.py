@@ -21,11 +21,13 @@ from selector.probes import Environment
 from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
 from selector.costmodel import floor_seconds
 from selector.gates import ACT_MUL, CLAMPED_SWIGLU
-from selector.types import COMPILE_MODES
+from selector.types import COMPILE_MODES, GRAD_INPUTS
 
 ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
 # the gates its gate_up epilogue runs (plugins/triton_common/activation.py): act(gate) * up and GPT-OSS's
 GATES = frozenset({ACT_MUL, CLAMPED_SWIGLU})
+# what backward.py differentiates (recomputed in torch): act(gate) * up with these activations
+BACKWARD_ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
 
 
 def _load():  # noqa: ANN202
@@ -51,6 +53,13 @@ def _check(problem: Problem, env: Environment) -> Availability | None:
             f"runs gate {problem.gate.label()} for dense experts only; {problem.weight_format} experts run "
             "plugins/quant_kernels' grouped kernels, whose epilogue runs act(gate) * up",
             "pick a torch backend for this layer (grouped_mm, batched_mm or eager), or run it unquantised",
+        )
+    if problem.requires_grad and (problem.activation not in BACKWARD_ACTIVATIONS or not problem.gate.is_default):
+        what = f"gate {problem.gate.label()}" if not problem.gate.is_default else f"the {problem.activation!r} activation"
+        return Availability(
+            Status.UNSUPPORTED_CONFIG,
+            f"has no backward for {what}",
+            "run under torch.no_grad(), or pick a differentiable backend such as grouped_mm",
         )
     return check_quantized(problem, env)
 
@@ -94,7 +103,8 @@ def selector_backends() -> Sequence[BackendSpec]:
             "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,
             first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
-            differentiable=frozenset(),  # forward-only kernels: its custom op has no autograd formula
+            differentiable=frozenset(GRAD_INPUTS),  # backward.py: recomputed in torch, dense experts only
+            grad_weight_formats=frozenset({"dense"}),
             compile_modes=frozenset(COMPILE_MODES),  # one opaque custom op under torch.compile, graph-capturable
             fullgraph=True,
             tune_kernels=_tune_kernels,  # tiles for shapes without a shipped table, into a user tile table

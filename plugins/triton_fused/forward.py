@@ -10,14 +10,25 @@ grouped path of plugins/quant_kernels, which records its own decode graphs (`SEL
 from __future__ import annotations
 
 import torch
+from selector.plugins.triton_fused import backward
 from selector.plugins.triton_fused.kernels import fused_experts
 
 from selector import graphs, layers
+from selector.dispatch import OPAQUE_WHEN_COMPILED
 from selector.guard import guard_code
 from selector.gates import DEFAULT_GATE, Gate
 from selector.problem import activation_name, gate_of
 
 GRAPH_MAX_TOKENS = graphs.REPEAT_TOKENS  # recorded on first use up to graphs.DECODE_TOKENS, above when repeated
+backward.register()  # the op's autograd formula (plugins/triton_fused/backward.py)
+
+
+def _records_grad(module: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
+    if not torch.is_grad_enabled():  # inference: one call, nothing built
+        return False
+    tensors = (hidden, layers.up_weight(module), module.down_proj, weights, layers.up_bias(module),
+               layers.down_bias(module))  # fmt: skip
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _gate(module: torch.nn.Module) -> Gate:
@@ -38,6 +49,15 @@ def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, 
     up_w = layers.up_weight(module)
     guard = guard_code(module, hidden.device)  # routing checked inside the align / combine launches
     gate = _gate(module)
+    if _records_grad(module, hidden, weights):
+        # through the op, whose autograd formula covers every input (fused_experts takes it for hidden only)
+        return torch.ops.selector.triton_fused_experts(
+            hidden.to(up_w.dtype), up_w, module.down_proj, index, weights, module.num_experts,
+            activation_name(module.act_fn) if gate.is_default else "silu", getattr(module, "has_gate", True),
+            not getattr(module, "is_concatenated", True), getattr(module, "is_transposed", False),
+            layers.up_bias(module), layers.down_bias(module), None, guard, gate.name,
+            1.0 if gate.alpha is None else float(gate.alpha), 0.0 if gate.limit is None else float(gate.limit),
+        ).to(hidden.dtype)  # fmt: skip
     return fused_experts(
         hidden.to(up_w.dtype),
         up_w,
@@ -73,8 +93,15 @@ def triton_fused_experts_forward(
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, H]
-    if not graphs.graphs_enabled(hidden_states, GRAPH_MAX_TOKENS, "SELECTOR_TRITON_FUSED_GRAPHS"):
+    if not graphs.graphs_enabled(hidden_states, GRAPH_MAX_TOKENS, "SELECTOR_TRITON_FUSED_GRAPHS") or _records_grad(
+        module, hidden_states, top_k_weights
+    ):  # a replayed graph records nothing for autograd
         return _direct(module, hidden_states, top_k_index, top_k_weights)
     key = _graph_key(module, hidden_states, top_k_index, top_k_weights)
     run = lambda h, i, w: _direct(module, h, i, w)  # noqa: E731
     return graphs.replay(module, "triton_fused", key, run, (hidden_states, top_k_index, top_k_weights))
+
+
+# under torch.compile without autograd the dispatch core runs this eagerly inside its opaque op: the recorded
+# graph at small T instead of four launches from Python per call
+setattr(triton_fused_experts_forward, OPAQUE_WHEN_COMPILED, True)

@@ -15,6 +15,10 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def _ints_text(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
@@ -25,6 +29,44 @@ def _formats(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(FORMATS)}")
     return names
+
+
+def _compile_modes(text: str) -> list[str]:
+    from selector.types import COMPILE_MODES
+
+    names = _names(text)
+    unknown = [n for n in names if n not in COMPILE_MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(COMPILE_MODES)}")
+    return names
+
+
+def _cmd_compiled(args: argparse.Namespace) -> int:
+    """`--compile`: compiled against uncompiled per backend and mode, a table and compiled.json."""
+    import json
+
+    from selector.bench.compiled import COMPILE_BACKENDS, COMPILE_PRESETS, COMPILE_TOKENS, compiled_table
+    from selector.bench.compiled import run_compiled_bench
+
+    result = run_compiled_bench(
+        presets=args.preset or list(COMPILE_PRESETS),
+        tokens=args.tokens or list(COMPILE_TOKENS),
+        modes=args.compile,
+        backends=args.backends or list(COMPILE_BACKENDS),
+        dtype_name=args.dtype,
+        rounds=args.rounds,
+        progress=_progress(),
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compiled.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    print(compiled_table(result))
+    for key, why in result.skipped.items():
+        print(f"skipped {key}: {why}")
+    print("first calls (trace, compile, record) per preset/backend/mode: " + ", ".join(
+        f"{k} {v:.1f} s" for k, v in result.compile_s.items()))  # fmt: skip
+    print(f"wrote {out / 'compiled.json'}")
+    return 0
 
 
 def _progress() -> Callable[[str], None]:
@@ -49,12 +91,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"selector bench: needs a CUDA GPU and none is visible (torch {torch.__version__}, {build}); "
               "run it on a GPU node, `selector doctor` says what this machine lacks", file=sys.stderr)
         return 1
+    if args.compile:
+        return _cmd_compiled(args)
     from selector.bench.grid import run_bench
     from selector.bench.render import markdown_table, write_outputs
 
     result = run_bench(
         presets=args.preset or list(DEFAULT_PRESETS),
-        tokens=args.tokens,
+        tokens=args.tokens or list(DEFAULT_TOKENS),
         dtype_name=args.dtype,
         backends=args.backends,
         modes=args.modes,
@@ -87,7 +131,8 @@ def register(sub: Any) -> None:
     """Add the `bench` subcommand to the CLI's subparsers."""
     bench = sub.add_parser("bench", help="time every backend per cell against the floor and Transformers' backends")
     bench.add_argument("--preset", action="append", help=f"shape preset (repeatable); default: {', '.join(DEFAULT_PRESETS)}")
-    bench.add_argument("--tokens", type=_ints, default=list(DEFAULT_TOKENS), help="comma list of token counts")
+    bench.add_argument("--tokens", type=_ints, help=f"comma list of token counts; default: {_ints_text(DEFAULT_TOKENS)} "
+                       "(with --compile: 1,8,64,512,4096)")  # fmt: skip
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--backends", type=_names, help="comma list of selector backends (default: all registered)")
     bench.add_argument("--modes", type=_names, default=["eager", "graph"], help="comma list of eager,graph,compile")
@@ -99,4 +144,8 @@ def register(sub: Any) -> None:
                        help=f"comma list of weight formats to time side by side: {', '.join(FORMATS)}")  # fmt: skip
     bench.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png, tuning.json")
     bench.add_argument("--save-tuning", action="store_true", help="let auto use these timings on this machine")
+    bench.add_argument("--compile", type=_compile_modes, metavar="MODES",
+                       help="instead of the grid: each backend compiled in these torch.compile modes (comma list, e.g. "
+                       "default,reduce-overhead) against itself uncompiled; default presets qwen3-30b-a3b, "
+                       "qwen1.5-moe-a2.7b, backends auto, triton_fused, grouped_mm; writes compiled.json")  # fmt: skip
     bench.set_defaults(func=_cmd_bench)
