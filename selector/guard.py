@@ -216,7 +216,12 @@ def guard_routing(
     if guard is None or top_k_index.numel() == 0:
         return top_k_index, top_k_weights, False
     if top_k_index.is_cuda and _CUDA_SANITIZER is not None:
-        return (*_CUDA_SANITIZER(top_k_index, top_k_weights, guard, drop), True)
+        ids, weights = _CUDA_SANITIZER(top_k_index, top_k_weights, guard, drop)
+        if top_k_weights.requires_grad and torch.is_grad_enabled():
+            # the kernel's copy is not differentiable: keep its values (equal to the input's on every clean
+            # slot, NaN on a bad one) and the input's gradient path
+            weights = top_k_weights + (weights - top_k_weights).detach()
+        return ids, weights, True
     return (*sanitize_torch(top_k_index, top_k_weights, guard, drop), True)
 
 
