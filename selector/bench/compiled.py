@@ -115,6 +115,13 @@ def run_compiled_bench(
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
     say = progress or (lambda msg: None)
+    # every layer here is one module class: its forward is one code object, compiled once per layer and mode, which
+    # would pass dynamo's per-code-object limit (8) after a few backends x modes; a model holds one compiled
+    # forward per model, so the limit is the harness's, not the user's
+    limits = {name: getattr(torch._dynamo.config, name) for name in ("recompile_limit", "accumulated_recompile_limit")
+              if hasattr(torch._dynamo.config, name)}  # fmt: skip
+    for name in limits:
+        setattr(torch._dynamo.config, name, max(limits[name], 4096))
     try:
         for shape, given in shapes.items():
             problem = preset(shape) if given is None else given
@@ -179,6 +186,8 @@ def run_compiled_bench(
     finally:
         if before is None:
             os.environ.pop("SELECTOR_VALIDATE", None)
+        for name, value in limits.items():
+            setattr(torch._dynamo.config, name, value)
     return result
 
 
