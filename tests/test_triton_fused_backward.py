@@ -243,3 +243,36 @@ def test_gpu_auto_fine_tunes_through_a_backward() -> None:
     module(hidden, index, weights).sum().backward()
     assert last_backend(module) in {"triton_fused", "grouped_mm"}  # the ranking's call; both have a backward
     assert hidden.grad is not None and module.gate_up_proj.grad is not None
+
+
+def _float64_gradients(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Gradients of the plain gated SiLU layer from its definition in float64 (sentinel slots contribute nothing)."""
+    hidden, index, weights = inputs
+    num_experts = module.num_experts
+    h64, w64 = (t.detach().double().requires_grad_(True) for t in (hidden, weights))
+    up64, down64 = (t.detach().double().requires_grad_(True) for t in (module.gate_up_proj, module.down_proj))
+    out = torch.zeros_like(h64)
+    for j in range(index.shape[1]):
+        expert = index[:, j].long()
+        routed = (expert >= 0) & (expert < num_experts)
+        safe = expert.clamp(0, num_experts - 1)
+        gate, up = torch.einsum("th,tch->tc", h64, up64[safe]).chunk(2, dim=-1)
+        y = torch.einsum("ti,thi->th", torch.nn.functional.silu(gate) * up, down64[safe])
+        out = out + torch.where(routed[:, None], y * w64[:, j : j + 1], 0.0)
+    upstream = torch.linspace(-1.0, 1.0, out.numel(), device=out.device, dtype=out.dtype).view_as(out)
+    return list(torch.autograd.grad(out, [h64, w64, up64, down64], upstream))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["grouped_mm", "triton_fused"])
+@pytest.mark.parametrize("layout", [Layout(), Layout(expert_parallel=True)], ids=str)
+def test_gpu_gradients_match_float64(name: str, layout: Layout) -> None:
+    module = make_experts(8, 256, 128, layout, dtype=torch.bfloat16, device="cuda", seed=0)
+    selector.set_experts_implementation(module, name)
+    torch.manual_seed(1)
+    index, weights = random_routing(200, 8, 2, device="cuda", sentinel=layout.expert_parallel)
+    hidden = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    inputs = (hidden, index, weights.requires_grad_(True))
+    got = _grads(module, inputs)
+    for what, g, want in zip(("hidden", "routing weights", "gate_up", "down"), got, _float64_gradients(module, inputs)):
+        assert relative_error(g, want) < 3e-2, f"{name}: d/d {what}"

@@ -98,6 +98,12 @@ def _grouped_linear(
     return out + bias if bias is not None else out
 
 
+def _records_grad(module: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return hidden.requires_grad or weights.requires_grad or any(p.requires_grad for p in module.parameters())
+
+
 def grouped_mm_experts_forward(
     module: torch.nn.Module,
     hidden_states: torch.Tensor,  # [T, H]
@@ -124,7 +130,16 @@ def grouped_mm_experts_forward(
 
     up_b, down_b = layers.up_bias(module), layers.down_bias(module)
     bias_ids = None if up_b is None and down_b is None else sorted_ids.clamp(max=num_experts - 1)
-    h = _grouped_linear(x, up_w, offsets, None if up_b is None else up_b[bias_ids], transposed)
+    beyond = (sorted_ids >= num_experts).unsqueeze(-1)  # sentinel / dropped rows, past the last offset
+    if (guarded or layers.is_expert_parallel(module)) and _records_grad(module, hidden_states, top_k_weights):
+        # The native grouped GEMM leaves rows past the last offset unwritten, in its backward too: zero the rows
+        # going in (their gradient to the gather is then zero, not garbage) and coming out of the first GEMM
+        # (the activation's backward then multiplies finite values)
+        x = x.masked_fill(beyond, 0.0)
+        h = _grouped_linear(x, up_w, offsets, None if up_b is None else up_b[bias_ids], transposed)
+        h = h.masked_fill(beyond, 0.0)
+    else:
+        h = _grouped_linear(x, up_w, offsets, None if up_b is None else up_b[bias_ids], transposed)
     h = layers.activate(module, h)
     h = _grouped_linear(h, module.down_proj, offsets, None if down_b is None else down_b[bias_ids], transposed)
     h = layers.post_norm(module, h)
@@ -139,7 +154,7 @@ def grouped_mm_experts_forward(
     weights = top_k_weights.reshape(-1)[order].float()
     if guarded or layers.is_expert_parallel(module):
         # rows past the last offset were never written: zero them (0 * weight: 0, or NaN for a dropped bad slot)
-        h = h.masked_fill((sorted_ids >= num_experts).unsqueeze(-1), 0.0)
+        h = h.masked_fill(beyond, 0.0)
     weighted = h.float() * weights.unsqueeze(-1)
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted  # back to (token, slot) order, then a fixed-order sum over slots
