@@ -361,6 +361,14 @@ def test_too_old_packages_are_refused() -> None:
     expect("triton_kernels", qwen3(), make_env(**ALL_PRESENT, triton="3.4.0"), ImportError, "triton >= 3.6")
 
 
+def test_flashinfer_refused_beside_a_cutlass_dsl_its_import_rejects() -> None:
+    # flashinfer-python 0.6.13 failed to import beside nvidia-cutlass-dsl 4.4.2 on the H200 machine
+    expect("flashinfer_cutlass", qwen3(), make_env(**{**ALL_PRESENT, "nvidia_cutlass_dsl": "4.4.2"}), ImportError,
+           "nvidia-cutlass-dsl >= 4.5.0", "4.4.2")
+    assert evaluate(get_registry().get("flashinfer_cutlass"), qwen3(),
+                    make_env(**{**ALL_PRESENT, "nvidia_cutlass_dsl": "4.5.0"})).ok  # fmt: skip
+
+
 def test_triton_kernels_found_as_a_copied_tree_without_metadata(fakes: Path) -> None:
     from selector.plugins.triton_kernels import locate
 
