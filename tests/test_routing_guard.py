@@ -9,7 +9,7 @@ and the fault is raised as ExpertsInputError at the next call through selector o
 
 Lanes: the torch sanitiser's tests run in the fast lane; tests that take the `guard_interpreter` fixture run the
 Triton pieces (the Triton interpreter on a CPU, the compiled kernels on a GPU); `gpu` tests need CUDA, among them
-`test_guard_cost_on_gpu`, which prints what the guard costs per call (the lead's timing on the H200).
+`test_guard_cost_on_gpu`, which prints what the guard costs per call (its H200 figures: benchmarks/results/h200/routing_guard_cost.txt).
 """
 
 from __future__ import annotations
