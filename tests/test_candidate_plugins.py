@@ -31,6 +31,7 @@ import selector
 from selector.dispatch import last_backend
 from selector.environment import set_environment
 from selector.errors import unavailable_error
+from selector.presets import preset
 from selector.probes import DEFAULT_PACKAGES, collect_environment
 from selector.ranking import rank
 from selector.registry import get_registry
@@ -440,13 +441,17 @@ def test_declared_layouts() -> None:
     assert reqs["liger"].activations == frozenset({"silu"}) and not reqs["liger"].bias
     assert reqs["flashinfer_cutlass"].activations == frozenset({"silu"})
     assert reqs["triton_kernels"].activations is None and reqs["triton_kernels"].bias
-    assert not any(r.custom_gate or r.post_expert_norm for r in reqs.values())
+    assert not any(r.post_expert_norm for r in reqs.values())
+    assert reqs["triton_kernels"].custom_gate and not (reqs["liger"].custom_gate or reqs["flashinfer_cutlass"].custom_gate)
     env = make_env(**ALL_PRESENT)
     expect("liger", qwen3(activation="gelu"), env, ValueError, "activation 'gelu'")
     expect("flashinfer_cutlass", qwen3(has_bias=True), env, ValueError, "expert biases")
     expect("triton_kernels", qwen3(post_expert_norm=True), env, ValueError, "post-expert norm")
     assert evaluate(get_registry().get("triton_kernels"),
                     qwen3(has_bias=True, is_transposed=True, interleaved=True), env).ok  # fmt: skip
+    gpt_oss = replace(preset("gpt-oss-20b"), device="cuda")  # GPT-OSS's clamped SwiGLU: only triton_kernels
+    assert evaluate(get_registry().get("triton_kernels"), gpt_oss, env).ok
+    expect("liger", gpt_oss, env, ValueError, "clamped_swiglu")
 
 
 # --- adapters against the fakes, on the CPU ------------------------------------------------------------------------
@@ -457,7 +462,8 @@ LAYOUTS = {
     "flashinfer_cutlass": [Layout(), Layout(transposed=True), Layout(interleaved=True),
                            Layout(expert_parallel=True), Layout(transposed=True, interleaved=True)],
     "triton_kernels": [Layout(), Layout(transposed=True), Layout(interleaved=True), Layout(expert_parallel=True),
-                       Layout(bias=True), Layout(gated=False), Layout(bias=True, transposed=True, interleaved=True)],
+                       Layout(bias=True), Layout(gated=False), Layout(bias=True, transposed=True, interleaved=True),
+                       Layout(custom_gate=True, bias=True, transposed=True, interleaved=True)],
 }
 CASES = [(name, layout) for name, layouts in LAYOUTS.items() for layout in layouts]
 

@@ -8,9 +8,9 @@ metadata (`RoutingData`, its histogram and tile maps from `compute_expt_data`) i
 ids with device ops only: no host sync. Weights are read in place: the library takes W as [E, K, N] in either
 row- or column-major order, so neither layout is copied; biases run in its epilogue.
 
-Gates: the adapter applies the module's activation between the GEMMs, so GPT-OSS's clamped SwiGLU would run
-too; `custom_gate` stays False until the requirement vocabulary names that gate (triton_kernels can also fuse
-it into the up GEMM, `FusedActivation(swiglu_fn, (alpha, limit), 2)`, over interleaved channels). A post-expert
+Gates: the adapter applies the module's own gate (`_apply_gate`) in torch between the GEMMs, so any gate runs,
+GPT-OSS's clamped SwiGLU included (`custom_gate=True`; triton_kernels could also fuse it into the up GEMM,
+`FusedActivation(swiglu_fn, (alpha, limit), 2)`, over interleaved channels). A post-expert
 norm cannot run (the slots are summed inside the down GEMM's reduction).
 
 First call: Triton JIT-compiles its kernels for each new shape / tile choice (0.8-3.5 s per grid shape on the
@@ -48,7 +48,7 @@ REQUIREMENTS = Requirements(
     bias=True,  # matmul_ogs adds [E, N] biases in its epilogue
     transposed=True,  # W [E, K, N] row-major as it is; the standard layout as column-major views
     interleaved=True,  # the module's gate reads interleaved channels itself
-    custom_gate=False,  # would run (module._apply_gate); left off until the gate vocabulary names it
+    custom_gate=True,  # the module's own _apply_gate runs in torch between the GEMMs: any gate, GPT-OSS's too
     post_expert_norm=False,  # the k slots are summed inside the down GEMM's reduction
     expert_parallel=True,  # sentinel slots go to expert 0 with weight 0
 )
