@@ -173,3 +173,37 @@ def test_cli_doctor_ep_size(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     assert "--ep-size must be at least 1" in capsys.readouterr().err
     assert cli.main(["doctor", "--ep-size", "2", "--ep-backend", "gloo"]) == 0
     assert "2 ranks over gloo" in capsys.readouterr().out
+
+
+def test_captured_padded_exchange_needs_a_capacity_or_an_eager_proof(tmp_path, monkeypatch) -> None:
+    """Under capture or compile each rank would pad to its own count: refused unless the counts were proved equal
+    (an eager padded call) or a capacity is given. A world of one, over gloo, in this process."""
+    import torch
+    import torch.distributed as dist
+
+    from selector.parallel import layer as ep_layer
+    from selector.parallel import shard_experts
+    from selector.testing import make_experts
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        full = make_experts(4, 16, 8, seed=0).requires_grad_(False)
+        x, ids = torch.randn(3, 16), torch.tensor([[0, 1], [2, 3], [1, 2]])
+        w = torch.full((3, 2), 0.5)
+        auto = shard_experts(full, implementation="eager")
+        bounded = shard_experts(make_experts(4, 16, 8, seed=0).requires_grad_(False), implementation="eager",
+                                capacity=3)  # fmt: skip
+        monkeypatch.setattr(ep_layer, "capturing_now", lambda t: True)
+        assert auto.captured_strategy == "all_to_all_padded"
+        with pytest.raises(ValueError, match="pass capacity="):
+            auto.strategy_for(x)
+        assert bounded.strategy_for(x) == "all_to_all_padded"
+        with pytest.raises(ValueError, match="pass capacity="):
+            ep_layer.expert_parallel_forward(full, None, 4, x, ids, w)
+        monkeypatch.setattr(ep_layer, "capturing_now", lambda t: False)
+        auto.strategy = "all_to_all_padded"
+        auto(x, ids, w)  # the eager padded call proves the counts agree
+        monkeypatch.setattr(ep_layer, "capturing_now", lambda t: True)
+        assert auto.strategy_for(x) == "all_to_all_padded"
+    finally:
+        dist.destroy_process_group()

@@ -110,6 +110,7 @@ class ExpertParallel(torch.nn.Module):
         self.rank = dist.get_rank(self.group)
         self.first_expert = self.rank * local
         self._seen: set[tuple[int, ...]] = set()  # input shapes whose values were checked
+        self._counts_agree = False  # an eager padded call without a capacity proved the ranks' token counts equal
 
     def explain(self, capturing: bool = False) -> dict[str, Availability]:
         """Every strategy's verdict for this layer and group, in the order `auto` tries them; `capturing`: as
@@ -122,6 +123,14 @@ class ExpertParallel(torch.nn.Module):
             return self.strategy
         if isinstance(self.captured_strategy, Exception):
             raise self.captured_strategy
+        if self.captured_strategy == "all_to_all_padded" and self.capacity is None and not self._counts_agree:
+            # without a capacity each rank pads to its own count: unequal counts would mismatch the collectives
+            # (a hang or an abort), and nothing can check them where no host sync is allowed
+            raise ValueError(
+                "expert parallelism under a CUDA graph or torch.compile runs all_to_all_padded, which needs the "
+                "ranks' token counts to agree: pass capacity= (the most tokens any rank holds), or run one eager "
+                "call with strategy all_to_all_padded (it checks the ranks agree) before capturing or compiling"
+            )
         return self.captured_strategy
 
     def forward(
@@ -133,7 +142,10 @@ class ExpertParallel(torch.nn.Module):
             return FORWARDS[name](*args, self.implementation, seen=self._seen)
         # every eager call proves the ranks' capacities agree (one tiny gather and a host sync): a rank cannot
         # know which counts its peers proved already, and a check only some ranks join would hang the others
-        return FORWARDS[name](*args, self.implementation, capacity=self.capacity, seen=self._seen)
+        out = FORWARDS[name](*args, self.implementation, capacity=self.capacity, seen=self._seen)
+        if self.capacity is None and not capturing_now(hidden_states):
+            self._counts_agree = True  # the eager call checked every rank's count (it raises where they differ)
+        return out
 
     def extra_repr(self) -> str:
         return f"strategy={self.strategy}, num_experts={self.num_experts}, first_expert={self.first_expert}"
@@ -154,7 +166,14 @@ def expert_parallel_forward(
     """One expert-parallel call without a wrapper module (the strategy is chosen on every call; the padded
     exchange proves the ranks' capacity on every eager call, one host sync)."""
     group = _group_or_world(group)
-    name = choose(facts_of(group, num_experts, same_tokens, capturing_now(hidden_states)), strategy)
+    capturing = capturing_now(hidden_states)
+    name = choose(facts_of(group, num_experts, same_tokens, capturing), strategy)
+    if capturing and name == "all_to_all_padded" and capacity is None:
+        raise ValueError(
+            "expert_parallel_forward under a CUDA graph or torch.compile runs all_to_all_padded, which needs the "
+            "ranks' token counts to agree and cannot check them there: pass capacity= (the most tokens any rank "
+            "holds), or use an ExpertParallel layer and one eager all_to_all_padded call before capturing"
+        )
     local._is_expert_parallel = True
     extra = {"capacity": capacity} if name == "all_to_all_padded" else {}
     return FORWARDS[name](local, group, num_experts, hidden_states, top_k_index, top_k_weights, implementation, **extra)
