@@ -97,8 +97,9 @@ def _check(problem: Problem, env: Environment) -> Availability | None:
 
 
 def _load():  # noqa: ANN202
-    from selector.plugins.flashinfer_cutlass.forward import flashinfer_cutlass_experts_forward
+    from selector.plugins.flashinfer_cutlass.forward import flashinfer_cutlass_experts_forward, load_flashinfer
 
+    load_flashinfer()  # the library imports here, so a broken install is a load failure auto skips, not a failed call
     return flashinfer_cutlass_experts_forward
 
 

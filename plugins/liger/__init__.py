@@ -74,8 +74,9 @@ def _check(problem: Problem, env: Environment) -> Availability | None:
 
 
 def _load():  # noqa: ANN202
-    from selector.plugins.liger.forward import liger_experts_forward
+    from selector.plugins.liger.forward import liger_experts_forward, load_liger
 
+    load_liger()  # the library imports here, so a broken install is a load failure auto skips, not a failed call
     return liger_experts_forward
 
 

@@ -82,8 +82,9 @@ def _check(problem: Problem, env: Environment) -> Availability | None:
 
 
 def _load():  # noqa: ANN202
-    from selector.plugins.triton_kernels.forward import triton_kernels_experts_forward
+    from selector.plugins.triton_kernels.forward import triton_kernels_experts_forward, load_triton_kernels
 
+    load_triton_kernels()  # the library imports here, so a broken install is a load failure auto skips, not a failed call
     return triton_kernels_experts_forward
 
 
