@@ -16,6 +16,7 @@ shape at T=64.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
