@@ -465,14 +465,18 @@ def fused_experts(
     configuration (see ``configs.normalize``); by default it comes from the shipped JSON or the heuristics.
     Under torch.compile the call goes through the torch custom op ``selector::triton_fused_experts`` (opaque,
     fullgraph-safe); in eager mode, and while a CUDA graph captures, it calls the same implementation directly,
-    unless autograd records (through the op a backward then fails loudly). `guard`: ``selector.guard.guard_code``
-    of the calling layer (0: no routing guard).
+    unless autograd records (the op carries the backward of plugins/triton_fused/backward.py).
+    `guard`: ``selector.guard.guard_code`` of the calling layer (0: no routing guard).
     """
     _validate(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
         transposed, gate_up_bias, down_bias, gate, gate_alpha, gate_limit,
     )  # fmt: skip
-    grad = torch.is_grad_enabled() and hidden_states.requires_grad  # the op makes a backward fail loudly
+    # through the op whenever autograd records anything: its registered backward covers every tensor input
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (hidden_states, gate_up_proj, down_proj, top_k_weights, gate_up_bias, down_bias)
+    )
     if not torch.compiler.is_compiling() and not grad:
         # Eager (and CUDA-graph capture): the op's dispatcher costs ~50 us of host time per call on the H200
         # machine (measured), more than the whole decode step; the op only matters to torch.compile.
