@@ -14,7 +14,8 @@ Two things keep it away from `auto` where it would hurt (liger-kernel 0.8.5, rea
   256x128 test shape took seconds, the Qwen3-30B-A3B shape (H=2048, I=768) more than 200 s (a test call did not
   finish in 200 s); the estimate adds that until this process has run the shape.
 
-Measured on the H200 (../shared/perf.md): 1.23-1.44x our time at T >= 4096, 1.3-1.8x at T=64, 2-16x at T=1.
+Measured on the H200 by an earlier comparison (not a curated result here): 1.23-1.44x our time at T >= 4096,
+1.3-1.8x at T=64, 2-16x at T=1.
 Nothing here imports torch.
 """
 
