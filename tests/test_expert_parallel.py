@@ -185,6 +185,15 @@ def _rank_main(rank: int, world: int, rendezvous: str, out_dir: str, device: str
     finally:
         report = {"failures": failures, "ran": ran, "strategies": strategies_ran}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        _teardown(dist)
+
+
+def _teardown(dist) -> None:  # noqa: ANN001 - torch.distributed
+    """Leave together: a gloo rank that tears its pairs down while a peer still talks to it aborts the peer at
+    exit ("terminate called without an active exception"), after its report was written."""
+    try:
+        dist.barrier()
+    finally:
         dist.destroy_process_group()
 
 
@@ -290,7 +299,7 @@ def _graph_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> No
         failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures}))
-        dist.destroy_process_group()
+        _teardown(dist)
 
 
 @pytest.mark.gpu
@@ -334,7 +343,7 @@ def _compile_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> 
         failures.append(f"rank {rank}: {type(exc).__name__}: {str(exc)[:2000]}")
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures}))
-        dist.destroy_process_group()
+        _teardown(dist)
 
 
 @pytest.mark.compile
@@ -395,7 +404,7 @@ def _hf_rank_main(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
         failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"failures": failures, "ran": ran}))
-        dist.destroy_process_group()
+        _teardown(dist)
 
 
 def test_transformers_expert_parallel_runs_selector_backends_as_local_experts(tmp_path: Path) -> None:
