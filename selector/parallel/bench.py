@@ -335,6 +335,8 @@ def _rank_main(rank: int, world: int, rendezvous: str, options: dict[str, Any], 
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
     finally:
         Path(result_path).write_text(json.dumps({"rows": rows, "skipped": skipped_all, "error": error}))
+        if not error:  # leave together: a gloo rank torn down while a peer still talks to it aborts the peer
+            dist.barrier()
         dist.destroy_process_group()
 
 
