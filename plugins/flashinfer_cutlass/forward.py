@@ -14,7 +14,6 @@ routing guard (`selector.guard.sanitize_routing`) first routes bad slots to expe
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from selector import layers
 from selector.environment import current_environment
 from selector.guard import sanitize_routing
 from selector.problem import activation_name, has_custom_gate
+from selector.weight_cache import DerivedWeights, fingerprint
 
 from selector.plugins.flashinfer_cutlass.state import DISTRIBUTION, INSTALL, MIN_VERSION, record_built
 
@@ -39,8 +39,7 @@ class FlashInfer:
 
 
 _FLASHINFER: FlashInfer | None = None
-# module -> (parameter fingerprint, (fc1 [E, 2I, H] as [up | gate], fc2 [E, H, I])); weak: dies with the module
-_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WEIGHTS: DerivedWeights[tuple[torch.Tensor, torch.Tensor]] = DerivedWeights()  # (fc1 [E, 2I, H] [up | gate], fc2)
 
 
 def load_flashinfer() -> FlashInfer:
@@ -94,31 +93,20 @@ def refuse_unsupported(module: torch.nn.Module) -> None:
         )
 
 
-def _fingerprint(*tensors: torch.Tensor) -> tuple:
-    return tuple((t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors)
-
-
 def kernel_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(fc1 [E, 2I, H] rows [up | gate], fc2 [E, H, I]), contiguous; built once per set of weights."""
     up, down = module.gate_up_proj, module.down_proj
     transposed = bool(getattr(module, "is_transposed", False))
     interleaved = not getattr(module, "is_concatenated", True)
-    key = _fingerprint(up, down) + (transposed, interleaved)
-    cached = _WEIGHTS.get(module)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    with torch.no_grad():  # forward only: the copies carry no gradient
-        w1 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
-        w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
-        if interleaved:
-            gate, lin = w1[:, 0::2], w1[:, 1::2]
-        else:
-            gate, lin = w1.chunk(2, dim=1)
-        fc1 = torch.cat([lin, gate], dim=1).contiguous()
-        fc2 = w2.contiguous()
-    result = (fc1, fc2)
-    _WEIGHTS[module] = (key, result)
-    return result
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():  # forward only: the copies carry no gradient
+            w1 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
+            w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
+            gate, lin = (w1[:, 0::2], w1[:, 1::2]) if interleaved else w1.chunk(2, dim=1)
+            return torch.cat([lin, gate], dim=1).contiguous(), w2.contiguous()
+
+    return _WEIGHTS.get(module, fingerprint((up, down)) + (transposed, interleaved), build)
 
 
 def _arch(device: torch.device) -> str:

@@ -13,7 +13,6 @@ an expert out of bounds.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-la
 from selector import layers
 from selector.guard import sanitize_routing
 from selector.problem import activation_name, has_custom_gate
+from selector.weight_cache import DerivedWeights, fingerprint
 
 from selector.plugins.liger.state import DISTRIBUTION, INSTALL, MIN_VERSION, record_tuned, shape_key
 
@@ -35,8 +35,7 @@ class Liger:
 
 
 _LIGER: Liger | None = None
-# module -> (parameter fingerprint, (gate_up [E, 2I, H], down [E, H, I])); weak: dies with the module
-_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WEIGHTS: DerivedWeights[tuple[torch.Tensor, torch.Tensor]] = DerivedWeights()  # (gate_up [E, 2I, H], down [E, H, I])
 
 
 def load_liger() -> Liger:
@@ -87,10 +86,6 @@ def refuse_unsupported(module: torch.nn.Module) -> None:
         )
 
 
-def _fingerprint(*tensors: torch.Tensor) -> tuple:
-    return tuple((t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors)
-
-
 def kernel_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up [E, 2I, H] as [gate | up], down [E, H, I]), contiguous; copies cached once per set of weights."""
     up, down = module.gate_up_proj, module.down_proj
@@ -98,19 +93,17 @@ def kernel_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]
     interleaved = not getattr(module, "is_concatenated", True)
     if not transposed and not interleaved and up.is_contiguous() and down.is_contiguous():
         return up, down  # the kernel's own layout: no copy
-    key = _fingerprint(up, down) + (transposed, interleaved)
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        w1 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
+        w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
+        if interleaved:  # [g0, u0, g1, u1, ...] -> [gate | up]
+            w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
+        return w1.contiguous(), w2.contiguous()
+
+    # a kept copy would cut the weights' gradients: keep one only when none is wanted
     cacheable = not (torch.is_grad_enabled() and (up.requires_grad or down.requires_grad))
-    cached = _WEIGHTS.get(module)
-    if cacheable and cached is not None and cached[0] == key:
-        return cached[1]
-    w1 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
-    w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
-    if interleaved:  # [g0, u0, g1, u1, ...] -> [gate | up]
-        w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
-    result = (w1.contiguous(), w2.contiguous())
-    if cacheable:
-        _WEIGHTS[module] = (key, result)
-    return result
+    return _WEIGHTS.get(module, fingerprint((up, down)) + (transposed, interleaved), build, cache=cacheable)
 
 
 def liger_experts_forward(

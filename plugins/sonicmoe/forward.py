@@ -15,7 +15,6 @@ sync, whatever the kernel does with out-of-range ids), and the token count is pa
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-la
 from selector import hub, layers
 from selector.guard import sanitize_routing
 from selector.problem import activation_name, dtype_name, has_custom_gate
+from selector.weight_cache import DerivedWeights, fingerprint
 
 from selector.plugins.sonicmoe.warmth import ACTIVATION_TYPES, KERNEL, padded_tokens, record_compiled, shape_key
 
@@ -42,8 +42,7 @@ class SonicMoE:
 
 
 _SONICMOE: SonicMoE | None = None
-# module -> (parameter fingerprint, kernel-layout weights); weak, so it dies with the module and deep copies skip it
-_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WEIGHTS: DerivedWeights[tuple] = DerivedWeights()  # (w1 (2I, H, E), w2 (H, I, E), b1 or None)
 
 
 def load_sonicmoe() -> SonicMoE:
@@ -96,24 +95,22 @@ def kernel_weights(module: torch.nn.Module, interleave: bool) -> tuple[torch.Ten
     up, down = module.gate_up_proj, module.down_proj
     bias = layers.up_bias(module)
     transposed = bool(getattr(module, "is_transposed", False))
-    key = tuple((t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())) for t in (up, down) if t is not None)
-    key += (interleave, transposed, None if bias is None else (bias.data_ptr(), bias._version))
-    # a cached copy would cut the weights' gradients: cache only when none is wanted
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        w1 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
+        w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
+        b1 = bias
+        if interleave:
+            w1, b1 = _interleave_rows(w1, 1), None if bias is None else _interleave_rows(bias, 1)
+        return w1.contiguous().permute(1, 2, 0), w2.contiguous().permute(1, 2, 0), b1
+
+    def copied(value: tuple) -> bool:  # views of the parameters need no keeping; copies do
+        return interleave or value[0].data_ptr() != up.data_ptr() or value[1].data_ptr() != down.data_ptr()
+
+    # a kept copy would cut the weights' gradients: keep one only when none is wanted
     cacheable = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (up, down, bias)))
-    cached = _WEIGHTS.get(module)
-    if cacheable and cached is not None and cached[0] == key:
-        return cached[1]
-    w1 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
-    w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
-    b1 = bias
-    if interleave:
-        w1, b1 = _interleave_rows(w1, 1), None if bias is None else _interleave_rows(bias, 1)
-    w1, w2 = w1.contiguous().permute(1, 2, 0), w2.contiguous().permute(1, 2, 0)
-    copied = w1.data_ptr() != up.data_ptr() or w2.data_ptr() != down.data_ptr()
-    result = (w1, w2, b1)
-    if cacheable and (copied or interleave):  # views of the parameters need no caching; copies do
-        _WEIGHTS[module] = (key, result)
-    return result
+    key = fingerprint((up, down, bias)) + (interleave, transposed)
+    return _WEIGHTS.get(module, key, build, cache=cacheable, keep=copied)
 
 
 def sonicmoe_experts_forward(

@@ -14,7 +14,7 @@ from selector.plugins.triton_fused import backward
 from selector.plugins.triton_fused.kernels import fused_experts
 
 from selector import graphs, layers
-from selector.dispatch import OPAQUE_WHEN_COMPILED
+from selector.dispatch import OPAQUE_WHEN_COMPILED, grad_inputs
 from selector.guard import guard_code
 from selector.gates import DEFAULT_GATE, Gate
 from selector.problem import activation_name, gate_of
@@ -24,11 +24,7 @@ backward.register()  # the op's autograd formula (plugins/triton_fused/backward.
 
 
 def _records_grad(module: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
-    if not torch.is_grad_enabled():  # inference: one call, nothing built
-        return False
-    tensors = (hidden, layers.up_weight(module), module.down_proj, weights, layers.up_bias(module),
-               layers.down_bias(module))  # fmt: skip
-    return any(t is not None and t.requires_grad for t in tensors)
+    return bool(grad_inputs(module, hidden, weights))  # () under no_grad: inference builds nothing
 
 
 def _gate(module: torch.nn.Module) -> Gate:

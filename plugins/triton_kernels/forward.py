@@ -17,7 +17,6 @@ position p, inverse[flat] = p), which is exactly what the library's own `routing
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-la
 from selector import layers
 from selector.guard import sanitize_routing
 from selector.problem import dtype_name
+from selector.weight_cache import DerivedWeights, fingerprint
 
 from selector.plugins.triton_kernels.state import INSTALL, record_compiled
 
@@ -42,8 +42,7 @@ class TritonKernels:
 
 
 _TK: TritonKernels | None = None
-# module -> (parameter fingerprint, (b1 float32 or None, b2 float32 or None)); weak: dies with the module
-_BIASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BIASES: DerivedWeights[tuple[torch.Tensor, torch.Tensor]] = DerivedWeights()  # float32 (b1, b2)
 
 
 def load_triton_kernels() -> TritonKernels:
@@ -96,13 +95,8 @@ def kernel_biases(module: torch.nn.Module) -> tuple[torch.Tensor | None, torch.T
     b1, b2 = layers.up_bias(module), layers.down_bias(module)
     if b1 is None or b2 is None:
         return None, None
-    key = tuple((t.data_ptr(), t._version, t.dtype) for t in (b1, b2))
-    cached = _BIASES.get(module)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    result = (b1.detach().float().contiguous(), b2.detach().float().contiguous())
-    _BIASES[module] = (key, result)
-    return result
+    return _BIASES.get(module, fingerprint((b1, b2)),
+                       lambda: (b1.detach().float().contiguous(), b2.detach().float().contiguous()))  # fmt: skip
 
 
 def sorted_routing(tk: TritonKernels, ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tuple:
