@@ -33,6 +33,10 @@ REPEAT_MAX_BYTES = 16 << 20  # and only while its buffers (inputs, and an output
 SEEN_PER_MODULE = 16  # keys seen once (not recorded), remembered per module and backend, least recent dropped
 _POOL: Any = None  # one memory pool for all graphs: they replay one after another on one stream
 _GRAPHS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, OrderedDict]] = weakref.WeakKeyDictionary()
+# Graphs of modules that died, kept until the next replay. A module in a reference cycle dies whenever the garbage
+# collector runs, which may be while the caller (or torch.compile) captures a graph of its own; destroying a CUDA
+# graph then invalidates that capture ("operation not permitted when stream is capturing").
+_DEAD: list[dict[str, OrderedDict]] = []
 _RECORDINGS = 0  # graphs recorded in this process: a decode loop that records more than once per shape is a bug
 _SUPPRESSED = 0  # > 0 while `own_graphs(False)` is active: backends launch directly
 
@@ -77,7 +81,20 @@ def graphs_enabled(x: torch.Tensor, max_tokens: int, variable: str) -> bool:
 
 def graphs_of(module: torch.nn.Module, namespace: str) -> OrderedDict:
     """One backend's recorded graphs for one module, least recently used first."""
-    return _GRAPHS.setdefault(module, {}).setdefault(namespace, OrderedDict())
+    per_module = _GRAPHS.get(module)
+    if per_module is None:
+        per_module = _GRAPHS[module] = {}
+        weakref.finalize(module, _DEAD.append, per_module)  # outlives the module until release_dead()
+    return per_module.setdefault(namespace, OrderedDict())
+
+
+def release_dead() -> int:
+    """Destroy the graphs of modules that died since the last call; how many modules' graphs that was. Runs at the
+    start of every replay (never inside a capture: replay is not used while the stream captures)."""
+    count = len(_DEAD)
+    if count:
+        _DEAD.clear()
+    return count
 
 
 def copy_inputs(buffers: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> None:
@@ -119,6 +136,8 @@ def replay(
     """run(*inputs) through a graph recorded for `key` (which must capture every shape/pointer): on its first use
     up to DECODE_TOKENS tokens (inputs[0].shape[0]), on its second above that (within REPEAT_MAX_BYTES); until
     then, and above the bytes, run(*inputs) directly."""
+    if _DEAD:
+        release_dead()
     graphs = graphs_of(module, namespace)
     recorded = graphs.get(key)
     if recorded is None and inputs[0].shape[0] > DECODE_TOKENS:
@@ -140,5 +159,8 @@ def replay(
 
 
 def forget(module: torch.nn.Module) -> None:
-    """Drop every recorded graph of a module (its weights changed format)."""
-    _GRAPHS.pop(module, None)
+    """Drop every recorded graph of a module (its weights changed format), destroyed at the next replay."""
+    per_module = _GRAPHS.pop(module, None)
+    if per_module is not None:
+        _DEAD.append(dict(per_module))
+        per_module.clear()  # the module's finalizer holds this dict until the module dies

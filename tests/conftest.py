@@ -142,13 +142,19 @@ def _private_tuning_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture(autouse=True)
-def _fresh_selection_state(_probed_environment: Environment) -> Iterator[None]:
+def _fresh_selection_state(_probed_environment: Environment, request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test starts from the process's own state: no cached registry, config, verdicts, picks or measured
-    timings, no probe facts a test before it injected (`set_environment`), no unreported routing fault."""
+    timings, no probe facts a test before it injected (`set_environment`), no unreported routing fault. A GPU test
+    also starts with the garbage of the tests before it collected: a CUDA graph left in a reference cycle (a test's
+    frame kept by `pytest.raises`) would otherwise be destroyed whenever the collector runs, inside a capture too."""
     from selector import guard, tuning_store
     from selector.dispatch import reset_selection_caches
     from selector.environment import current_environment, set_environment
 
+    if request.node.get_closest_marker("gpu") is not None:
+        import gc
+
+        gc.collect()
     reset_selection_caches()
     guard.clear()  # no routing fault a test before left unreported
     yield

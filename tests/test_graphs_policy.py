@@ -65,3 +65,36 @@ def test_input_copies_take_any_dtype_and_stride() -> None:
     values = (torch.randn(3, 4).t().to(torch.bfloat16), torch.arange(16).reshape(4, 4)[:, ::2], torch.rand(4, 2))
     graphs.copy_inputs(buffers, values)
     assert all(torch.equal(b, v) for b, v in zip(buffers, values))
+
+
+def test_graphs_of_a_dead_module_live_until_the_next_replay(fake_recordings) -> None:  # noqa: ANN001
+    """A module in a reference cycle dies whenever the garbage collector runs, possibly while someone captures a
+    CUDA graph: its own graphs must not be destroyed then, only at the next replay (never inside a capture)."""
+    import gc
+    import weakref
+
+    graphs.release_dead()
+    doomed = torch.nn.Linear(2, 2)
+    doomed.cycle = [doomed]  # collected by the garbage collector only, as a model in a cycle would be
+    _call(doomed, 1)
+    recording = next(iter(graphs.graphs_of(doomed, "test").values()))
+    alive = weakref.ref(recording)
+    del doomed, recording
+    gc.collect()
+    assert alive() is not None  # the module is gone, its recording kept
+    survivor = torch.nn.Linear(2, 2)
+    _call(survivor, 1)  # the next replay releases it
+    assert alive() is None
+    assert graphs.release_dead() == 0
+
+
+def test_forgotten_graphs_are_released_at_the_next_replay(module, fake_recordings) -> None:  # noqa: ANN001
+    import weakref
+
+    graphs.release_dead()
+    _call(module, 1)
+    alive = weakref.ref(next(iter(graphs.graphs_of(module, "test").values())))
+    graphs.forget(module)
+    assert alive() is not None
+    assert graphs.release_dead() == 1
+    assert alive() is None
