@@ -559,15 +559,20 @@ COST_ROUNDS = 7
 SANITIZER_KERNEL = "_sanitize_kernel"  # the guard's own launch where it is not fused into the backend's routing
 
 
-def _guard_kernel_share(run) -> float | None:  # noqa: ANN001
-    """The guard kernel's share of the device time of a few calls (torch.profiler; None where no kernel of its
-    own ran: the guard is fused into the backend's align)."""
+def _guard_kernel_share(run, monkeypatch) -> float | None:  # noqa: ANN001
+    """The guard kernel's share of the device time of a few calls (torch.profiler, the backends' own graphs off so
+    that every kernel is seen; None where no kernel of its own ran: the guard is fused into the backend's align)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            run()
+    with monkeypatch.context() as patch:
+        for variable in ("SELECTOR_TRITON_FUSED_GRAPHS", "SELECTOR_QUANT_GRAPHS"):
+            patch.setenv(variable, "0")
+        run()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                run()
+            torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time_total for e in kernels)
     guard_time = sum(e.device_time_total for e in kernels if SANITIZER_KERNEL in e.name)
@@ -615,7 +620,7 @@ def test_guard_cost_on_gpu(monkeypatch, capsys):
                     runs[level] = lambda: m(x, ids, w)  # noqa: B023 - timed before the next iteration
             assert torch.equal(outs["off"], outs["first"]), (case, tokens)
             monkeypatch.setenv("SELECTOR_VALIDATE", "first")
-            share = _guard_kernel_share(lambda: m(x, ids, w))  # noqa: B023
+            share = _guard_kernel_share(lambda: m(x, ids, w), monkeypatch)  # noqa: B023
             probe = _time_calls(runs["first"], 3)
             calls = max(5, min(500, int(40e3 / max(probe, 1.0))))
             times = {"off": [], "first": []}
