@@ -7,10 +7,11 @@ so the adapter keeps one reordered copy of `gate_up_proj` per set of weights (ca
 of the up weights in memory). SiLU-gated experts only (`ActivationType.Swiglu`); hidden and intermediate sizes
 must be multiples of 8 (TMA's 16-byte alignment).
 
-First-call cost: the SM90 / SM100 module is built with the node's nvcc on first use (on the H200 machine with
-flashinfer-python 0.6.13 and nvcc 13.0 the cold build had not finished after 210 s; FlashInfer keeps the build on
-disk, which this in-process record does not see), so the backend needs a full CUDA toolkit and ninja. `auto`
-counts 300 s, spread over SELECTOR_JIT_AMORTIZE_CALLS calls, until this process has run it.
+First-call cost: the SM90 / SM100 module is built with the node's nvcc on first use: 182 objects (every dtype
+pair its binding links, bf16 x bf16 being one of them); on the H200 machine with flashinfer-python 0.6.13 and nvcc
+13.0, 14 jobs on its 16 host cores built 30 of them in 490 s, about 45 minutes for the whole. FlashInfer keeps the
+build on disk, which this in-process record does not see, so the backend needs a full CUDA toolkit and ninja.
+`auto` counts 45 minutes, spread over SELECTOR_JIT_AMORTIZE_CALLS calls, until this process has run it.
 flashinfer-python 0.6.13 does not import beside nvidia-cutlass-dsl 4.4.2 (SonicMoE's pin): its package
 `__init__` loads CuTe-DSL kernels that need a newer cutlass-dsl (AttributeError `OperandMajorMode`), which the
 adapter reports as the ImportError; without cutlass-dsl installed it imports.
@@ -53,13 +54,13 @@ REQUIREMENTS = Requirements(
     expert_parallel=True,  # sentinel slots go to expert 0 with weight 0 (ep_size stays 1)
 )
 
-JIT_SECONDS = 300.0  # H200 machine, 16 host cores, cold: not done in 210 s
+JIT_SECONDS = 2700.0  # H200 machine, 14 build jobs: 30 of 182 objects in 490 s
 HOST_SECONDS = 0.06e-3  # one fused launch sequence from Python
 EFFICIENCY = 1.5  # a guess until measured beside ours: a CUTLASS grouped GEMM pair with fused epilogues
 
 FIRST_CALL_COST = (
-    f"builds FlashInfer's CUTLASS fused-MoE module with nvcc on first use (more than 3.5 minutes cold on the H200 machine; FlashInfer caches "
-    f"the build on disk): auto counts {JIT_SECONDS:.0f} s, spread over {hub.AMORTIZE_VARIABLE} calls, until this "
+    "builds FlashInfer's CUTLASS fused-MoE module with nvcc on first use (182 objects, about 45 minutes cold on "
+    f"the H200 machine's 16 cores; FlashInfer caches the build on disk): auto counts {JIT_SECONDS:.0f} s, spread over {hub.AMORTIZE_VARIABLE} calls, until this "
     "process has run it"
 )
 
