@@ -97,9 +97,10 @@ def main() -> int:
             for name in (args.backend, NOOP):
                 selector.set_experts_implementation(layer, name)
                 uid = track(layer)
-                runners[f"{name}|module"] = lambda: layer(x, index, weights)
-                runners[f"{name}|op"] = lambda name=name, uid=uid: torch.ops.selector.experts(
-                    uid, name if name != "auto" else "", x, index, weights, weight)
+                args_ = (x, index, weights)
+                runners[f"{name}|module"] = lambda args_=args_: layer(*args_)
+                runners[f"{name}|op"] = lambda name=name, uid=uid, args_=args_: torch.ops.selector.experts(
+                    uid, name if name != "auto" else "", *args_, weight)
             samples: dict[str, list[float]] = {key: [] for key in runners}
             names = list(runners)
             for key in names:  # warm: the choice, the backend's own graphs

@@ -34,7 +34,7 @@ def test_compiled_bench_times_every_backend_compiled_and_not() -> None:
 
 @pytest.mark.compile
 def test_a_stack_of_layers_is_compiled_as_one_and_timed_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    import selector.bench.compiled as compiled
+    from selector.bench import compiled
     from selector.bench.timing import Timing
 
     timed: list[dict[str, object]] = []
@@ -71,7 +71,7 @@ def test_a_stack_matches_its_layers_run_one_after_another() -> None:
     """What the stack bench times is what a decoder stack computes: x = x + layer_i(x) for each layer."""
     import torch
 
-    import selector.bench.compiled as compiled
+    from selector.bench import compiled
     from selector.bench.layer import make_layer, random_routing
 
     tiny = Problem(4, 16, 8, 2, dtype="float32", device="cpu")
