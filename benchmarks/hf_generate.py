@@ -270,6 +270,13 @@ def median(values: list[float]) -> float | None:
 
 
 _TREE_RECORDINGS = [0]  # CUDA graphs recorded by torch.compile's cudagraph trees (counted by a wrapper)
+_RESETS = [0]  # torch._dynamo.reset() calls of this script: each drops every compiled cell's graphs
+
+
+def reset_dynamo() -> None:
+    """torch._dynamo.reset(), counted: an interleaved group warms again the cells whose graphs it dropped."""
+    torch._dynamo.reset()
+    _RESETS[0] += 1
 
 
 def count_cudagraph_tree_recordings() -> None:
@@ -407,24 +414,27 @@ class CellRun:
             self.cell["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             traceback.print_exc()
             if self.cell["mode"] == "compiled":
-                torch._dynamo.reset()  # a failed compile leaves nothing half-built for the next cell
+                reset_dynamo()  # a failed compile leaves nothing half-built for the next cell
         finally:
             self.seconds += time.perf_counter() - t0
 
     def warm(self) -> None:
         def step() -> None:
             if self.cell["mode"] == "compiled" and self.args.skip_module_guards:
-                torch._dynamo.reset()  # guards dropped: another backend's graph could pass them
+                reset_dynamo()  # guards dropped: another backend's graph could pass them
             self.before = compile_stats()
             t0 = time.perf_counter()
             if self.cell["mode"] == "compiled":
                 self.cell["compile_mode"] = compile_mode_for(self.cell["backend"], self.model)
-                self.extra = self._compiled_extra(self.args.fullgraph)
+                # warmed again after a reset: as it ended the first time (a fullgraph that failed would fail again)
+                self.extra = self._compiled_extra(self.args.fullgraph and "fullgraph_error" not in self.cell)
                 try:
                     self._generate(1 + self.n)
-                except torch._dynamo.exc.Unsupported as exc:  # a graph break under fullgraph: say where, go on
+                # a graph break under fullgraph (Transformers' eager loop reads expert ids on the host: a
+                # data-dependent size, which fullgraph reports as a UserError): say where, go on without it
+                except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
                     self.cell["fullgraph_error"] = str(exc)[:600]
-                    torch._dynamo.reset()
+                    reset_dynamo()
                     self.extra = self._compiled_extra(False)
                     self._generate(1 + self.n)
                 self._generate(1 + self.n)  # compile, CUDA-graph recording, autotuning caches
@@ -434,6 +444,7 @@ class CellRun:
             self.warm_stats = compile_stats()
 
         self._guard(step)
+        self.warm_resets = _RESETS[0]
 
     def _generate(self, new_tokens: int, clock: StepClock | None = None) -> float:
         return timed_generate(self.model, self.ids, self.mask, new_tokens, self.device, self.extra, clock)
@@ -672,7 +683,7 @@ def main() -> int:
             continue
         if group[0][0] == "compiled" and group[0][2:] != compiled_setting:
             if compiled_setting is not None:
-                torch._dynamo.reset()  # else Dynamo compiles a second shape with dynamic shapes (automatic dynamic)
+                reset_dynamo()  # else Dynamo compiles a second shape with dynamic shapes (automatic dynamic)
             compiled_setting = group[0][2:]
         runs = [CellRun(model, cfg, args, device, *item) for item in group]
         for run in runs:
@@ -680,6 +691,13 @@ def main() -> int:
             log(f"{c['mode']:10s} {c['backend']:10s} {c['batch']}x{c['prompt']} warm-up ...")
             run.warm()
         if len(runs) > 1 and group[0][0] == "compiled":
+            # a later cell's reset (its compile failed, or fell back from fullgraph) dropped the graphs of the
+            # cells warmed before it: warm those again, so that no timed round compiles
+            for run in runs:
+                if run.ok and run.warm_resets != _RESETS[0]:
+                    log(f"compiled   {run.cell['backend']:10s} warm-up again (a later cell reset Dynamo)")
+                    run.cell["warmed_again"] = True
+                    run.warm()
             counts = compile_stats()
             for run in runs:
                 run.timed_from = counts

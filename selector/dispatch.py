@@ -476,13 +476,27 @@ _LIBRARY.define(
 )
 
 
+# Device index -> the default stream's (stream id, device index, device type), as torch._C reports a stream. The
+# default stream of a device never changes (stream id 0 in c10's encoding); only the current one does.
+_DEFAULT_STREAMS: dict[int, tuple[int, int, int]] = {}
+
+
 def _own_graphs_allowed(hidden_states: torch.Tensor) -> bool:
     """Whether a backend may record its own graph in this compiled call: on the device's default stream only.
     torch.compile's CUDA-graph modes warm up on a side stream with the thread's allocations routed into their
-    pool, then capture (where graphs_enabled says no by itself)."""
+    pool, then capture (where graphs_enabled says no by itself).
+
+    Compares the raw (id, device index, device type) tuples torch._C gives for the current and default streams:
+    what `torch.cuda.current_stream(d) == torch.cuda.default_stream(d)` compares, without building two Stream
+    objects and resolving the device in Python on every call of every compiled layer.
+    """
     if not hidden_states.is_cuda:
         return True
-    return torch.cuda.current_stream(hidden_states.device) == torch.cuda.default_stream(hidden_states.device)
+    index = hidden_states.get_device()
+    default = _DEFAULT_STREAMS.get(index)
+    if default is None:
+        default = _DEFAULT_STREAMS[index] = tuple(torch._C._cuda_getDefaultStream(index))
+    return tuple(torch._C._cuda_getCurrentStream(index)) == default
 
 
 def _experts_op(
@@ -501,8 +515,11 @@ def _experts_op(
     else:
         with graphs.own_graphs(False):
             out = _run_eager(module, hidden_states, top_k_index, top_k_weights, implementation or None, compiled=True)
-    # inductor takes the fake's layout (contiguous, hidden_states' dtype) as the output's
-    return out.to(hidden_states.dtype).contiguous()
+    # inductor takes the fake's layout (contiguous, hidden_states' dtype) as the output's; a backend's output
+    # nearly always has it already, and checking is cheaper than `.to()` and `.contiguous()` returning it as is
+    if out.dtype != hidden_states.dtype:
+        out = out.to(hidden_states.dtype)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 def _experts_fake(

@@ -32,6 +32,74 @@ def test_compiled_bench_times_every_backend_compiled_and_not() -> None:
     assert json.loads(json.dumps(result.to_dict()))["schema"] == "selector.bench.compiled/1"
 
 
+@pytest.mark.compile
+def test_a_stack_of_layers_is_compiled_as_one_and_timed_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from selector.bench import compiled
+    from selector.bench.timing import Timing
+
+    timed: list[dict[str, object]] = []
+    real = compiled.time_interleaved
+
+    def per_call(torch, runners, mode, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        timed.append(dict(runners))
+        real(torch, runners, mode, **kwargs)  # every runner really runs (an error would drop it)...
+        return {name: Timing(6e-6, 0.1, (6e-6,)) for name in runners}  # ... and takes 6 us a call
+
+    monkeypatch.setattr(compiled, "time_interleaved", per_call)
+    tiny = Problem(4, 16, 8, 2, dtype="float32", device="cpu")
+    result = run_compiled_bench(presets={"tiny": tiny}, tokens=(1, 5), modes=("default",), backends=("auto", "grouped_mm"),
+                                dtype_name="float32", rounds=2, sample_s=0.0, device="cpu", compiler="aot_eager",
+                                stack=3)  # fmt: skip
+    assert len(timed) == 2 and set(timed[0]) == {"auto|uncompiled", "auto|default", "grouped_mm|uncompiled",
+                                                 "grouped_mm|default"}  # fmt: skip
+    rows = {(r.tokens, r.backend): r for r in result.rows}
+    assert set(rows) == {(1, "auto"), (1, "grouped_mm"), (5, "auto"), (5, "grouped_mm")}
+    for row in rows.values():
+        assert not row.errors
+        assert row.times_s == {UNCOMPILED: pytest.approx(2e-6), "default": pytest.approx(2e-6)}  # 6 us / 3 layers
+    assert rows[(5, "grouped_mm")].ran == {UNCOMPILED: "grouped_mm", "default": "grouped_mm"}
+    assert rows[(5, "auto")].ran["default"] not in (None, "eager")
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["stack"] == 3 and data["times_per"] == "layer"
+    table = compiled_table(result)
+    assert table.startswith("A stack of 3 experts layers per call") and "uncompiled µs/layer" in table
+    assert "| tiny | 5 | grouped_mm | 2 | 2 | 1.00 |" in table
+
+
+@pytest.mark.compile
+def test_a_stack_matches_its_layers_run_one_after_another() -> None:
+    """What the stack bench times is what a decoder stack computes: x = x + layer_i(x) for each layer."""
+    import torch
+
+    from selector.bench import compiled
+    from selector.bench.layer import make_layer, random_routing
+
+    tiny = Problem(4, 16, 8, 2, dtype="float32", device="cpu")
+    layers = [make_layer(torch, tiny, torch.float32, "cpu", seed=i) for i in range(3)]
+    index, weights = random_routing(torch, 5, 4, 2, "cpu", seed=0)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        want = x
+        for layer in layers:
+            want = want + layer(want, index, weights)
+        stack = compiled.experts_stack(torch, layers)
+        assert torch.allclose(stack(x, index, weights), want)
+        torch._dynamo.reset()
+        out = torch.compile(stack, backend="aot_eager", fullgraph=True, dynamic=True)(x, index, weights)
+        torch._dynamo.reset()
+    assert torch.allclose(out, want, atol=1e-5)
+    assert layers[0].gate_up_proj.data_ptr() != layers[1].gate_up_proj.data_ptr()  # each layer its own weights
+
+
+def test_bench_stack_flag_needs_compile_and_a_positive_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from selector.cli import main
+
+    assert main(["bench", "--compile", "default", "--stack", "0"]) == 2
+    assert "expected a whole number of layers, at least 1" in capsys.readouterr().err
+    assert main(["bench", "--stack", "4"]) == 2
+    assert "--stack goes with --compile" in capsys.readouterr().err
+
+
 def test_bench_compile_flag_checks_the_modes(capsys: pytest.CaptureFixture[str]) -> None:
     from selector.cli import main
 
@@ -49,3 +117,15 @@ def test_gpu_compiled_bench_on_one_small_preset(tmp_path) -> None:  # noqa: ANN0
     rows = [r for r in data["rows"] if r["backend"] == "auto"]
     assert {r["tokens"] for r in rows} == {1, 64}
     assert all(set(r["times_s"]) == {"uncompiled", "default", "reduce-overhead"} for r in rows), rows
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_bench_of_a_stack(tmp_path) -> None:  # noqa: ANN001
+    from selector.cli import main
+
+    assert main(["bench", "--compile", "default", "--stack", "2", "--preset", "qwen1.5-moe-a2.7b", "--tokens", "1",
+                 "--backends", "auto", "--rounds", "2", "--out", str(tmp_path)]) == 0  # fmt: skip
+    data = json.loads((tmp_path / "compiled.json").read_text())
+    assert data["stack"] == 2 and data["times_per"] == "layer"
+    (row,) = data["rows"]
+    assert set(row["times_s"]) == {"uncompiled", "default"} and not row["errors"], row

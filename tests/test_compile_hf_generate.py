@@ -46,6 +46,23 @@ def test_interleaved_compiled_cells_reuse_their_graphs(harness, tmp_path, monkey
     assert "(batched_mm" in row
 
 
+def test_a_cell_that_resets_dynamo_has_the_cells_before_it_warmed_again(harness, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Transformers' eager loop cannot compile as one graph (a data-dependent size: UserError under fullgraph): its
+    cell falls back to graph breaks after a reset, which dropped batched_mm's graphs; batched_mm is warmed again,
+    so no timed round compiles."""
+    argv = [a if a != "auto,batched_mm" else "batched_mm,eager" for a in ARGV]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path)])
+    assert harness.main() == 0
+    result = json.loads((tmp_path / "hf_generate.json").read_text())
+    compiled = {c["backend"]: c for c in result["cells"] if c["mode"] == "compiled"}
+    assert set(compiled) == {"batched_mm", "eager"}
+    for cell in compiled.values():
+        assert cell["status"] == "ok", cell
+        assert not any(cell["timed_counts"].values()), cell
+    assert "fullgraph_error" in compiled["eager"] and compiled["eager"]["fullgraph"] is False
+    assert compiled["batched_mm"].get("warmed_again") is True and "warmed_again" not in compiled["eager"]
+
+
 def test_interleaving_refuses_skipped_module_guards(harness, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(sys, "argv", [*ARGV, "--out", str(tmp_path), "--skip-module-guards"])
     with pytest.raises(SystemExit, match="needs Dynamo's module guards"):

@@ -41,6 +41,16 @@ def _compile_modes(text: str) -> list[str]:
     return names
 
 
+def _layers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of layers, at least 1")
+    return value
+
+
 def _cmd_compiled(args: argparse.Namespace) -> int:
     """`--compile`: compiled against uncompiled per backend and mode, a table and compiled.json."""
     import json
@@ -56,6 +66,7 @@ def _cmd_compiled(args: argparse.Namespace) -> int:
         dtype_name=args.dtype,
         rounds=args.rounds,
         progress=_progress(),
+        stack=args.stack or 1,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,6 +97,9 @@ def _progress() -> Callable[[str], None]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
+    if args.stack is not None and not args.compile:
+        print("selector bench: --stack goes with --compile (layers per compiled module)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():  # before any cell: the run times kernels against the GPU's floor
         build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
         print(f"selector bench: needs a CUDA GPU and none is visible (torch {torch.__version__}, {build}); "
@@ -148,4 +162,8 @@ def register(sub: Any) -> None:
                        help="instead of the grid: each backend compiled in these torch.compile modes (comma list, e.g. "
                        "default,reduce-overhead) against itself uncompiled; default presets qwen3-30b-a3b, "
                        "qwen1.5-moe-a2.7b, backends auto, triton_fused, grouped_mm; writes compiled.json")  # fmt: skip
+    bench.add_argument("--stack", type=_layers, metavar="N",
+                       help="with --compile: N layers of the shape, each with its own weights, in one module "
+                       "(x = x + layer_i(x, ...)) compiled as one, as in a model; times per layer (default 1: the "
+                       "layer alone); holds N layers' weights per preset")  # fmt: skip
     bench.set_defaults(func=_cmd_bench)

@@ -6,6 +6,13 @@ Per preset, one layer per backend (the same weights), compiled once per torch.co
 (`time_interleaved`); the table shows the compiled / uncompiled ratio per mode, which should never exceed
 about 1. CUDA-graph modes mark a new step before each call (`cudagraph_mark_step_begin`), so that alternating
 between compiled layers replays their graphs instead of recording new paths.
+
+`stack` N > 1 times N layers of the preset's shape, each with its own weights, in one module whose forward runs
+`x = x + layer_i(x, index, weights)` for each, as a model's decoder stack runs its experts layers; the stack is
+compiled as one, against the same stack uncompiled, and every time is per layer (a call's time / N). A single
+compiled layer pays torch.compile's fixed entry cost (guards, the runtime wrappers) on every call; a model pays
+it once per forward for all its layers, which the stack shows. The weights of the N layers are shared by the
+backends: memory is N layers' weights per preset.
 """
 
 from __future__ import annotations
@@ -50,10 +57,12 @@ class CompiledBench:
     rows: list[CompiledRow] = field(default_factory=list)
     compile_s: dict[str, float] = field(default_factory=dict)  # "preset/backend/mode" -> seconds of first calls
     skipped: dict[str, str] = field(default_factory=dict)  # "preset/backend" -> why
+    stack: int = 1  # layers per timed call; every time in `rows` is per layer (a call's time / stack)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "device": self.device, "modes": self.modes, "rows": [asdict(r) for r in self.rows],
-                "compile_s": self.compile_s, "skipped": self.skipped}  # fmt: skip
+        return {"schema": SCHEMA, "device": self.device, "modes": self.modes, "stack": self.stack,
+                "times_per": "layer", "rows": [asdict(r) for r in self.rows], "compile_s": self.compile_s,
+                "skipped": self.skipped}  # fmt: skip
 
 
 def _runs_here(name: str, layer: Any) -> str | None:
@@ -66,6 +75,23 @@ def _runs_here(name: str, layer: Any) -> str | None:
         return None
     verdict = evaluate(get_backend_registry().get(name), problem_of(layer, 8), current_environment())
     return None if verdict.ok else verdict.reason
+
+
+def experts_stack(torch: Any, layers: Sequence[Any]) -> Any:
+    """One module that runs `layers` as a decoder stack runs its experts layers: x = x + layer(x, index, weights),
+    one layer after another (the same routing for all: the experts are timed, not the router)."""
+
+    class ExpertsStack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(layers)
+
+        def forward(self, x: Any, index: Any, weights: Any) -> Any:
+            for layer in self.layers:
+                x = x + layer(x, index, weights)
+            return x
+
+    return ExpertsStack()
 
 
 def _compiled(torch: Any, layer: Any, name: str, mode: str, compiler: str) -> Callable[..., Any]:
@@ -96,23 +122,25 @@ def run_compiled_bench(
     progress: Callable[[str], None] | None = None,
     device: str = "cuda",
     compiler: str = "inductor",
+    stack: int = 1,
 ) -> CompiledBench:
     """Time every backend uncompiled and compiled in each mode (see the module docstring). `presets`: preset
-    names, or names mapped to their `Problem`. `device="cpu"` (with another `compiler`, e.g. "aot_eager") runs
-    the harness on the CPU for a check, on the host clock, one call per sample: its times mean nothing."""
+    names, or names mapped to their `Problem`. `stack`: layers per timed module (1: the layer itself), times
+    per layer. `device="cpu"` (with another `compiler`, e.g. "aot_eager") runs the harness on the CPU for a
+    check, on the host clock, one call per sample: its times mean nothing."""
     import torch
 
-    from selector.bench.layer import make_layer, random_routing
-    from selector.dispatch import last_backend, set_requested_implementation
     from selector.presets import preset
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("selector bench --compile needs a CUDA GPU")
+    if stack < 1:
+        raise ValueError(f"stack must be at least 1 layer, got {stack}")
     before = os.environ.get("SELECTOR_VALIDATE")
     os.environ["SELECTOR_VALIDATE"] = before or "shapes"  # the layer is timed, not the per-call checks
     dtype = getattr(torch, dtype_name)
-    result = CompiledBench(device=torch.cuda.get_device_name() if device == "cuda" else device, modes=list(modes))
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    result = CompiledBench(device=torch.cuda.get_device_name() if device == "cuda" else device, modes=list(modes),
+                           stack=stack)  # fmt: skip
     shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
     say = progress or (lambda msg: None)
     # every layer here is one module class: its forward is one code object, compiled once per layer and mode, which
@@ -125,70 +153,105 @@ def run_compiled_bench(
     try:
         for shape, given in shapes.items():
             problem = preset(shape) if given is None else given
-            base = make_layer(torch, problem, dtype, device, seed=0)
-            weights = (base.gate_up_proj.data, base.down_proj.data)
-            layers: dict[str, Any] = {}
-            for name in backends:
-                layer = make_layer(torch, problem, dtype, device, seed=0, weights=weights)
-                set_requested_implementation(layer, name)
-                why = _runs_here(name, layer)
-                if why is not None:
-                    result.skipped[f"{shape}/{name}"] = why
-                    continue
-                layers[name] = layer
-            compiled: dict[tuple[str, str], Callable[..., Any]] = {}
-            for name, layer in layers.items():
-                with torch.no_grad():
-                    layer(*_inputs(torch, problem, 3, dtype, random_routing, device))  # seen eagerly before tracing
-                for mode in modes:
-                    compiled[(name, mode)] = _compiled(torch, layer, name, mode, compiler)
-            for t in tokens:
-                say(f"{shape} T={t}")
-                inputs = _inputs(torch, problem, t, dtype, random_routing, device)
-                runners: dict[str, Callable[[], Any]] = {}
-                errors: dict[str, str] = {}
-                for name, layer in layers.items():
-                    runners[f"{name}|{UNCOMPILED}"] = _bound(torch, layer, inputs)
-                    for mode in modes:
-                        key, fn = f"{name}|{mode}", compiled[(name, mode)]
-                        start = time.perf_counter()
-                        try:  # the first calls at this T trace, compile, record: outside the timing
-                            with torch.no_grad():
-                                for _ in range(3):
-                                    fn(*inputs)
-                            sync()
-                        except Exception as exc:  # noqa: BLE001 - reported per runner, the others still run
-                            errors[key] = _short(exc)
-                            continue
-                        elapsed = time.perf_counter() - start
-                        result.compile_s[f"{shape}/{name}/{mode}"] = result.compile_s.get(
-                            f"{shape}/{name}/{mode}", 0.0) + elapsed  # fmt: skip
-                        runners[key] = _bound(torch, fn, inputs)
-                timings = time_interleaved(torch, runners, "compile", rounds=rounds, sample_s=sample_s, device=device,
-                                           errors=errors)  # fmt: skip
-                for name, layer in layers.items():
-                    row = CompiledRow(shape, t, name)
-                    for run in (UNCOMPILED, *modes):
-                        key = f"{name}|{run}"
-                        if key in timings:
-                            row.times_s[run] = timings[key].median_s
-                            row.spread[run] = timings[key].spread
-                        elif key in errors:
-                            row.errors[run] = errors[key]
-                        if run != UNCOMPILED and key in runners and key not in errors:
-                            with torch.no_grad():
-                                runners[key]()
-                            row.ran[run] = last_backend(layer)
-                    with torch.no_grad():
-                        runners[f"{name}|{UNCOMPILED}"]()
-                    row.ran[UNCOMPILED] = last_backend(layer)
-                    result.rows.append(row)
+            _bench_preset(torch, result, shape, problem, tokens, backends, dtype, rounds, sample_s, say, device,
+                          compiler)  # fmt: skip
+            # the next preset's N layers of weights should not meet these (freed with the call's locals), nor
+            # should its layers find these layers' compiled code
+            torch._dynamo.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     finally:
         if before is None:
             os.environ.pop("SELECTOR_VALIDATE", None)
         for name, value in limits.items():
             setattr(torch._dynamo.config, name, value)
     return result
+
+
+def _bench_preset(
+    torch: Any,
+    result: CompiledBench,
+    shape: str,
+    problem: Any,
+    tokens: Sequence[int],
+    backends: Sequence[str],
+    dtype: Any,
+    rounds: int,
+    sample_s: float,
+    say: Callable[[str], None],
+    device: str,
+    compiler: str,
+) -> None:
+    """One preset's rows into `result`: every backend's layer (or stack), uncompiled and per mode, per T."""
+    from selector.bench.layer import make_layer, random_routing
+    from selector.dispatch import last_backend, set_requested_implementation
+
+    stack, modes = result.stack, result.modes
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    # the N layers' weights, one set per layer (seeded by position), shared by every backend's stack
+    weights = []
+    for i in range(stack):
+        base = make_layer(torch, problem, dtype, device, seed=i)
+        weights.append((base.gate_up_proj.data, base.down_proj.data))
+    runs: dict[str, Any] = {}  # backend -> what one timed call runs: the layer, or a stack of them
+    firsts: dict[str, Any] = {}  # backend -> its first layer (what it ran is read off that one)
+    for name in backends:
+        members = [make_layer(torch, problem, dtype, device, seed=i, weights=w) for i, w in enumerate(weights)]
+        for member in members:
+            set_requested_implementation(member, name)
+        why = _runs_here(name, members[0])
+        if why is not None:
+            result.skipped[f"{shape}/{name}"] = why
+            continue
+        runs[name] = members[0] if stack == 1 else experts_stack(torch, members)
+        firsts[name] = members[0]
+    compiled: dict[tuple[str, str], Callable[..., Any]] = {}
+    for name, run in runs.items():
+        with torch.no_grad():  # every layer seen eagerly before tracing
+            run(*_inputs(torch, problem, 3, dtype, random_routing, device))
+        for mode in modes:
+            compiled[(name, mode)] = _compiled(torch, run, name, mode, compiler)
+    for t in tokens:
+        say(f"{shape} T={t}")
+        inputs = _inputs(torch, problem, t, dtype, random_routing, device)
+        runners: dict[str, Callable[[], Any]] = {}
+        errors: dict[str, str] = {}
+        for name, run in runs.items():
+            runners[f"{name}|{UNCOMPILED}"] = _bound(torch, run, inputs)
+            for mode in modes:
+                key, fn = f"{name}|{mode}", compiled[(name, mode)]
+                start = time.perf_counter()
+                try:  # the first calls at this T trace, compile, record: outside the timing
+                    with torch.no_grad():
+                        for _ in range(3):
+                            fn(*inputs)
+                    sync()
+                except Exception as exc:  # noqa: BLE001 - reported per runner, the others still run
+                    errors[key] = _short(exc)
+                    continue
+                elapsed = time.perf_counter() - start
+                result.compile_s[f"{shape}/{name}/{mode}"] = result.compile_s.get(
+                    f"{shape}/{name}/{mode}", 0.0) + elapsed  # fmt: skip
+                runners[key] = _bound(torch, fn, inputs)
+        timings = time_interleaved(torch, runners, "compile", rounds=rounds, sample_s=sample_s, device=device,
+                                   errors=errors)  # fmt: skip
+        for name in runs:
+            row = CompiledRow(shape, t, name)
+            for mode in (UNCOMPILED, *modes):
+                key = f"{name}|{mode}"
+                if key in timings:
+                    row.times_s[mode] = timings[key].median_s / stack
+                    row.spread[mode] = timings[key].spread
+                elif key in errors:
+                    row.errors[mode] = errors[key]
+                if mode != UNCOMPILED and key in runners and key not in errors:
+                    with torch.no_grad():
+                        runners[key]()
+                    row.ran[mode] = last_backend(firsts[name])
+            with torch.no_grad():
+                runners[f"{name}|{UNCOMPILED}"]()
+            row.ran[UNCOMPILED] = last_backend(firsts[name])
+            result.rows.append(row)
 
 
 def _inputs(
@@ -216,11 +279,16 @@ def _us(seconds: float | None) -> str:
 
 
 def compiled_table(result: CompiledBench) -> str:
-    """Markdown: per (preset, tokens, backend) µs uncompiled and per mode, with compiled / uncompiled."""
-    head = ["preset", "T", "backend", "uncompiled µs"]
+    """Markdown: per (preset, tokens, backend) µs uncompiled and per mode, with compiled / uncompiled; a caption
+    line says how many layers one timed call ran (times are per layer)."""
+    unit = "µs" if result.stack == 1 else "µs/layer"
+    head = ["preset", "T", "backend", f"uncompiled {unit}"]
     for mode in result.modes:
-        head += [f"{mode} µs", f"{mode} ÷ uncompiled"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        head += [f"{mode} {unit}", f"{mode} ÷ uncompiled"]
+    caption = ("One experts layer per call." if result.stack == 1 else
+               f"A stack of {result.stack} experts layers per call (x = x + layer_i(x, ...), compiled as one); "
+               f"times per layer: a call's time / {result.stack}.")  # fmt: skip
+    lines = [caption, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result.rows:
         if not row.times_s and row.errors:  # nothing ran: the reasons instead
             lines.append(f"| {row.preset} | {row.tokens} | {row.backend} | " + "; ".join(
