@@ -67,8 +67,11 @@ def test_gpu_compile_matrix(name: str, mode: str, fullgraph: bool, grad: bool) -
     if not fullgraph and (spec is None or spec.traces_fullgraph()):
         pytest.skip("traces without a break: the same graph as the fullgraph=True case")
     context = torch.enable_grad() if grad else torch.no_grad()
-    with context:
-        ref = module(*inputs)
+    try:
+        with context:
+            ref = module(*inputs)
+    except ImportError as exc:  # its requirements hold but its kernel is not on this node (a hub kernel offline)
+        pytest.skip(f"{name} cannot load its kernel here: {str(exc)[:160]}")
     want = _grads(module, ref, inputs) if grad else None
     ref = ref.detach().clone()
     torch._dynamo.reset()
