@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 START = time.perf_counter()
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# selector is imported as installed (`pip install -e .`): the checkout's own folder on sys.path would shadow a
+# regular install and miss selector.probes / selector.plugins, which the install maps from probes/ and plugins/
 
 import torch  # noqa: E402
 
