@@ -98,3 +98,35 @@ def test_forgotten_graphs_are_released_at_the_next_replay(module, fake_recording
     assert alive() is not None
     assert graphs.release_dead() == 1
     assert alive() is None
+
+
+@pytest.mark.gpu
+def test_a_dead_modules_recorded_graph_survives_someone_elses_capture() -> None:
+    """The real case: a module whose own graph was recorded dies in a cycle while another graph is captured
+    (the collector runs inside the capture); the capture must still succeed, the graph go at the next replay."""
+    import gc
+
+    from experts_fixtures import make_experts
+
+    import selector
+
+    m = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda", seed=1).requires_grad_(False)
+    selector.set_experts_implementation(m, "triton_fused")
+    x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 3]], device="cuda")
+    w = torch.full((2, 2), 0.5, device="cuda", dtype=torch.bfloat16)
+    m(x, ids, w)
+    assert len(graphs.graphs_of(m, "triton_fused")) == 1  # recorded on first use at decode size
+    m.__dict__["_cycle"] = [m]  # dies only when the collector runs
+    del m
+    graphs.release_dead()
+    counter = torch.zeros(4, device="cuda")
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        counter.add_(1)
+        gc.collect()  # the dead module's CUDA graph must not be destroyed here
+        counter.add_(1)
+    captured.replay()
+    torch.cuda.synchronize()
+    assert counter.tolist() == [2.0] * 4
+    assert graphs.release_dead() == 1
