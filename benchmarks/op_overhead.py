@@ -7,8 +7,9 @@ model's wrapper calls it, without torch.compile) against the module's own uncomp
 Per token count, four runners in rotated rounds: the module call and the op, each with the backend `auto`
 picks (`--backend` names another) and with a backend that does no work (it returns its input, so only
 selector's own cost is left: dispatch, checks, lookups, the op's wrapper). One sample is the host clock around
-n calls back to back, then one device sync; the figure is the median sample per call. SELECTOR_VALIDATE is
-"shapes" (the layer is timed, not the per-call value checks), unless set. Prints a markdown table.
+n calls back to back, then one device sync; the figure is the median sample per call, with the spread (max - min)
+of the rounds. SELECTOR_VALIDATE is "shapes" (the layer is timed, not the per-call value checks), unless set.
+Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main() -> int:
     from selector.presets import preset
 
     top_k = preset(args.preset).top_k if args.preset else 2
-    lines = ["| T | backend | module call µs | op direct µs | op − module µs |", "|---|---|---|---|---|"]
+    lines = ["| T | backend | module call µs (spread) | op direct µs (spread) | op − module µs |", "|---|---|---|---|---|"]
     with torch.no_grad():
         for tokens in (int(t) for t in args.tokens.split(",")):
             index = torch.rand(tokens, experts, device=args.device).topk(top_k, dim=1).indices
@@ -111,15 +112,20 @@ def main() -> int:
                     _set(layer, key)
                     samples[key].append(_time(runners[key], args.calls, sync))
             for name in (args.backend, NOOP):
-                module_s = statistics.median(samples[f"{name}|module"])
-                op_s = statistics.median(samples[f"{name}|op"])
+                module_s, module_spread = _median_spread(samples[f"{name}|module"])
+                op_s, op_spread = _median_spread(samples[f"{name}|op"])
                 label = "no work" if name == NOOP else f"{name} ({ran[f'{name}|module']} / op: {ran[f'{name}|op']})"
-                lines.append(f"| {tokens} | {label} | {module_s * 1e6:.1f} | {op_s * 1e6:.1f} | "
-                             f"{(op_s - module_s) * 1e6:+.1f} |")  # fmt: skip
+                lines.append(f"| {tokens} | {label} | {module_s * 1e6:.1f} ({module_spread * 1e6:.1f}) | "
+                             f"{op_s * 1e6:.1f} ({op_spread * 1e6:.1f}) | {(op_s - module_s) * 1e6:+.1f} |")  # fmt: skip
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{device}, {args.preset or 'tiny layer'}, {args.dtype}, SELECTOR_VALIDATE={os.environ['SELECTOR_VALIDATE']}")
     print("\n".join(lines))
     return 0
+
+
+def _median_spread(samples: list[float]) -> tuple[float, float]:
+    """(median, max - min) of one runner's rounds, seconds per call."""
+    return statistics.median(samples), max(samples) - min(samples)
 
 
 def _set(layer: torch.nn.Module, key: str) -> None:
