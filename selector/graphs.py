@@ -3,7 +3,10 @@
 At a handful of tokens a layer's kernels take tens of microseconds while launching them from Python takes
 longer (on a slow host, up to a few hundred tokens: see DECODE_TOKENS / REPEAT_TOKENS). A backend records one
 call per (module, shape) in a CUDA graph and replays it: the inputs are
-copied into the graph's buffers, the graph replays, the output is cloned out (the caller may keep it).
+copied into the graph's buffers, the graph replays, the output is cloned out (the caller may keep it). When the
+same input and output addresses come back (a decode loop, a compiled model's buffers: the caching allocator hands
+out the same blocks in the same order), a second graph recorded on those addresses replays with no copy in and no
+clone out: one launch instead of five (see RecordedCall).
 Graphs are kept beside the module in a weak map, not in it: a CUDA graph cannot be deep-copied, and users
 copy models. Never used while torch.compile traces or while the caller captures its own graph; a compiled model
 calls the layer through an opaque op that replays these graphs on the default stream only (`own_graphs`).
@@ -30,6 +33,8 @@ DECODE_TOKENS = 64
 REPEAT_TOKENS = 4096
 REPEAT_MAX_BYTES = 16 << 20  # and only while its buffers (inputs, and an output like x) stay this small: a
 # graph keeps them for as long as it lives, per layer (Qwen3 T=512: 4 MiB; DeepSeek T=4096: 117 MB, GPU-bound anyway)
+DIRECT_PER_CALL = 4  # graphs on the caller's own addresses per recorded call, least recently used beyond dropped
+DIRECT_RECORDINGS = 8  # at most this many recorded per recorded call: addresses that never settle stop recording
 SEEN_PER_MODULE = 16  # keys seen once (not recorded), remembered per module and backend, least recent dropped
 _POOL: Any = None  # one memory pool for all graphs: they replay one after another on one stream
 _GRAPHS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, OrderedDict]] = weakref.WeakKeyDictionary()
@@ -102,28 +107,104 @@ def copy_inputs(buffers: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, .
     torch._foreach_copy_(buffers, values)
 
 
+Signature = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def _addresses(tensors: tuple[torch.Tensor, ...]) -> Signature:
+    """Where each tensor's elements sit: what a graph recorded on them reads or writes."""
+    return tuple((t.data_ptr(), t.stride()) for t in tensors)
+
+
 class RecordedCall:
-    """One captured call: static input buffers, the graph, its output buffer."""
+    """One captured call: static input buffers, the graph, its output buffer; and graphs of the same call recorded
+    on the caller's own tensors, replayed while their addresses come back.
+
+    A replay through the static buffers costs a copy in (one launch per input dtype) and a clone out besides the
+    graph's launch: on a slow host each launch costs tens of microseconds, more than a decode step's kernels. When
+    a call's input addresses and the address the allocator gives its output are those of the call before, the
+    same call is recorded once more, on those addresses, with the result written into that output; from then on a
+    call whose addresses match replays that graph alone. It reads the caller's tensors where they are (alive, being
+    passed in) and writes into a tensor just allocated for this call, so nothing the caller holds is overwritten.
+    Holding only addresses, never the tensors, leaves the allocator free to hand the same blocks out again.
+    """
 
     def __init__(self, run: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
-        global _POOL, _RECORDINGS
+        global _RECORDINGS
+        self.inputs = tuple(t.clone() for t in inputs)
+        self.graph, self.output = self.record(run, self.inputs)
+        _RECORDINGS += 1  # counted once captured: a capture that raised recorded nothing
+        self.direct: OrderedDict[Signature, Any] = OrderedDict()
+        self.direct_left = DIRECT_RECORDINGS if settings.get("SELECTOR_DIRECT_REPLAYS") else 0
+        self.last: Signature | None = None
+
+    @staticmethod
+    def record(run: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...]) -> tuple[Any, torch.Tensor]:
+        """(graph, output buffer) of run(*buffers): a warm-up on a side stream (kernels compile outside the
+        capture), then the capture, in the pool all graphs share (they replay one after another on one stream)."""
+        global _POOL
         if _POOL is None:
             _POOL = torch.cuda.graph_pool_handle()
-        self.inputs = tuple(t.clone() for t in inputs)
-        side = torch.cuda.Stream(device=inputs[0].device)
+        side = torch.cuda.Stream(device=buffers[0].device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up compiles the kernels outside the capture
-            run(*self.inputs)
+        with torch.cuda.stream(side):
+            run(*buffers)
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=_POOL):
-            self.output = run(*self.inputs)
-        _RECORDINGS += 1  # counted once captured: a capture that raised recorded nothing
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=_POOL):
+            output = run(*buffers)
+        return graph, output
 
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def new_output(self) -> torch.Tensor:
+        """A fresh tensor shaped like the output, from the allocator only (no launch)."""
+        return torch.empty_like(self.output)
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...], run: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """The recorded call on `inputs`; `run` is the call itself (passed each time, never kept: it may hold the
+        module, which the weak map of graphs must not keep alive)."""
+        if self.direct_left or self.direct:
+            out = self.new_output()
+            signature = _addresses((*inputs, out))
+            graph = self.direct.get(signature)
+            if graph is None and signature == self.last and self.direct_left:
+                graph = self.record_direct(run, inputs, out, signature)
+            self.last = signature
+            if graph is not None:
+                self.direct.move_to_end(signature)
+                graph.replay()
+                return out
         copy_inputs(self.inputs, inputs)
         self.graph.replay()
         return self.output.clone()
+
+    def record_direct(
+        self, run: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], out: torch.Tensor,
+        signature: Signature,
+    ) -> Any:
+        """The call recorded on the caller's addresses, its result copied into `out` inside the graph."""
+        global _RECORDINGS
+        self.direct_left -= 1
+        graph = self.capture(lambda: out.copy_(run(*inputs)))
+        _RECORDINGS += 1
+        self.direct[signature] = graph
+        while len(self.direct) > DIRECT_PER_CALL:
+            self.direct.popitem(last=False)
+        return graph
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """fn's launches captured into a graph in the shared pool, on a side stream. Unlike `torch.cuda.graph`, no
+        device sync and no emptying of the allocator's cache: the kernels are warm (this call was recorded
+        before), and an emptied cache would move the very addresses this graph is recorded on."""
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device=self.output.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=_POOL)
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        return graph
 
 
 def replay(
@@ -155,7 +236,7 @@ def replay(
         while len(graphs) > GRAPHS_PER_MODULE:
             graphs.popitem(last=False)
     graphs.move_to_end(key)
-    return recorded(inputs)
+    return recorded(inputs, run)
 
 
 def forget(module: torch.nn.Module) -> None:

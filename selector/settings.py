@@ -159,6 +159,8 @@ _DECLARED = [
             "shipped tables", default_text="triton_fused in selector's user cache folder"),
     Setting("SELECTOR_TRITON_FUSED_GRAPHS", "bool", True,
             "triton_fused records and replays CUDA graphs for small eager calls"),
+    Setting("SELECTOR_DIRECT_REPLAYS", "bool", True,
+            "a recorded graph is recorded again on the caller's addresses when they repeat, replayed without copies"),
     # --- quantised kernels (read in plugins/quant_kernels) ------------------------------------------------
     Setting("SELECTOR_QUANT_GRAPHS", "bool", True,
             "the quantised grouped path records and replays CUDA graphs for small eager calls"),

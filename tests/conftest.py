@@ -207,7 +207,7 @@ def fake_recordings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ..
             self.run = run
             made.append(tuple(tuple(t.shape) for t in inputs))
 
-        def __call__(self, inputs: tuple) -> object:
+        def __call__(self, inputs: tuple, run: Callable[..., object]) -> object:
             return self.run(*inputs)
 
     monkeypatch.setattr(graphs, "RecordedCall", FakeRecording)

@@ -130,3 +130,133 @@ def test_a_dead_modules_recorded_graph_survives_someone_elses_capture() -> None:
     torch.cuda.synchronize()
     assert counter.tolist() == [2.0] * 4
     assert graphs.release_dead() == 1
+
+
+class _FakeGraph:
+    """Stands in for a CUDA graph on the CPU: 'replays' by running the captured function again."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class _CpuRecordedCall(graphs.RecordedCall):
+    """RecordedCall's own policy (static buffers, direct graphs on repeated addresses) with the CUDA mechanics
+    faked: `record` and `capture` build fake graphs, `new_output` hands out the blocks a test chooses (as the
+    caching allocator hands back a freed block of the same size)."""
+
+    captures = 0
+
+    def __init__(self, run, inputs, blocks: list[torch.Tensor]) -> None:  # noqa: ANN001
+        self.blocks = blocks
+        super().__init__(run, inputs)
+
+    @staticmethod
+    def record(run, buffers):  # noqa: ANN001, ANN205
+        output = run(*buffers)
+        return _FakeGraph(lambda: output.copy_(run(*buffers))), output
+
+    def new_output(self) -> torch.Tensor:
+        return self.blocks.pop(0) if self.blocks else torch.empty_like(self.output)
+
+    def capture(self, fn):  # noqa: ANN001, ANN201
+        type(self).captures += 1
+        return _FakeGraph(fn)
+
+
+def _double(a: torch.Tensor) -> torch.Tensor:
+    return a * 2
+
+
+def test_repeated_addresses_replay_a_graph_on_the_callers_tensors(monkeypatch) -> None:  # noqa: ANN001
+    """Same input and output addresses twice in a row: recorded once more on them; from then on the replay reads
+    the caller's tensor where it is (its new contents) and writes the block handed out, with no copy and no
+    clone; the static buffers are not touched."""
+    monkeypatch.setattr(_CpuRecordedCall, "captures", 0)
+    x = torch.full((3, 2), 1.0)
+    block = torch.empty(3, 2)
+    call = _CpuRecordedCall(_double, (x,), blocks=[block] * 4)
+    copies = []
+    monkeypatch.setattr(graphs, "copy_inputs", lambda buffers, values: copies.append(1) or torch._foreach_copy_(buffers, values))
+    first = call((x,), _double)  # addresses seen once: through the static buffers
+    assert copies == [1] and first is not block and torch.equal(first, torch.full((3, 2), 2.0))
+    x.fill_(5.0)
+    second = call((x,), _double)  # the same addresses again: recorded on them
+    assert _CpuRecordedCall.captures == 1 and second is block and torch.equal(second, torch.full((3, 2), 10.0))
+    x.fill_(7.0)
+    third = call((x,), _double)
+    assert third is block and torch.equal(third, torch.full((3, 2), 14.0))
+    assert copies == [1] and _CpuRecordedCall.captures == 1  # no copy in, no new recording
+    assert torch.equal(call.inputs[0], torch.full((3, 2), 1.0))  # the static buffer still holds the first call's
+
+
+def test_new_addresses_go_through_the_static_buffers(monkeypatch) -> None:  # noqa: ANN001
+    """An input at another address (or an output block that differs) never replays a graph recorded elsewhere."""
+    monkeypatch.setattr(_CpuRecordedCall, "captures", 0)
+    x = torch.full((3, 2), 1.0)
+    block = torch.empty(3, 2)
+    call = _CpuRecordedCall(_double, (x,), blocks=[block] * 3)
+    call((x,), _double)
+    call((x,), _double)  # recorded on (x, block)
+    y = torch.full((3, 2), 4.0)
+    other = call((y,), _double)  # y sits elsewhere: static path, correct values
+    assert _CpuRecordedCall.captures == 1 and torch.equal(other, torch.full((3, 2), 8.0))
+    kept = call((x,), _double)  # x again with a fresh output block: not the recorded one
+    assert torch.equal(kept, torch.full((3, 2), 2.0))
+
+
+def test_addresses_that_never_settle_stop_recording(monkeypatch) -> None:  # noqa: ANN001
+    """Each pair of equal calls at new addresses records one graph, up to DIRECT_RECORDINGS for the call; beyond,
+    the static path; at most DIRECT_PER_CALL graphs are kept."""
+    monkeypatch.setattr(_CpuRecordedCall, "captures", 0)
+    x = torch.full((2, 2), 1.0)
+    call = _CpuRecordedCall(_double, (x,), blocks=[])
+    for i in range(graphs.DIRECT_RECORDINGS + 3):
+        fresh = torch.full((2, 2), float(i))
+        block = torch.empty(2, 2)
+        call.blocks = [block, block]
+        call((fresh,), _double)
+        out = call((fresh,), _double)
+        assert torch.equal(out, torch.full((2, 2), 2.0 * i))
+    assert _CpuRecordedCall.captures == graphs.DIRECT_RECORDINGS
+    assert len(call.direct) == graphs.DIRECT_PER_CALL
+
+
+def test_direct_replays_switch_off(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("SELECTOR_DIRECT_REPLAYS", "0")
+    monkeypatch.setattr(_CpuRecordedCall, "captures", 0)
+    x = torch.full((3, 2), 1.0)
+    block = torch.empty(3, 2)
+    call = _CpuRecordedCall(_double, (x,), blocks=[block] * 3)
+    for _ in range(3):
+        out = call((x,), _double)
+    assert _CpuRecordedCall.captures == 0 and out is not block and torch.equal(out, torch.full((3, 2), 2.0))
+
+
+def test_the_graphs_weak_map_does_not_keep_a_module_alive(monkeypatch) -> None:  # noqa: ANN001
+    """The recorded call keeps no reference to the call it replays, which holds the module: the module's graphs
+    live in a weak map keyed by the module, so a reference from them would keep it alive for ever."""
+    import gc
+    import weakref
+
+    class Inert(_CpuRecordedCall):  # fake graphs that hold nothing, as a real CUDA graph holds no Python object
+        @staticmethod
+        def record(run, buffers):  # noqa: ANN001, ANN205
+            return _FakeGraph(lambda: None), run(*buffers)
+
+        def capture(self, fn):  # noqa: ANN001, ANN201
+            return _FakeGraph(lambda: None)
+
+    monkeypatch.setattr(graphs, "RecordedCall", lambda run, inputs: Inert(run, inputs, blocks=[]))
+    graphs.release_dead()
+    doomed = torch.nn.Linear(2, 2)
+    alive = weakref.ref(doomed)
+    x = torch.ones(1, 2)
+    for _ in range(3):
+        graphs.replay(doomed, "test", ("shape", 1), lambda a, m=doomed: m.weight.detach().sum() * a, (x,))
+    assert len(graphs.graphs_of(doomed, "test")) == 1
+    del doomed
+    gc.collect()
+    assert alive() is None
