@@ -1,4 +1,5 @@
-"""The fused backend's recorded CUDA graphs at decode sizes: fresh inputs every call, new weights, limits."""
+"""The fused backend's recorded CUDA graphs at decode sizes: fresh inputs every call, new weights, limits.
+Inference layers (weights without grad): a call that autograd records never replays a graph."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def test_replays_see_fresh_inputs_each_call() -> None:
     from selector.plugins.triton_fused import forward
 
-    module = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda")
+    module = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda").requires_grad_(False)
     for _ in range(3):  # same shape: one graph, replayed with new values
         x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
         idx, w = random_routing(5, 8, 2, device="cuda")
@@ -32,11 +33,11 @@ def test_replays_see_fresh_inputs_each_call() -> None:
 def test_new_weights_record_a_new_graph_and_the_cache_is_bounded() -> None:
     from selector.plugins.triton_fused import forward
 
-    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
+    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda").requires_grad_(False)
     idx, w = random_routing(2, 4, 2, device="cuda")
     x = torch.randn(2, 32, device="cuda", dtype=torch.bfloat16)
     forward.triton_fused_experts_forward(module, x, idx, w)
-    module.down_proj = torch.nn.Parameter(torch.randn_like(module.down_proj) * 0.2)
+    module.down_proj = torch.nn.Parameter(torch.randn_like(module.down_proj) * 0.2, requires_grad=False)
     out = forward.triton_fused_experts_forward(module, x, idx, w)
     assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
     for t in range(1, graphs.GRAPHS_PER_MODULE + 4):
@@ -49,7 +50,7 @@ def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from selector.plugins.triton_fused import forward
 
     monkeypatch.setenv("SELECTOR_TRITON_FUSED_GRAPHS", "0")
-    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
+    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda").requires_grad_(False)
     idx, w = random_routing(3, 4, 2, device="cuda")
     x = torch.randn(3, 32, device="cuda", dtype=torch.bfloat16)
     out = forward.triton_fused_experts_forward(module, x, idx, w)
@@ -62,7 +63,7 @@ def test_larger_calls_are_recorded_when_their_shape_comes_back() -> None:
     its second call records, later ones replay; up to REPEAT_TOKENS."""
     from selector.plugins.triton_fused import forward
 
-    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda")
+    module = make_experts(4, 32, 16, dtype=torch.bfloat16, device="cuda").requires_grad_(False)
     t = graphs.DECODE_TOKENS + 1
     x = torch.randn(t, 32, device="cuda", dtype=torch.bfloat16)
     idx, w = random_routing(t, 4, 2, device="cuda")
@@ -81,7 +82,7 @@ def test_repeated_addresses_replay_on_the_callers_tensors_and_keep_results_apart
     result is right for the inputs' current contents; a result the caller keeps is never overwritten."""
     from selector.plugins.triton_fused import forward
 
-    module = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda")
+    module = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda").requires_grad_(False)
     x = torch.empty(4, 64, device="cuda", dtype=torch.bfloat16)
     idx, w = random_routing(4, 8, 2, device="cuda")
     for _ in range(5):
