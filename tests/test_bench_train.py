@@ -91,10 +91,11 @@ def test_train_mode_checks_the_gradients_of_the_gpt_oss_layout_biases_included()
     result = run_bench({"oss": layout}, [5], dtype_name="float32", backends=["grouped_mm", "batched_mm"],
                        modes=["train"], with_peers=False, device="cpu", ceilings=CEILINGS, rounds=1)  # fmt: skip
     rows = _cells(result, "train")
-    assert all(rows[n].grad_rel_error is not None and rows[n].grad_rel_error < 1e-5 for n in ("grouped_mm", "batched_mm"))
+    for name in ("grouped_mm", "batched_mm"):
+        assert rows[name].grad_rel_error is not None and rows[name].grad_rel_error < 1e-5, rows[name]
 
 
-def test_backends_without_a_full_backward_are_skipped_and_auto_trains_with_another(fresh_registry) -> None:  # noqa: ANN001
+def test_backends_without_a_full_backward_are_skipped_and_auto_trains_with_another(fresh_registry: Any) -> None:
     fresh_registry(FakeKernels)
     names = ["fake_forward_only", "fake_hidden_only", "fake_undeclared", "fake_detached", "grouped_mm"]
     result = _run(names, ["train", "eager"])

@@ -71,7 +71,7 @@ def run_bench(
     Per (cell, mode) every backend, the peers and `auto` are timed together, `rounds` interleaved rounds of
     samples of about `sample_s` each (`time_interleaved`); each cell records the median and the spread.
 
-    Mode `train`: one sample is one training step (`_Grid.train_step`); a backend without a backward for the
+    Mode `train`: one sample is one training step (`train_step`); a backend without a backward for the
     hidden states, the routing weights and the expert weights gets a skipped cell; the layer's weights require
     grad during that mode only.
 
@@ -166,15 +166,11 @@ class _Inputs:
         return fn(self.layer, self.x, self.index, self.weights)
 
 
-def _trainable_params(layer: Any) -> list[Any]:
-    return [p for p in layer.parameters() if p.is_floating_point()]
-
-
 @contextmanager
 def trainable(layer: Any) -> Iterator[list[Any]]:
     """The layer's floating-point parameters requiring grad inside the block (the bench builds them frozen, for
     the inference modes); on leaving, their gradients dropped and each flag as it was."""
-    params = _trainable_params(layer)
+    params = [p for p in layer.parameters() if p.is_floating_point()]
     before = [p.requires_grad for p in params]
     try:
         for p in params:
@@ -375,9 +371,9 @@ class _Grid:
                 skips[name] = f"no backward for {wanted}: {verdict.reason}"
             elif spec is not None and spec.differentiable is None:
                 skips[name] = f"no backward for {wanted} declared (the backend sets no differentiable=)"
-        t, elem = cell.x.shape[0], cell.x.element_size()
+        t, elem, cap = cell.x.shape[0], cell.x.element_size(), self.memory_cap_gb * 2**30
         for name in names:
-            if name not in skips and temp_bytes_estimate(name, t, cell.problem, elem, train=True) > self.memory_cap_gb * 2**30:
+            if name not in skips and temp_bytes_estimate(name, t, cell.problem, elem, train=True) > cap:
                 skips[name] = (f"a training step needs more than {self.memory_cap_gb:g} GB of temporaries, kept "
                                "activations and gradients")  # fmt: skip
         return skips
@@ -487,7 +483,8 @@ class _Grid:
             return None
 
     def check_grads(self, out: Cell, cell: _Inputs, fn: Forward, params: Sequence[Any]) -> None:
-        """A training step on the first `cell.sample` rows alone, its gradients against float64."""
+        """A training step on the first `cell.sample` rows alone, its gradients against float64 (for the `auto`
+        row: the backend auto picks at that token count)."""
         n = cell.sample
         x = cell.x[:n].detach().clone().requires_grad_(True)
         weights = cell.weights[:n].detach().clone().requires_grad_(True)

@@ -54,7 +54,8 @@ def markdown_table(result: BenchResult) -> str:
         spreads = [x.spread for x in timed if x.spread is not None]
         spread = f"{max(spreads):.0%}" if spreads else "-"
         lines.append(f"| {shape} | {t} | {mode} | {fmt} | " + " | ".join(texts) + f" | {spread} | {best_name} | {standing} |")
-    return "\n".join(lines) + "\n" + choice_table(result.cells) + formats_table(result.cells) + train_table(result.cells)
+    tables = choice_table(result.cells) + formats_table(result.cells) + train_table(result.cells)
+    return "\n".join(lines) + "\n" + tables
 
 
 def train_table(cells: Iterable[Cell]) -> str:
