@@ -8,7 +8,8 @@ their floor counts the bytes as stored (scales included) and, for compute, the e
 same run (the kernels multiply e4m3 tiles); their reference is float64 from the dequantised weights with the
 activations quantised as the kernels do, and Transformers' peers run dense cells only. Modes: `eager` (calls
 back to back, events around the whole run, as a decode loop runs), `graph` (one call captured in a CUDA graph,
-replays back to back) and `compile` (torch.compile, then like eager). Within a cell and mode every backend, the
+replays back to back), `compile` (torch.compile, then like eager) and `train` (one training step per call, the
+differentiable backends only, gradients checked against float64). Within a cell and mode every backend, the
 peers and `auto` are timed together in interleaved rounds (A B C, B C A, ...: the GPU's clocks drift 5-10%
 between two passes), so each cell has a median and a spread, and a choice-quality summary sets `auto` against
 the fastest selector backend of the same run. Output: a markdown table, JSON, and a PNG

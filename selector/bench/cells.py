@@ -16,6 +16,8 @@ FORMATS: dict[str, tuple[str, str] | None] = {  # --formats name: (weight format
 PEER_PREFIX = "hf:"  # Transformers' own backends are listed as hf:eager, hf:batched_mm, hf:grouped_mm
 SCHEMA = "selector.bench/2"  # /2: times are medians of interleaved rounds, with their spread
 WITHIN = 0.05  # choice quality: auto within 5% of the fastest backend of the same run
+TRAIN = "train"  # the mode whose sample is a training step: forward under autograd, then the backward
+MODES = ("eager", "graph", "compile", TRAIN)
 
 
 @dataclass
@@ -32,6 +34,10 @@ class Cell:
     gbps: float | None = None
     extra_memory_bytes: int | None = None
     rel_error: float | None = None
+    # train mode: the largest of grad_rel_errors, each gradient's error against float64 from the definition, of a
+    # training step on the cell's sample rows (the first up to 32 tokens) run alone
+    grad_rel_error: float | None = None
+    grad_rel_errors: dict[str, float] | None = None
     skipped: str | None = None
     vs_best_peer: float | None = None  # best peer time / this time: > 1 means faster than Transformers
     auto_pick: bool = False  # the backend selector's "auto" picks for this cell

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS
+from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, MODES
 
 
 def _ints(text: str) -> list[int]:
@@ -28,6 +28,14 @@ def _formats(text: str) -> list[str]:
     unknown = [n for n in names if n not in FORMATS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(FORMATS)}")
+    return names
+
+
+def _modes(text: str) -> list[str]:
+    names = _names(text)
+    unknown = [n for n in names if n not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(MODES)}")
     return names
 
 
@@ -149,7 +157,10 @@ def register(sub: Any) -> None:
                        "(with --compile: 1,8,64,512,4096)")  # fmt: skip
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--backends", type=_names, help="comma list of selector backends (default: all registered)")
-    bench.add_argument("--modes", type=_names, default=["eager", "graph"], help="comma list of eager,graph,compile")
+    bench.add_argument("--modes", type=_modes, default=["eager", "graph"],
+                       help="comma list of eager,graph,compile,train; train: one training step per call (forward "
+                       "under autograd, then the backward of a fixed gradient; the differentiable backends only, "
+                       "their gradients checked against float64; never saved as tuning records)")  # fmt: skip
     bench.add_argument("--graph-max-tokens", type=int, default=4096)
     bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (all backends each round)")
     bench.add_argument("--memory-cap-gb", type=float, default=40.0, help="skip cells needing more temporaries")

@@ -1,5 +1,7 @@
 """The grid runner of `selector bench`: for every shape, weight format and token count, one layer, then every
 selector backend, `auto` as a user runs it and Transformers' own backends as peers, each timed in every mode.
+Mode `train` times a training step of the layer (forward under autograd, then the backward), the differentiable
+backends only.
 
 It reaches the dispatch core only through its public API (`set_experts_implementation`, `last_backend`,
 `backend_forward`, `rank`).
@@ -10,19 +12,22 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from selector.bench.cells import FORMATS, PEER_PREFIX, BenchResult, Cell
+from selector.bench.cells import FORMATS, MODES, PEER_PREFIX, TRAIN, BenchResult, Cell
 from selector.bench.layer import (
     bytes_moved,
     floor_seconds,
     flops_of,
     format_layer,
+    grad_errors,
     make_layer,
     random_routing,
     temp_bytes_estimate,
+    train_costs,
 )
 from selector.bench.layouts import is_plain, make_problem_layer, reference_of
 from selector.bench.timing import measure_ceilings, time_interleaved
@@ -66,12 +71,20 @@ def run_bench(
     Per (cell, mode) every backend, the peers and `auto` are timed together, `rounds` interleaved rounds of
     samples of about `sample_s` each (`time_interleaved`); each cell records the median and the spread.
 
+    Mode `train`: one sample is one training step (`train_step`); a backend without a backward for the
+    hidden states, the routing weights and the expert weights gets a skipped cell; the layer's weights require
+    grad during that mode only.
+
     `device="cpu"` (with `ceilings` given) runs the same grid on the CPU to check the harness, e.g. the Triton
     kernels under the interpreter: one call per sample on the host clock, no graph mode; its times mean nothing.
-    Raises ValueError for an unknown format or a CPU run without ceilings, RuntimeError without a CUDA GPU."""
+    Raises ValueError for an unknown format or mode or a CPU run without ceilings, RuntimeError without a CUDA
+    GPU."""
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"unknown format(s) {unknown}: expected some of {', '.join(FORMATS)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}: expected some of {', '.join(MODES)}")
     before = os.environ.get("SELECTOR_VALIDATE")
     os.environ["SELECTOR_VALIDATE"] = before or "shapes"
     try:
@@ -90,7 +103,7 @@ def run_bench(
 
 def records_from_bench(result: BenchResult) -> list[dict[str, Any]]:
     """Tuning records (`selector.tuning`) of a run's timed cells: selector backends on dense layers, eager and
-    graph modes, under this process's tuning fingerprint."""
+    graph modes (tuning.MODES: not compile, not train), under this process's tuning fingerprint."""
     from selector import tuning
     from selector.presets import PRESETS
     from selector.tuning_store import current_fingerprint
@@ -142,9 +155,48 @@ class _Inputs:
     moved: float
     sample: int
     ref: Any
+    grad_out: Any = None  # train mode: the fixed upstream gradient of every step of the cell
+    train_floor: tuple[float, float, float] = (0.0, 0.0, 0.0)  # train mode: (floor_s, flops, moved) of a step
+
+    def costs(self, mode: str) -> tuple[float, float, float]:
+        """(floor_s, flops, bytes moved) of one sample in `mode`: a forward, or a training step."""
+        return self.train_floor if mode == TRAIN else (self.floor_s, self.flops, self.moved)
 
     def call(self, fn: Forward) -> Any:
         return fn(self.layer, self.x, self.index, self.weights)
+
+
+@contextmanager
+def trainable(layer: Any) -> Iterator[list[Any]]:
+    """The layer's floating-point parameters requiring grad inside the block (the bench builds them frozen, for
+    the inference modes); on leaving, their gradients dropped and each flag as it was."""
+    params = [p for p in layer.parameters() if p.is_floating_point()]
+    before = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        yield params
+    finally:
+        for p, flag in zip(params, before):
+            p.grad = None
+            p.requires_grad_(flag)
+
+
+def train_step(fn: Forward, layer: Any, x: Any, index: Any, weights: Any, grad_out: Any,
+               params: Sequence[Any]) -> Callable[[], Any]:  # fmt: skip
+    """One training step of the layer as a runner: gradients reset as `optimizer.zero_grad(set_to_none=True)`
+    does (so that they do not accumulate from step to step), the forward under autograd with `x` and `weights`
+    leaves requiring grad, then the backward of the fixed `grad_out`. The runner returns the forward's output."""
+
+    def step() -> Any:
+        x.grad = weights.grad = None
+        for p in params:
+            p.grad = None
+        out = fn(layer, x, index, weights)
+        out.backward(grad_out)
+        return out
+
+    return step
 
 
 class _Grid:
@@ -173,6 +225,7 @@ class _Grid:
         self.peers = peer_functions() if with_peers else {}
         self.say = progress or (lambda _msg: None)
         self.rounds, self.sample_s = 5, 0.02
+        self.train_skips: dict[str, str] = {}  # per cell: why a backend gets no train cell
         if ceilings is None:
             ceilings = measure_ceilings(torch, self.device, fp8=any(FORMATS[f] for f in formats))
         self.result = BenchResult(
@@ -236,7 +289,15 @@ class _Grid:
         sample = min(t, 32)
         ref = reference_of(torch, layer, base, x, index, weights, sample)
         floor = floor_seconds(self.result.ceilings, problem, moved, flops)
-        return _Inputs(shape, fmt, problem, layer, x, index, weights, floor, flops, moved, sample, ref)
+        grad_out, train_floor = None, (0.0, 0.0, 0.0)
+        if TRAIN in self.modes:  # made once per cell: every backend's steps differentiate the same loss
+            gen = torch.Generator(device=self.device).manual_seed(2000 + t)
+            grad_out = torch.randn(t, base.hidden_size, device=self.device, dtype=self.dtype, generator=gen)
+            step_moved, step_flops = train_costs(moved, flops, problem, t, x.element_size())
+            step_floor = floor_seconds(self.result.ceilings, problem, step_moved, step_flops)
+            train_floor = (step_floor, step_flops, step_moved)
+        return _Inputs(shape, fmt, problem, layer, x, index, weights, floor, flops, moved, sample, ref, grad_out,
+                       train_floor)  # fmt: skip
 
     def candidates(self, cell: _Inputs) -> dict[str, Forward | None]:
         """Every backend to time for this cell (None: excluded, its reason already recorded), the peers, and
@@ -279,13 +340,48 @@ class _Grid:
                     for mode in self.modes)  # fmt: skip
                 continue
             timed[name] = fn
+        self.train_skips = self.no_training(cell, timed) if TRAIN in self.modes else {}
         for mode in self.modes:
             self.say(f"{cell.shape} T={t} {cell.fmt} {mode}")
-            self.run_mode(cell, mode, timed)
+            if mode == TRAIN and cell.fmt == "dense":
+                with trainable(cell.layer) as params:
+                    self.run_mode(cell, mode, timed, params)
+            else:
+                self.run_mode(cell, mode, timed)
             self.release()
+
+    def no_training(self, cell: _Inputs, names: Sequence[str]) -> dict[str, str]:
+        """Why each of `names` gets no train cell: no backward for every GRAD_INPUTS name (asked of the ranking,
+        with the cell's problem differentiating all of them, as the dispatch core asks; a backend that declares
+        no `differentiable=` is not timed either), quantised weights, or the memory cap."""
+        import selector
+        from selector.dispatch import AUTO
+        from selector.types import GRAD_INPUTS
+
+        wanted = ", ".join(GRAD_INPUTS)
+        if cell.fmt != "dense":
+            return {n: f"no backward for {cell.fmt} expert weights: train mode runs dense weights" for n in names}
+        ranking = selector.rank(replace(cell.problem, grad_inputs=GRAD_INPUTS), self.env, self.registry)
+        skips: dict[str, str] = {}
+        for name in names:
+            if name == AUTO or name.startswith(PEER_PREFIX):  # auto picks a differentiable one; peers are torch
+                continue
+            verdict, spec = ranking.excluded.get(name), self.registry.specs.get(name)
+            if verdict is not None:
+                skips[name] = f"no backward for {wanted}: {verdict.reason}"
+            elif spec is not None and spec.differentiable is None:
+                skips[name] = f"no backward for {wanted} declared (the backend sets no differentiable=)"
+        t, elem, cap = cell.x.shape[0], cell.x.element_size(), self.memory_cap_gb * 2**30
+        for name in names:
+            if name not in skips and temp_bytes_estimate(name, t, cell.problem, elem, train=True) > cap:
+                skips[name] = (f"a training step needs more than {self.memory_cap_gb:g} GB of temporaries, kept "
+                               "activations and gradients")  # fmt: skip
+        return skips
 
     def mode_skip(self, name: str, mode: str, tokens: int) -> str | None:
         """Why `name` is not timed in `mode` at all, if it is not."""
+        if mode == TRAIN:
+            return self.train_skips.get(name)
         if mode == "graph" and tokens > self.graph_max_tokens:
             return f"graph mode only up to T={self.graph_max_tokens}"
         if mode == "graph" and name.endswith("eager"):
@@ -294,28 +390,32 @@ class _Grid:
             return "graph mode needs CUDA"
         return None
 
-    def run_mode(self, cell: _Inputs, mode: str, fns: Mapping[str, Forward]) -> None:
+    def run_mode(self, cell: _Inputs, mode: str, fns: Mapping[str, Forward], params: Sequence[Any] = ()) -> None:
         """One mode of one cell: each backend's first call (memory, error against the reference), `auto`'s last
-        so that every backend it may pick has run once, then all of them timed in interleaved rounds."""
+        so that every backend it may pick has run once, then all of them timed in interleaved rounds. `params`:
+        in train mode, the layer's parameters that require grad."""
         from selector.dispatch import AUTO, last_backend
 
         rows: dict[str, Cell] = {}
         runners: dict[str, Callable[[], Any]] = {}
         for name, fn in sorted(fns.items(), key=lambda item: item[0] == AUTO):  # auto last
-            out = self.new_cell(cell, name, mode, floor_s=cell.floor_s)
+            out = self.new_cell(cell, name, mode, floor_s=cell.costs(mode)[0])
             self.result.cells.append(out)
             out.skipped = self.mode_skip(name, mode, out.tokens)
             if out.skipped is None:
-                runner = self.first_call(out, cell, fn)
+                runner = self.first_step(out, cell, fn, params) if mode == TRAIN else self.first_call(out, cell, fn)
                 if runner is not None:
                     runners[name], rows[name] = runner, out
         errors: dict[str, str] = {}
         if not runners:
             return
-        timings = time_interleaved(self.torch, runners, mode, rounds=self.rounds,
+        timer_mode = "eager" if mode == TRAIN else mode  # a training step is called as it is, like an eager call
+        timings = time_interleaved(self.torch, runners, timer_mode, rounds=self.rounds,
                                    sample_s=self.sample_s if self.cuda else 0.0, device=self.device.type,
                                    errors=errors)  # fmt: skip
         self.sync()
+        for p in params:  # the last step's gradients are not needed: free them before the next mode or cell
+            p.grad = None
         pick = last_backend(cell.layer)  # auto's runner ran (or was captured) last in this mode
         for name, out in rows.items():
             out.auto_pick = name == pick
@@ -326,8 +426,9 @@ class _Grid:
                 continue
             timing = timings[name]
             out.time_s, out.spread, out.rounds = timing.median_s, timing.spread, timing.rounds
-            out.tflops = cell.flops / out.time_s / 1e12
-            out.gbps = cell.moved / out.time_s / 1e9
+            _, flops, moved = cell.costs(mode)
+            out.tflops = flops / out.time_s / 1e12
+            out.gbps = moved / out.time_s / 1e9
 
     def first_call(self, out: Cell, cell: _Inputs, fn: Forward) -> Callable[[], Any] | None:
         """One backend's first call in one mode: peak extra memory and error against the reference; the runner
@@ -353,3 +454,48 @@ class _Grid:
         except Exception as exc:
             out.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             return None
+
+    def first_step(self, out: Cell, cell: _Inputs, fn: Forward, params: Sequence[Any]) -> Callable[[], Any] | None:
+        """One backend's first training step: peak extra memory (activations and gradients included), the
+        forward's error against the reference, the gradients' errors (a step on the sample rows alone, against
+        float64 from the definition); the runner to time, or None with the failure recorded in the cell."""
+        torch = self.torch
+        try:
+            x = cell.x.detach().requires_grad_(True)
+            weights = cell.weights.detach().requires_grad_(True)
+            runner = train_step(fn, cell.layer, x, cell.index, weights, cell.grad_out, params)
+            self.sync()
+            base = torch.cuda.memory_allocated() if self.cuda else 0
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            result = runner().detach()
+            self.sync()
+            if self.cuda:
+                out.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
+            if cell.sample:
+                diff = (result[: cell.sample].double() - cell.ref).norm() / cell.ref.norm().clamp_min(1e-30)
+                out.rel_error = float(diff)
+                del result
+                self.check_grads(out, cell, fn, params)
+            return runner
+        except Exception as exc:
+            out.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            return None
+
+    def check_grads(self, out: Cell, cell: _Inputs, fn: Forward, params: Sequence[Any]) -> None:
+        """A training step on the first `cell.sample` rows alone, its gradients against float64 (for the `auto`
+        row: the backend auto picks at that token count)."""
+        n = cell.sample
+        x = cell.x[:n].detach().clone().requires_grad_(True)
+        weights = cell.weights[:n].detach().clone().requires_grad_(True)
+        index, grad_out = cell.index[:n], cell.grad_out[:n]
+        train_step(fn, cell.layer, x, index, weights, grad_out, params)()
+        self.sync()
+        grads = {name: p.grad for name, p in cell.layer.named_parameters() if p.is_floating_point()}
+        grads.update(hidden_states=x.grad, routing_weights=weights.grad)
+        errors = grad_errors(self.torch, cell.layer, cell.problem, x.detach(), index, weights.detach(),
+                             grad_out, grads)  # fmt: skip
+        for p in params:
+            p.grad = None
+        out.grad_rel_errors = errors
+        out.grad_rel_error = max(errors.values())

@@ -100,14 +100,85 @@ def flops_of(problem: Any, tokens: int) -> float:
     return 2.0 * tokens * problem.top_k * 3 * problem.hidden_size * problem.intermediate_size
 
 
+def train_costs(moved: float, flops: float, problem: Any, tokens: int, elem: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of a training step's floor from the forward's: the backward's two matmuls per forward matmul
+    (the inputs' and the weights' gradients) triple the FLOPs; the expert weights hit are read and their gradients
+    written, and the upstream gradient read and the inputs' gradient written beside the activations."""
+    weights = moved - 2 * tokens * problem.hidden_size * elem
+    return 2 * weights + 4 * tokens * problem.hidden_size * elem, 3 * flops
+
+
 def floor_seconds(ceilings: dict[str, float], problem: Any, moved: float, flops: float) -> float:
     """max(bytes / bandwidth, FLOPs / matmul rate), both ceilings measured in the same run."""
     return max(moved / ceilings["bandwidth_Bps"], flops / compute_ceiling(ceilings, problem))
 
 
-def temp_bytes_estimate(name: str, tokens: int, problem: Any, elem: int) -> int:
-    """Temporaries a backend needs; dense batched_mm copies one expert's weights per (token, slot)."""
+def temp_bytes_estimate(name: str, tokens: int, problem: Any, elem: int, train: bool = False) -> int:
+    """Temporaries a backend needs; dense batched_mm copies one expert's weights per (token, slot). `train`: a
+    training step's too, roughly: the forward's temporaries again in the backward, the activations kept for it
+    (per (token, slot): gate_up's 2I outputs, their I activations, the gathered input and the weighted output),
+    and the expert weights' gradients (as large as the weights)."""
     pairs = tokens * problem.top_k
+    h, i = problem.hidden_size, problem.intermediate_size
     if name.endswith("batched_mm") and problem.weight_format == "dense":
-        return pairs * 3 * problem.hidden_size * problem.intermediate_size * elem
-    return 4 * pairs * max(2 * problem.intermediate_size, problem.hidden_size) * elem
+        forward = pairs * 3 * h * i * elem
+    else:
+        forward = 4 * pairs * max(2 * i, h) * elem
+    if not train:
+        return forward
+    saved = pairs * (2 * i + i + 2 * h) * elem
+    weight_grads = 3 * problem.num_experts * h * i * elem
+    return 2 * forward + saved + weight_grads + 2 * tokens * h * elem
+
+
+def _relative(diff_sq: float, ref_sq: float) -> float:
+    return (diff_sq / max(ref_sq, 1e-60)) ** 0.5
+
+
+def grad_errors(torch: Any, layer: Any, problem: Any, x: Any, index: Any, weights: Any, grad_out: Any,
+                grads: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+    """Relative errors (norm of the difference / norm of the reference) of one training step's gradients against
+    float64 from the definition, per GRAD_INPUTS name, for a dense layer of any layout `reference_of` knows.
+
+    `x`, `index`, `weights`, `grad_out`: the rows the step ran on; `grads`: the step's gradients, keyed
+    hidden_states, routing_weights and the layer's parameter names (gate_up_proj, down_proj, biases; a missing or
+    None gradient reads as zeros). The reference goes one expert at a time (the output is a sum over experts, so
+    each expert's share of the backward stands alone): float64 copies of one expert's weights at a time, never of
+    the whole layer."""
+    from selector import layers
+
+    transposed = problem.is_transposed
+    x64, w64, g64 = x.double(), weights.double(), grad_out.double()
+    gx, gw = torch.zeros_like(x64), torch.zeros_like(w64)
+    names = ["gate_up_proj", "down_proj"] + (["gate_up_proj_bias", "down_proj_bias"] if problem.has_bias else [])
+    diff_sq = ref_sq = 0.0
+    hit = set(index.unique().tolist())
+    for e in range(problem.num_experts):
+        got = {n: grads.get(n) for n in names}
+        if e not in hit:  # no token reached it: its gradient must be zero
+            diff_sq += sum(float(g[e].double().square().sum()) for g in got.values() if g is not None)
+            continue
+        t, j = torch.where(index == e)
+        xe = x64[t].clone().requires_grad_(True)
+        we = w64[t, j].clone().requires_grad_(True)
+        params = {n: getattr(layer, n)[e].detach().double().requires_grad_(True) for n in names}
+        up_w, down_w = params["gate_up_proj"], params["down_proj"]
+        up = xe @ (up_w if transposed else up_w.T)
+        if problem.has_bias:
+            up = up + params["gate_up_proj_bias"]
+        y = layers.activate(layer, up) @ (down_w if transposed else down_w.T)
+        if problem.has_bias:
+            y = y + params["down_proj_bias"]
+        (y * we.unsqueeze(-1)).backward(g64[t])
+        gx.index_add_(0, t, xe.grad)
+        gw[t, j] = we.grad
+        for n, ref in params.items():
+            mine = got[n][e].double() if got[n] is not None else torch.zeros_like(ref.grad)
+            diff_sq += float((mine - ref.grad).square().sum())
+            ref_sq += float(ref.grad.square().sum())
+    out = {"expert_weights": _relative(diff_sq, ref_sq)}
+    for name, ref in (("hidden_states", gx), ("routing_weights", gw)):
+        mine = grads.get(name)
+        mine = mine.double() if mine is not None else torch.zeros_like(ref)
+        out[name] = _relative(float((mine - ref).square().sum()), float(ref.square().sum()))
+    return {name: out[name] for name in ("hidden_states", "routing_weights", "expert_weights")}

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from selector.bench.cells import FORMATS, PEER_PREFIX, BenchResult, Cell, choice_quality
+from selector.bench.cells import FORMATS, PEER_PREFIX, TRAIN, BenchResult, Cell, choice_quality
 
 
 def fmt_time(s: float | None) -> str:
@@ -54,7 +54,29 @@ def markdown_table(result: BenchResult) -> str:
         spreads = [x.spread for x in timed if x.spread is not None]
         spread = f"{max(spreads):.0%}" if spreads else "-"
         lines.append(f"| {shape} | {t} | {mode} | {fmt} | " + " | ".join(texts) + f" | {spread} | {best_name} | {standing} |")
-    return "\n".join(lines) + "\n" + choice_table(result.cells) + formats_table(result.cells)
+    tables = choice_table(result.cells) + formats_table(result.cells) + train_table(result.cells)
+    return "\n".join(lines) + "\n" + tables
+
+
+def train_table(cells: Iterable[Cell]) -> str:
+    """Train mode's gradient check: per (shape, T, format) and backend, the largest relative error of a training
+    step's gradients (hidden states, routing weights, expert weights) against float64 on the cell's sample rows.
+    Empty without a checked train cell."""
+    checked = [c for c in cells if c.mode == TRAIN and c.grad_rel_error is not None]
+    if not checked:
+        return ""
+    backends = sorted({c.backend for c in checked}, key=lambda b: (b != "auto", b.startswith(PEER_PREFIX), b))
+    by_key = {(c.shape, c.tokens, c.format, c.backend): c for c in checked}
+    lines = ["", "Train mode: a row's time is one training step (forward under autograd, then the backward of a "
+                 "fixed gradient) over the step's floor (3x the forward's FLOPs; the expert weights hit read and "
+                 "their gradients written). Gradient check: the largest relative error of the step's gradients "
+                 "(hidden states, routing weights, expert weights) against float64, on the first up to 32 tokens.",
+             "", "| shape | T | format | " + " | ".join(backends) + " |", "|---|---|---|" + "---|" * len(backends)]
+    for shape, t, fmt in sorted({k[:3] for k in by_key}, key=lambda r: (r[0], r[1], r[2])):
+        texts = [f"{by_key[shape, t, fmt, b].grad_rel_error:.1e}" if (shape, t, fmt, b) in by_key else "-"
+                 for b in backends]  # fmt: skip
+        lines.append(f"| {shape} | {t} | {fmt} | " + " | ".join(texts) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def choice_table(cells: list[Cell]) -> str:
@@ -105,8 +127,8 @@ def formats_table(cells: Iterable[Cell]) -> str:
 
 
 def plot(result: BenchResult, path: Path) -> bool:
-    """time/floor against tokens, one panel per shape (eager solid, graph dashed, compile dotted); False when
-    matplotlib is missing."""
+    """time/floor against tokens, one panel per shape (eager solid, graph dashed, compile dotted, train
+    dash-dotted); False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -120,7 +142,7 @@ def plot(result: BenchResult, path: Path) -> bool:
     colours = {s: plt.get_cmap("tab20")(i % 20) for i, s in enumerate(series)}  # one colour per backend and format
     for ax, shape in zip(axes[0], shapes):
         for backend, fmt in series:
-            for mode, style in (("eager", "-"), ("graph", "--"), ("compile", ":")):
+            for mode, style in (("eager", "-"), ("graph", "--"), ("compile", ":"), (TRAIN, "-.")):
                 pts = sorted((c.tokens, c.ratio) for c in result.cells if c.shape == shape and c.backend == backend
                              and c.format == fmt and c.mode == mode and c.ratio)  # fmt: skip
                 if pts:
