@@ -43,6 +43,7 @@ _GRAPHS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, OrderedDict]] = we
 # graph then invalidates that capture ("operation not permitted when stream is capturing").
 _DEAD: list[dict[str, OrderedDict]] = []
 _RECORDINGS = 0  # graphs recorded in this process: a decode loop that records more than once per shape is a bug
+_DIRECT = [0, 0]  # graphs recorded on callers' addresses, and replays of them
 _SUPPRESSED = 0  # > 0 while `own_graphs(False)` is active: backends launch directly
 
 
@@ -68,6 +69,12 @@ def own_graphs(allowed: bool) -> Iterator[None]:
 def recordings() -> int:
     """How many graphs this process has recorded (each costs a device sync and a warm-up run: see RecordedCall)."""
     return _RECORDINGS
+
+
+def direct_counts() -> tuple[int, int]:
+    """(graphs recorded on a caller's addresses, replays of them) in this process: how often a replay went
+    without copies (see RecordedCall)."""
+    return _DIRECT[0], _DIRECT[1]
 
 
 def graphs_enabled(x: torch.Tensor, max_tokens: int, variable: str) -> bool:
@@ -123,7 +130,8 @@ class RecordedCall:
     graph's launch: on a slow host each launch costs tens of microseconds, more than a decode step's kernels. When
     a call's input addresses and the address the allocator gives its output are those of the call before, the
     same call is recorded once more, on those addresses, with the result written into that output; from then on a
-    call whose addresses match replays that graph alone. It reads the caller's tensors where they are (alive, being
+    call whose addresses match replays that graph alone. "The call before" is any of the last few calls: a loop
+    whose blocks alternate between two addresses settles too. It reads the caller's tensors where they are (alive, being
     passed in) and writes into a tensor just allocated for this call, so nothing the caller holds is overwritten.
     Holding only addresses, never the tensors, leaves the allocator free to hand the same blocks out again.
     """
@@ -135,7 +143,7 @@ class RecordedCall:
         _RECORDINGS += 1  # counted once captured: a capture that raised recorded nothing
         self.direct: OrderedDict[Signature, Any] = OrderedDict()
         self.direct_left = DIRECT_RECORDINGS if settings.get("SELECTOR_DIRECT_REPLAYS") else 0
-        self.last: Signature | None = None
+        self.seen: OrderedDict[Signature, None] = OrderedDict()  # recent addresses without a graph of their own
 
     @staticmethod
     def record(run: Callable[..., torch.Tensor], buffers: tuple[torch.Tensor, ...]) -> tuple[Any, torch.Tensor]:
@@ -165,12 +173,18 @@ class RecordedCall:
             out = self.new_output()
             signature = _addresses((*inputs, out))
             graph = self.direct.get(signature)
-            if graph is None and signature == self.last and self.direct_left:
-                graph = self.record_direct(run, inputs, out, signature)
-            self.last = signature
+            if graph is None and self.direct_left:
+                if signature in self.seen:
+                    del self.seen[signature]
+                    graph = self.record_direct(run, inputs, out, signature)
+                else:
+                    self.seen[signature] = None
+                    while len(self.seen) > DIRECT_PER_CALL:
+                        self.seen.popitem(last=False)
             if graph is not None:
                 self.direct.move_to_end(signature)
                 graph.replay()
+                _DIRECT[1] += 1
                 return out
         copy_inputs(self.inputs, inputs)
         self.graph.replay()
@@ -181,10 +195,9 @@ class RecordedCall:
         signature: Signature,
     ) -> Any:
         """The call recorded on the caller's addresses, its result copied into `out` inside the graph."""
-        global _RECORDINGS
         self.direct_left -= 1
         graph = self.capture(lambda: out.copy_(run(*inputs)))
-        _RECORDINGS += 1
+        _DIRECT[0] += 1
         self.direct[signature] = graph
         while len(self.direct) > DIRECT_PER_CALL:
             self.direct.popitem(last=False)

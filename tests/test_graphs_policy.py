@@ -228,6 +228,21 @@ def test_addresses_that_never_settle_stop_recording(monkeypatch) -> None:  # noq
     assert len(call.direct) == graphs.DIRECT_PER_CALL
 
 
+def test_addresses_alternating_between_two_blocks_settle_too(monkeypatch) -> None:  # noqa: ANN001
+    """A loop whose output alternates between two blocks (the allocator hands back the one freed longest ago)
+    records one graph per block and then replays without copies."""
+    monkeypatch.setattr(_CpuRecordedCall, "captures", 0)
+    x = torch.full((3, 2), 1.0)
+    a, b = torch.empty(3, 2), torch.empty(3, 2)
+    call = _CpuRecordedCall(_double, (x,), blocks=[a, b] * 4)
+    outs = []
+    for step in range(8):
+        x.fill_(float(step))
+        outs.append(call((x,), _double).clone())
+    assert _CpuRecordedCall.captures == 2 and set(call.direct) == {graphs._addresses((x, a)), graphs._addresses((x, b))}
+    assert all(torch.equal(out, torch.full((3, 2), 2.0 * step)) for step, out in enumerate(outs))
+
+
 def test_direct_replays_switch_off(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("SELECTOR_DIRECT_REPLAYS", "0")
     monkeypatch.setattr(_CpuRecordedCall, "captures", 0)

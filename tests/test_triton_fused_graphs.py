@@ -78,23 +78,31 @@ def test_larger_calls_are_recorded_when_their_shape_comes_back() -> None:
 
 def test_repeated_addresses_replay_on_the_callers_tensors_and_keep_results_apart() -> None:
     """A decode loop's steady state: the same input tensors refilled in place and each result dropped before the
-    next call. From the second call the layer replays a graph recorded on those addresses (no copies); every
-    result is right for the inputs' current contents; a result the caller keeps is never overwritten."""
+    next call (the loop allocates nothing else). Within a few calls the layer replays a graph recorded on those
+    addresses (no copies); every result is right for the inputs' current contents; a result the caller keeps is
+    never overwritten."""
     from selector.plugins.triton_fused import forward
 
     module = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda").requires_grad_(False)
+    steps = 8
+    xs = torch.randn(steps, 4, 64, device="cuda", dtype=torch.bfloat16)
+    routes = [random_routing(4, 8, 2, device="cuda") for _ in range(steps)]
+    refs = [reference_experts(module, xs[s], *routes[s]) for s in range(steps)]
+    results = torch.empty(steps, 4, 64, device="cuda", dtype=torch.bfloat16)
     x = torch.empty(4, 64, device="cuda", dtype=torch.bfloat16)
-    idx, w = random_routing(4, 8, 2, device="cuda")
-    for _ in range(5):
-        x.copy_(torch.randn_like(x))
-        new_idx, new_w = random_routing(4, 8, 2, device="cuda")
-        idx.copy_(new_idx)
-        w.copy_(new_w)
+    idx, w = (t.clone() for t in routes[0])
+    made, replayed = graphs.direct_counts()
+    for s in range(steps):
+        x.copy_(xs[s])
+        idx.copy_(routes[s][0])
+        w.copy_(routes[s][1])
         out = forward.triton_fused_experts_forward(module, x, idx, w)
-        assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
+        results[s].copy_(out)
         del out  # the block goes back to the allocator, which hands it out again
+    assert all(relative_error(results[s], refs[s]) < 2e-2 for s in range(steps))
     (recorded,) = graphs.graphs_of(module, "triton_fused").values()
-    assert len(recorded.direct) >= 1
+    assert len(recorded.direct) >= 1 and graphs.direct_counts()[1] - replayed >= steps - 4
+    assert graphs.direct_counts()[0] - made == len(recorded.direct)
     kept = forward.triton_fused_experts_forward(module, x, idx, w)
     before = kept.clone()
     x.mul_(2)
