@@ -156,7 +156,9 @@ def test_triton_fused_declares_its_backward_for_dense_experts_and_these_activati
     assert not verdict.ok and "no backward for fp8_block" in verdict.reason
 
 
-def test_auto_under_autograd_on_an_h200_now_ranks_triton_fused_first() -> None:
+def test_auto_under_autograd_on_an_h200_trains_with_grouped_mm() -> None:
+    """The fused backward (recomputed in torch) measured 1.8-2.4x slower per training step than grouped_mm's on
+    the H200, so auto trains with grouped_mm; without grad the fused forward stays first."""
     from selector.presets import preset
     from selector.ranking import rank
     from selector.registry import get_registry
@@ -165,8 +167,11 @@ def test_auto_under_autograd_on_an_h200_now_ranks_triton_fused_first() -> None:
     if not evaluate(get_registry().get("triton_fused"), preset("qwen3-30b-a3b").with_tokens(8), env).ok:
         pytest.skip("triton is not installed here")
     problem = replace(preset("qwen3-30b-a3b"), grad_inputs=GRAD_INPUTS)
-    for tokens in (8, 4096):
-        assert rank(problem.with_tokens(tokens), env, get_registry()).best == "triton_fused", tokens
+    for tokens in (8, 512, 4096):
+        ranking = rank(problem.with_tokens(tokens), env, get_registry())
+        assert ranking.best == "grouped_mm", tokens
+        assert "triton_fused" in [c.name for c in ranking.candidates]  # still differentiable, ranked behind
+        assert rank(preset("qwen3-30b-a3b").with_tokens(tokens), env, get_registry()).best == "triton_fused", tokens
 
 
 # -- the real op: the Triton interpreter on a CPU, the kernels on a GPU --

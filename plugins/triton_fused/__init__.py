@@ -42,7 +42,15 @@ def _estimate(problem: Problem, env: Environment) -> float:
     # quantised up front, in a launch that at decode also routes the pairs: about the same launch count).
     if problem.weight_format != "dense":
         return 28e-6 + 1.15 * floor_seconds(problem, env)
-    return 25e-6 + 1.15 * floor_seconds(problem, env)
+    forward = 25e-6 + 1.15 * floor_seconds(problem, env)
+    if problem.requires_grad:
+        # A training step: the backward recomputes the pair rows in torch and runs six of torch's grouped GEMMs
+        # with fp32 elementwise passes between them (backward.py), after the fused forward. On the H200 a step
+        # took 2.4x grouped_mm's at T=512 and 1.8x at T=4096 (Qwen3-30B-A3B, `selector bench --modes train`), so
+        # it counts as the forward plus three times grouped_mm's estimate: auto trains with grouped_mm wherever
+        # that runs, and with this backend only where it is the one differentiable choice left.
+        return forward + 3 * (150e-6 + 2.0 * floor_seconds(problem, env))
+    return forward
 
 
 def _check(problem: Problem, env: Environment) -> Availability | None:
