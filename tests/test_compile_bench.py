@@ -63,7 +63,7 @@ def test_a_stack_of_layers_is_compiled_as_one_and_timed_per_layer(monkeypatch: p
     assert data["stack"] == 3 and data["times_per"] == "layer"
     table = compiled_table(result)
     assert table.startswith("A stack of 3 experts layers per call") and "uncompiled µs/layer" in table
-    assert "| tiny | 5 | grouped_mm | 2 | 2 | 1.00 |" in table
+    assert "| tiny | 5 | grouped_mm | 2 (±10%) | 2 (±10%) | 1.00 |" in table
 
 
 @pytest.mark.compile

@@ -279,8 +279,9 @@ def _us(seconds: float | None) -> str:
 
 
 def compiled_table(result: CompiledBench) -> str:
-    """Markdown: per (preset, tokens, backend) µs uncompiled and per mode, with compiled / uncompiled; a caption
-    line says how many layers one timed call ran (times are per layer)."""
+    """Markdown: per (preset, tokens, backend) µs uncompiled and per mode, each with its spread over the rounds
+    ((max - min) / median), and compiled / uncompiled; a caption line says how many layers one timed call ran
+    (times are per layer)."""
     unit = "µs" if result.stack == 1 else "µs/layer"
     head = ["preset", "T", "backend", f"uncompiled {unit}"]
     for mode in result.modes:
@@ -294,13 +295,20 @@ def compiled_table(result: CompiledBench) -> str:
             lines.append(f"| {row.preset} | {row.tokens} | {row.backend} | " + "; ".join(
                 f"{m}: {e}" for m, e in row.errors.items()) + " |")  # fmt: skip
             continue
-        cells = [row.preset, str(row.tokens), _label(row), _us(row.times_s.get(UNCOMPILED))]
+        cells = [row.preset, str(row.tokens), _label(row), _timed(row, UNCOMPILED)]
         for mode in result.modes:
             ratio = row.ratio(mode)
-            cells += [_us(row.times_s.get(mode)) if mode not in row.errors else "error",
+            cells += [_timed(row, mode) if mode not in row.errors else "error",
                       "-" if ratio is None else f"{ratio:.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _timed(row: CompiledRow, mode: str) -> str:
+    """The median µs, with the spread of its rounds where there were several."""
+    spread = row.spread.get(mode)
+    text = _us(row.times_s.get(mode))
+    return text if not spread or text == "-" else f"{text} (±{spread * 100:.0f}%)"
 
 
 def _label(row: CompiledRow) -> str:
