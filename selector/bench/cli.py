@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,30 +23,27 @@ def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def _formats(text: str) -> list[str]:
+def _some_of(text: str, allowed: Sequence[str]) -> list[str]:
+    """The comma list `text`, every name one of `allowed` (else a usage error naming them)."""
     names = _names(text)
-    unknown = [n for n in names if n not in FORMATS]
+    unknown = [n for n in names if n not in allowed]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(FORMATS)}")
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(allowed)}")
     return names
+
+
+def _formats(text: str) -> list[str]:
+    return _some_of(text, tuple(FORMATS))
 
 
 def _modes(text: str) -> list[str]:
-    names = _names(text)
-    unknown = [n for n in names if n not in MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(MODES)}")
-    return names
+    return _some_of(text, tuple(MODES))
 
 
 def _compile_modes(text: str) -> list[str]:
     from selector.types import COMPILE_MODES
 
-    names = _names(text)
-    unknown = [n for n in names if n not in COMPILE_MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: expected some of {', '.join(COMPILE_MODES)}")
-    return names
+    return _some_of(text, tuple(COMPILE_MODES))
 
 
 def _layers(text: str) -> int:

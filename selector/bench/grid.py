@@ -439,17 +439,7 @@ class _Grid:
             if out.mode == "compile":
                 compiled = torch.compile(fn, dynamic=False)
                 runner = lambda: cell.call(compiled)
-            self.sync()
-            base = torch.cuda.memory_allocated() if self.cuda else 0
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            result = runner()
-            self.sync()
-            if self.cuda:
-                out.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
-            if cell.sample:
-                diff = (result[: cell.sample].double() - cell.ref).norm() / cell.ref.norm().clamp_min(1e-30)
-                out.rel_error = float(diff)
+            self.measure_first(out, cell, runner)
             return runner
         except Exception as exc:
             out.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
@@ -459,28 +449,33 @@ class _Grid:
         """One backend's first training step: peak extra memory (activations and gradients included), the
         forward's error against the reference, the gradients' errors (a step on the sample rows alone, against
         float64 from the definition); the runner to time, or None with the failure recorded in the cell."""
-        torch = self.torch
         try:
             x = cell.x.detach().requires_grad_(True)
             weights = cell.weights.detach().requires_grad_(True)
             runner = train_step(fn, cell.layer, x, cell.index, weights, cell.grad_out, params)
-            self.sync()
-            base = torch.cuda.memory_allocated() if self.cuda else 0
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            result = runner().detach()
-            self.sync()
-            if self.cuda:
-                out.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
+            self.measure_first(out, cell, runner)
             if cell.sample:
-                diff = (result[: cell.sample].double() - cell.ref).norm() / cell.ref.norm().clamp_min(1e-30)
-                out.rel_error = float(diff)
-                del result
                 self.check_grads(out, cell, fn, params)
             return runner
         except Exception as exc:
             out.skipped = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             return None
+
+    def measure_first(self, out: Cell, cell: _Inputs, runner: Callable[[], Any]) -> None:
+        """One call of `runner`: its peak extra device memory and its output's error on the sample rows against
+        the float64 reference, into `out`."""
+        torch = self.torch
+        self.sync()
+        base = torch.cuda.memory_allocated() if self.cuda else 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        result = runner().detach()
+        self.sync()
+        if self.cuda:
+            out.extra_memory_bytes = torch.cuda.max_memory_allocated() - base
+        if cell.sample:
+            diff = (result[: cell.sample].double() - cell.ref).norm() / cell.ref.norm().clamp_min(1e-30)
+            out.rel_error = float(diff)
 
     def check_grads(self, out: Cell, cell: _Inputs, fn: Forward, params: Sequence[Any]) -> None:
         """A training step on the first `cell.sample` rows alone, its gradients against float64 (for the `auto`
