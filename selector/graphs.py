@@ -15,6 +15,7 @@ calls the layer through an opaque op that replays these graphs on the default st
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
@@ -176,7 +177,12 @@ class RecordedCall:
             if graph is None and self.direct_left:
                 if signature in self.seen:
                     del self.seen[signature]
-                    graph = self.record_direct(run, inputs, out, signature)
+                    try:
+                        graph = self.record_direct(run, inputs, out, signature)
+                    except RuntimeError as exc:  # an optimisation only: the static buffers still work
+                        self.direct_left = 0
+                        warnings.warn(f"selector: recording a replay on the caller's addresses failed ({exc}); "
+                                      "this call keeps the copying replay", RuntimeWarning, stacklevel=2)  # fmt: skip
                 else:
                     self.seen[signature] = None
                     while len(self.seen) > DIRECT_PER_CALL:

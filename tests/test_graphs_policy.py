@@ -279,3 +279,22 @@ def test_the_graphs_weak_map_does_not_keep_a_module_alive(monkeypatch) -> None: 
     del doomed
     gc.collect()
     assert alive() is None
+
+
+def test_a_failed_recording_on_the_callers_addresses_keeps_the_copying_replay(monkeypatch) -> None:  # noqa: ANN001
+    """Recording on the caller's addresses is an optimisation: if it fails the call still runs (the static
+    buffers' replay), with a warning, and no such recording is tried again for that recorded call."""
+    x = torch.full((3, 2), 1.0)
+    block = torch.empty(3, 2)
+    call = _CpuRecordedCall(_double, (x,), blocks=[block] * 4)
+
+    def broken(fn):  # noqa: ANN001, ANN202
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(call, "capture", broken)
+    call((x,), _double)
+    with pytest.warns(RuntimeWarning, match="keeps the copying replay"):
+        out = call((x,), _double)
+    assert torch.equal(out, torch.full((3, 2), 2.0)) and out is not block
+    assert call.direct_left == 0 and not call.direct
+    assert torch.equal(call((x,), _double), torch.full((3, 2), 2.0))
