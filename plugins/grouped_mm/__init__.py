@@ -27,7 +27,8 @@ def _load():  # noqa: ANN202
     return grouped_mm_experts_forward
 
 
-def _estimate(problem: Problem, env: Environment) -> float:
+def estimate_seconds(problem: Problem, env: Environment) -> float:
+    """The cost model's time of one forward (triton_fused's training estimate builds on it too)."""
     # Measured on an H200 (perf notes): 1.4x-4x the floor plus ~150 us of sort/gather launches.
     if problem.device == "cuda":
         return 150e-6 + 2.0 * floor_seconds(problem, env)
@@ -52,7 +53,7 @@ def selector_backends() -> Sequence[BackendSpec]:
             ),
             check=check_quantized,
             description="sort by expert, then torch grouped GEMMs (loop fallback as a custom op)",
-            estimate=_estimate,
+            estimate=estimate_seconds,
             # torch's grouped GEMM has a derivative and the loop op registers one (forward.py); quantised
             # experts run plugins/quant_kernels, which has no backward
             differentiable=frozenset(GRAD_INPUTS),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from selector.plugins.grouped_mm import estimate_seconds as grouped_mm_estimate
 from selector.plugins.quant_kernels import (
     QUANT_ACTIVATION_QUANT,
     QUANT_WEIGHT_FORMATS,
@@ -49,7 +50,7 @@ def _estimate(problem: Problem, env: Environment) -> float:
         # took 2.4x grouped_mm's at T=512 and 1.8x at T=4096 (Qwen3-30B-A3B, `selector bench --modes train`), so
         # it counts as the forward plus three times grouped_mm's estimate: auto trains with grouped_mm wherever
         # that runs, and with this backend only where it is the one differentiable choice left.
-        return forward + 3 * (150e-6 + 2.0 * floor_seconds(problem, env))
+        return forward + 3 * grouped_mm_estimate(problem, env)
     return forward
 
 

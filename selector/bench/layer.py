@@ -131,6 +131,24 @@ def temp_bytes_estimate(name: str, tokens: int, problem: Any, elem: int, train: 
     return 2 * forward + saved + weight_grads + 2 * tokens * h * elem
 
 
+def expert_params(problem: Any) -> list[str]:
+    """The layer's per-expert parameter names for this layout: the projections, then their biases if any."""
+    return ["gate_up_proj", "down_proj"] + (["gate_up_proj_bias", "down_proj_bias"] if problem.has_bias else [])
+
+
+def expert_rows(layer: Any, problem: Any, x: Any, params: dict[str, Any]) -> Any:
+    """One expert's output rows from the definition: x [n, H] through `params` (one expert's slices, by the
+    names of `expert_params`), in the layout `problem` describes and the layer's own activation."""
+    from selector import layers
+
+    up_w, down_w = params["gate_up_proj"], params["down_proj"]
+    up = x @ (up_w if problem.is_transposed else up_w.T)
+    if problem.has_bias:
+        up = up + params["gate_up_proj_bias"]
+    y = layers.activate(layer, up) @ (down_w if problem.is_transposed else down_w.T)
+    return y + params["down_proj_bias"] if problem.has_bias else y
+
+
 def _relative(diff_sq: float, ref_sq: float) -> float:
     return (diff_sq / max(ref_sq, 1e-60)) ** 0.5
 
@@ -145,12 +163,9 @@ def grad_errors(torch: Any, layer: Any, problem: Any, x: Any, index: Any, weight
     None gradient reads as zeros). The reference goes one expert at a time (the output is a sum over experts, so
     each expert's share of the backward stands alone): float64 copies of one expert's weights at a time, never of
     the whole layer."""
-    from selector import layers
-
-    transposed = problem.is_transposed
     x64, w64, g64 = x.double(), weights.double(), grad_out.double()
     gx, gw = torch.zeros_like(x64), torch.zeros_like(w64)
-    names = ["gate_up_proj", "down_proj"] + (["gate_up_proj_bias", "down_proj_bias"] if problem.has_bias else [])
+    names = expert_params(problem)
     diff_sq = ref_sq = 0.0
     hit = set(index.unique().tolist())
     for e in range(problem.num_experts):
@@ -162,14 +177,7 @@ def grad_errors(torch: Any, layer: Any, problem: Any, x: Any, index: Any, weight
         xe = x64[t].clone().requires_grad_(True)
         we = w64[t, j].clone().requires_grad_(True)
         params = {n: getattr(layer, n)[e].detach().double().requires_grad_(True) for n in names}
-        up_w, down_w = params["gate_up_proj"], params["down_proj"]
-        up = xe @ (up_w if transposed else up_w.T)
-        if problem.has_bias:
-            up = up + params["gate_up_proj_bias"]
-        y = layers.activate(layer, up) @ (down_w if transposed else down_w.T)
-        if problem.has_bias:
-            y = y + params["down_proj_bias"]
-        (y * we.unsqueeze(-1)).backward(g64[t])
+        (expert_rows(layer, problem, xe, params) * we.unsqueeze(-1)).backward(g64[t])
         gx.index_add_(0, t, xe.grad)
         gw[t, j] = we.grad
         for n, ref in params.items():

@@ -71,23 +71,15 @@ def make_problem_layer(torch: Any, problem: Problem, device: Any, seed: int = 0)
 def reference_of(torch: Any, layer: Any, problem: Problem, x: Any, index: Any, weights: Any, rows: int) -> Any:
     """float64 result for the first `rows` tokens, from the definition (quantised: `selector.bench`'s reference
     from the dequantised weights)."""
-    from selector import layers
+    from selector.bench.layer import expert_params, expert_rows, reference
 
     if is_plain(problem):
-        from selector.bench.layer import reference
-
         return reference(torch, layer, x, index, weights, rows)
     x64, idx, w = x[:rows].double(), index[:rows], weights[:rows].double()
     out = torch.zeros_like(x64)
     for e in idx.unique().tolist():
         t, j = torch.where(idx == e)
-        up_w, down_w = layer.gate_up_proj[e].double(), layer.down_proj[e].double()
-        up = x64[t] @ (up_w if problem.is_transposed else up_w.T)
-        if problem.has_bias:
-            up = up + layer.gate_up_proj_bias[e].double()
-        h = layers.activate(layer, up)
-        y = h @ (down_w if problem.is_transposed else down_w.T)
-        if problem.has_bias:
-            y = y + layer.down_proj_bias[e].double()
-        out.index_add_(0, t, y * w[t, j].unsqueeze(-1))
+        params = {name: getattr(layer, name)[e].double() for name in expert_params(problem)}
+        out.index_add_(0, t, expert_rows(layer, problem, x64[t], params) * w[t, j].unsqueeze(-1))
     return out
+
