@@ -373,15 +373,23 @@ def _run_eager(
     implementation: str | None,
     compiled: bool,
 ) -> torch.Tensor:
-    """run_experts outside tracing; `compiled`: called by the opaque op of a compiled model (see choose_backend)."""
+    """run_experts outside tracing; `compiled`: called by the opaque op of a compiled model (see choose_backend).
+
+    This runs on every call of every layer, and at decode its Python is a good part of the step: it reads the
+    module's __dict__ once, allocates nothing on a repeat call, and leaves the checks a signature already passed
+    to validate_inputs' memo.
+    """
+    state = module.__dict__
     weight = layers.up_weight(module)
     weight_key = (weight.dtype, weight.device, weight.shape)
-    facts = module.__dict__.get(_FACTS)
+    facts = state.get(_FACTS)
     if facts is None or facts[0] != weight_key:  # (E, H, format) read off the weights once per weight layout
         _pin_defaults(module)
-        facts = (weight_key, *layers.dims(module)[:2], weight_format(module))
-        module.__dict__[_FACTS] = facts
+        facts = state[_FACTS] = (weight_key, *layers.dims(module)[:2], weight_format(module))
     expert_parallel = layers.is_expert_parallel(module)
+    seen = state.get(_CHECKED)
+    if seen is None:
+        seen = state[_CHECKED] = set()
     validate_inputs(
         hidden_states,
         top_k_index,
@@ -389,28 +397,31 @@ def _run_eager(
         num_experts=facts[1],
         hidden_size=facts[2],
         expert_parallel=expert_parallel,
-        seen=module.__dict__.setdefault(_CHECKED, set()),
+        seen=seen,
     )
     guard.raise_pending(hidden_states.device)  # a fault the device guard recorded in an earlier call (no sync)
-    num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[1]
-    track(module)
-    if module.__dict__.get(_TOP_K) != top_k:
-        module.__dict__[_TOP_K] = top_k
+    top_k = top_k_index.shape[1]
+    if state.get(_OWNER) != id(module):  # new, or a deep copy that kept its original's id
+        track(module)
+    if state.get(_TOP_K) != top_k:
+        state[_TOP_K] = top_k
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
-    requested = implementation or module.__dict__.get(_REQUEST, AUTO)
-    bucket = token_bucket(num_tokens) if requested == AUTO else 0
-    needs_grad = grad_inputs(module, hidden_states, top_k_weights)
+    requested = implementation or state.get(_REQUEST, AUTO)
+    bucket = token_bucket(hidden_states.shape[0]) if requested == AUTO else 0
+    needs_grad = grad_inputs(module, hidden_states, top_k_weights) if torch.is_grad_enabled() else ()
     key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, needs_grad, compiled,
            _RESOLVER.generation)  # fmt: skip
-    choices = module.__dict__.setdefault(_CHOICES, {})
+    choices = state.get(_CHOICES)
+    if choices is None:
+        choices = state[_CHOICES] = {}
     chosen = choices.get(key)
     if chosen is None:  # decided once per key; a request that cannot run raises here every time
-        name = choose_backend(module, num_tokens, top_k, implementation, capturing, needs_grad, compiled)
+        name = choose_backend(module, hidden_states.shape[0], top_k, implementation, capturing, needs_grad, compiled)
         chosen = (name, _RESOLVER.forward_of(name, facts[3]))
         if len(choices) > 64:
             choices.clear()
         choices[key] = chosen
-    module.__dict__[_LAST] = chosen[0]
+    state[_LAST] = chosen[0]
     return chosen[1](module, hidden_states, top_k_index, top_k_weights)
 
 

@@ -98,7 +98,10 @@ def graphs_of(module: torch.nn.Module, namespace: str) -> OrderedDict:
     if per_module is None:
         per_module = _GRAPHS[module] = {}
         weakref.finalize(module, _DEAD.append, per_module)  # outlives the module until release_dead()
-    return per_module.setdefault(namespace, OrderedDict())
+    found = per_module.get(namespace)
+    if found is None:
+        found = per_module[namespace] = OrderedDict()
+    return found
 
 
 def release_dead() -> int:
@@ -120,7 +123,7 @@ Signature = tuple[tuple[int, tuple[int, ...]], ...]
 
 def _addresses(tensors: tuple[torch.Tensor, ...]) -> Signature:
     """Where each tensor's elements sit: what a graph recorded on them reads or writes."""
-    return tuple((t.data_ptr(), t.stride()) for t in tensors)
+    return tuple([(t.data_ptr(), t.stride()) for t in tensors])  # a list first: half a generator's cost
 
 
 class RecordedCall:

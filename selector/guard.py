@@ -64,6 +64,7 @@ _FLAGS: dict[torch.device, Flags] = {}
 _GUARDS: dict[tuple[int, torch.device, int], RoutingGuard] = {}
 _LAYERS: dict[int, tuple[weakref.ref, str]] = {}  # tag -> (module, name)
 _NEXT_TAG = itertools.count(1)
+_NO_LAYER = (lambda: None, "")  # what _LAYERS.get gives for a tag it does not hold
 
 
 def _capturing(device: torch.device) -> bool:
@@ -92,7 +93,7 @@ def layer_tag(module: torch.nn.Module) -> int:
     if torch.compiler.is_compiling():
         return int(getattr(module, _TAG, 0))
     tag = module.__dict__.get(_TAG)
-    if tag is None or _LAYERS.get(tag, (lambda: None,))[0]() is not module:  # new, or a copy that kept the tag
+    if tag is None or _LAYERS.get(tag, _NO_LAYER)[0]() is not module:  # new, or a copy that kept the tag
         tag = next(_NEXT_TAG)
         module.__dict__[_TAG] = tag
         _LAYERS[tag] = (weakref.ref(module), f"{type(module).__name__} #{tag}")

@@ -65,15 +65,44 @@ def validate_inputs(
     hidden_size: int,
     expert_parallel: bool = False,
     level: str | None = None,
-    seen: set[tuple[int, ...]] | None = None,
+    seen: set[tuple[object, ...]] | None = None,
 ) -> None:
     """Raise ExpertsInputError with a precise message for inputs that would give garbage.
 
-    `seen`: the input shapes whose values were already checked (level "first"); updated here.
+    `seen`: the call signatures (shapes, dtypes, devices, sizes, level) already checked as fully as their level
+    asks, owned by the caller (one set per module); updated here. A signature in it returns at once: the shape
+    checks are a function of the signature alone, and at level "first" its values were checked once.
     """
-    level = level or validation_level(on_gpu=not hidden_states.device.type == "cpu")
+    level = level or validation_level(on_gpu=hidden_states.device.type != "cpu")
     if level == "off":
         return
+    signature = None
+    if seen is not None and level != "full":
+        signature = (hidden_states.shape, top_k_index.shape, top_k_weights.shape, hidden_states.dtype,
+                     top_k_index.dtype, top_k_weights.dtype, hidden_states.device, top_k_index.device,
+                     top_k_weights.device, num_experts, hidden_size, expert_parallel, level)  # fmt: skip
+        if signature in seen:
+            return
+    _check_shapes(hidden_states, top_k_index, top_k_weights, hidden_size)
+    if level in ("shapes", "off") or top_k_index.numel() == 0:
+        _remember(seen, signature)
+        return
+    if _capturing(hidden_states):  # values unreadable now: a later call of this signature checks them
+        return
+    _check_values(top_k_index, top_k_weights, num_experts, expert_parallel)
+    _remember(seen, signature)
+
+
+def _remember(seen: set[tuple[object, ...]] | None, signature: tuple[object, ...] | None) -> None:
+    if seen is not None and signature is not None:
+        if len(seen) >= 256:  # a caller cycling through many shapes: start again rather than grow
+            seen.clear()
+        seen.add(signature)
+
+
+def _check_shapes(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, hidden_size: int
+) -> None:
     if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size:
         raise ExpertsInputError(
             f"hidden_states must be [num_tokens, {hidden_size}], got {list(hidden_states.shape)}"
@@ -95,13 +124,9 @@ def validate_inputs(
     if top_k_index.device != hidden_states.device or top_k_weights.device != hidden_states.device:
         devices = sorted({str(t.device) for t in (hidden_states, top_k_index, top_k_weights)})
         raise ExpertsInputError(f"inputs are on different devices: {devices}")
-    if level in ("shapes", "off") or top_k_index.numel() == 0 or _capturing(hidden_states):
-        return
-    shape = (*hidden_states.shape, top_k_index.shape[1])
-    if level == "first" and seen is not None:
-        if shape in seen:
-            return
-        seen.add(shape)
+
+
+def _check_values(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int, expert_parallel: bool) -> None:
     # One sync for all value checks: min id, max id, count of non-finite weights.
     stats = torch.stack(
         [

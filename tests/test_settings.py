@@ -177,3 +177,28 @@ def test_settings_import_no_torch() -> None:
     code = "import sys, selector.settings; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_the_cheap_environment_read_sees_every_change_os_environ_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """settings reads POSIX os.environ's own dict on the hot path: setenv, a changed value, delenv and a mapping
+    that replaces os.environ are all seen at the next read, as os.environ.get sees them."""
+    import os
+
+    name = "SELECTOR_TRITON_FUSED_GRAPHS"
+    monkeypatch.delenv(name, raising=False)
+    assert settings.environ_text(name) is None and settings.get(name) is True
+    monkeypatch.setenv(name, "0")
+    assert settings.environ_text(name) == "0" and settings.get(name) is False
+    monkeypatch.setenv(name, "yes")
+    assert settings.get(name) is True
+    os.environ[name] = "off"
+    assert settings.get(name) is False
+    del os.environ[name]
+    assert settings.get(name) is True
+    monkeypatch.setenv(name, "bogus")
+    with pytest.raises(ValueError, match="SELECTOR_TRITON_FUSED_GRAPHS='bogus'"):  # a bad value is never memoised
+        settings.get(name)
+    monkeypatch.setenv("SELECTOR_VALIDATE", "caf\u00e9")  # non-ASCII text round-trips as os.environ decodes it
+    assert settings.environ_text("SELECTOR_VALIDATE") == os.environ.get("SELECTOR_VALIDATE") == "caf\u00e9"
+    monkeypatch.setattr(os, "environ", {name: "0"})  # a caller's own mapping in place of os.environ
+    assert settings.environ_text(name) == "0" and settings.get(name) is False

@@ -9,6 +9,8 @@ grouped path of plugins/quant_kernels, which records its own decode graphs (`SEL
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from selector.plugins.triton_fused import backward
 from selector.plugins.triton_fused.kernels import fused_experts
@@ -41,10 +43,32 @@ def _gate(module: torch.nn.Module) -> Gate:
     return gate
 
 
+class _Static(NamedTuple):
+    """What a recorded graph bakes in from the module itself, read once per module object (as the selection reads
+    a layer's problem once per module): its gate, and that gate as a small int that a graph key hashes cheaply."""
+
+    owner: int  # id() of the module it was read from: a deep copy carries this __dict__ entry but reads its own
+    gate: Gate
+    gate_token: int
+
+
+_STATIC = "_selector_triton_fused_static"
+_GATE_TOKENS: dict[Gate, int] = {}
+
+
+def _static(module: torch.nn.Module) -> _Static:
+    found = module.__dict__.get(_STATIC)
+    if found is None or found.owner != id(module):
+        gate = _gate(module)
+        found = _Static(id(module), gate, _GATE_TOKENS.setdefault(gate, len(_GATE_TOKENS)))
+        module.__dict__[_STATIC] = found
+    return found
+
+
 def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     up_w = layers.up_weight(module)
     guard = guard_code(module, hidden.device)  # routing checked inside the align / combine launches
-    gate = _gate(module)
+    gate = _static(module).gate
     if _records_grad(module, hidden, weights):
         # through the op, whose autograd formula covers every input (fused_experts takes it for hidden only)
         return torch.ops.selector.triton_fused_experts(
@@ -75,12 +99,13 @@ def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, 
 
 
 def _graph_key(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple:
-    tensors = [layers.up_weight(module), module.down_proj, layers.up_bias(module), layers.down_bias(module)]
-    pointers = tuple(t.data_ptr() if t is not None else 0 for t in tensors)  # new weights -> new graph
+    # read on every replayed call: kept to attribute reads and ints (the gate by its token, shapes as torch.Size)
+    up_w, up_b, down_b = layers.up_weight(module), layers.up_bias(module), layers.down_bias(module)
+    pointers = (up_w.data_ptr(), layers.down_weight(module).data_ptr(), 0 if up_b is None else up_b.data_ptr(),
+                0 if down_b is None else down_b.data_ptr())  # fmt: skip  # new weights -> new graph
     guard = guard_code(module, hidden.device)  # a graph records the guard it was captured with
-    gate = _gate(module)  # and the gate's parameters, baked into its launches
-    return (tuple(hidden.shape), hidden.dtype, tuple(index.shape), index.dtype, weights.dtype, hidden.device, pointers,
-            guard, gate)  # fmt: skip
+    return (hidden.shape, hidden.dtype, index.shape, index.dtype, weights.dtype, hidden.device, pointers, guard,
+            _static(module).gate_token)  # fmt: skip  # and the gate's parameters, baked into its launches
 
 
 def triton_fused_experts_forward(
