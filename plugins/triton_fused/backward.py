@@ -59,7 +59,7 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, native: bo
 
 
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, native: bool) -> torch.Tensor:
-    """sum over each expert's rows of x^T grad: x [S, in], grad [S, out] -> [E, in, out]."""
+    """sum over each expert's rows of x^T grad: x [S, in], grad [S, out] -> [E, in, out], contiguous."""
     if native:  # 2-D x 2-D with the jagged dimension contracted: how torch differentiates its own grouped GEMM
         return torch.nn.functional.grouped_mm(x.t(), grad, offs=offsets)
     return grouped_mm_loop_weight_grad(x, grad, offsets)
@@ -129,9 +129,13 @@ def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ..
 
     dy_w = dy.to(dtype)
     grad_down = grad_down_bias = None
+    # Weight gradients are computed in the stored layout ([E, I, H] transposed, else [E, H, I]) by the order of the
+    # operands: a transposed view would be copied into the parameter's strides by autograd, an elementwise pass
+    # over every expert's weights (Qwen3-30B-A3B at T=512: 2 ms a step for the two projections, the GEMMs 1.3 ms).
     if needs[2]:
-        grad_down_w = _weight_grad(a.to(dtype), dy_w, offsets, native)  # [E, I, H]
-        grad_down = (grad_down_w if transposed else grad_down_w.transpose(1, 2)).to(down.dtype)
+        a_w = a.to(dtype)
+        grad_down = (_weight_grad(a_w, dy_w, offsets, native) if transposed else _weight_grad(dy_w, a_w, offsets, native))
+        grad_down = grad_down.to(down.dtype)
     if needs[11] and down_bias is not None:
         grad_down_bias = torch.zeros(num_experts, hidden_size, dtype=acc, device=dy.device)
         grad_down_bias = grad_down_bias.index_add(0, expert, keep(dy)).to(down_bias.dtype)
@@ -148,9 +152,9 @@ def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ..
             dg = _act_backward(activation, da, g)
         dg = keep(dg)
         dg_w = dg.to(dtype)
-        if needs[1]:
-            grad_up_w = _weight_grad(x, dg_w, offsets, native)  # [E, H, C]
-            grad_gate_up = (grad_up_w if transposed else grad_up_w.transpose(1, 2)).to(gate_up.dtype)
+        if needs[1]:  # [E, H, C] transposed, else [E, C, H]
+            grad_gate_up = _weight_grad(x, dg_w, offsets, native) if transposed else _weight_grad(dg_w, x, offsets, native)
+            grad_gate_up = grad_gate_up.to(gate_up.dtype)
         if needs[10] and gate_up_bias is not None:
             grad_gate_up_bias = torch.zeros(num_experts, channels, dtype=acc, device=dg.device)
             grad_gate_up_bias = grad_gate_up_bias.index_add(0, expert, dg).to(gate_up_bias.dtype)
