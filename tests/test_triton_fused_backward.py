@@ -248,8 +248,13 @@ def test_gpu_auto_fine_tunes_through_a_backward() -> None:
     index, weights = random_routing(64, 8, 2, device="cuda")
     hidden = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     module(hidden, index, weights).sum().backward()
-    assert last_backend(module) in {"triton_fused", "grouped_mm"}  # the ranking's call; both have a backward
+    from selector.dispatch import get_backend_registry
+
+    # the ranking's call (on a layer this small a torch backend); whichever it is declares a backward for both
+    picked = get_backend_registry().get(last_backend(module))
+    assert {"hidden_states", "expert_weights"} <= picked.differentiable, picked.name
     assert hidden.grad is not None and module.gate_up_proj.grad is not None
+    assert bool(hidden.grad.isfinite().all()) and bool(module.gate_up_proj.grad.isfinite().all())
 
 
 def _float64_gradients(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

@@ -45,11 +45,11 @@ def _estimate(problem: Problem, env: Environment) -> float:
         return 28e-6 + 1.15 * floor_seconds(problem, env)
     forward = 25e-6 + 1.15 * floor_seconds(problem, env)
     if problem.requires_grad:
-        # A training step: the backward recomputes the pair rows in torch and runs six of torch's grouped GEMMs
-        # with fp32 elementwise passes between them (backward.py), after the fused forward. On the H200 a step
-        # took 2.4x grouped_mm's at T=512 and 1.8x at T=4096 (Qwen3-30B-A3B, `selector bench --modes train`), so
-        # it counts as the forward plus three times grouped_mm's estimate: auto trains with grouped_mm wherever
-        # that runs, and with this backend only where it is the one differentiable choice left.
+        # A training step: after the fused forward the backward recomputes the pair rows in torch and runs six of
+        # torch's grouped GEMMs (backward.py): grouped_mm's whole step, about three of its forwards, on top. On the
+        # H200 a step took 1.21x grouped_mm's at T=512 and 1.12x at T=4096 (Qwen3-30B-A3B, `selector bench --modes
+        # train`), so auto trains with grouped_mm wherever that runs, and with this backend only where it is the
+        # one differentiable choice left.
         return forward + 3 * grouped_mm_estimate(problem, env)
     return forward
 
