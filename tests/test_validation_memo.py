@@ -25,27 +25,28 @@ def _count_value_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_a_signature_that_passed_skips_the_checks_at_level_first(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("level", "checks", "remembered"), [("first", 1, 1), ("full", 3, 0)])
+def test_values_are_checked_once_per_signature_at_first_and_on_every_call_at_full(
+    level: str, checks: int, remembered: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = _count_value_checks(monkeypatch)
     seen: set = set()
     x, ids, w = _inputs()
     for _ in range(3):
-        validate_inputs(x, ids, w, E, H, level="first", seen=seen)
-    assert calls == [1] and len(seen) == 1
-    validate_inputs(x[:2], ids[:2], w[:2], E, H, level="first", seen=seen)  # another token count: values again
+        validate_inputs(x, ids, w, E, H, level=level, seen=seen)
+    assert len(calls) == checks and len(seen) == remembered
+
+
+def test_another_signature_is_checked_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_value_checks(monkeypatch)
+    seen: set = set()
+    x, ids, w = _inputs()
+    validate_inputs(x, ids, w, E, H, level="first", seen=seen)
+    validate_inputs(x[:2], ids[:2], w[:2], E, H, level="first", seen=seen)  # another token count
     validate_inputs(x.double(), ids, w, E, H, level="first", seen=seen)  # another dtype
     validate_inputs(x, ids.int(), w, E, H, level="first", seen=seen)
     validate_inputs(x, ids, w, E + 1, H, level="first", seen=seen)  # another layer size
-    assert calls == [1] * 5 and len(seen) == 5
-
-
-def test_full_checks_values_every_call_and_remembers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _count_value_checks(monkeypatch)
-    seen: set = set()
-    x, ids, w = _inputs()
-    for _ in range(3):
-        validate_inputs(x, ids, w, E, H, level="full", seen=seen)
-    assert calls == [1, 1, 1] and not seen
+    assert len(calls) == 5 and len(seen) == 5
 
 
 def test_a_remembered_signature_at_shapes_does_not_count_for_first(monkeypatch: pytest.MonkeyPatch) -> None:
