@@ -57,6 +57,9 @@ _CHOICES = "_selector_choices"
 _CHECKED = "_selector_checked"
 # caches keyed partly on the weights, forgotten when a module's weights change format (selector.quant)
 _WEIGHT_CACHES = (_PROBLEM, _CHOICES, _FACTS, "_selector_quant_plan")
+# A backend that caches what it read off a module (its gate, say) keeps it in the module's __dict__ under a name
+# with this prefix: forget_module drops those too, so a backend never runs a layout the problem no longer has.
+MODULE_CACHE_PREFIX = "_selector_cached_"
 
 
 class _Resolver:
@@ -201,6 +204,8 @@ def forget_module(module: torch.nn.Module) -> None:
     """Drop what the core cached about the module's weights (after they change format or layout)."""
     for key in _WEIGHT_CACHES:
         module.__dict__.pop(key, None)
+    for key in [k for k in module.__dict__ if k.startswith(MODULE_CACHE_PREFIX)]:
+        del module.__dict__[key]
 
 
 def grad_inputs(
@@ -401,8 +406,7 @@ def _run_eager(
     )
     guard.raise_pending(hidden_states.device)  # a fault the device guard recorded in an earlier call (no sync)
     top_k = top_k_index.shape[1]
-    if state.get(_OWNER) != id(module):  # new, or a deep copy that kept its original's id
-        track(module)
+    track(module)  # new, a deep copy that kept its original's id, or one unpickled where a dead module lived
     if state.get(_TOP_K) != top_k:
         state[_TOP_K] = top_k
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -550,6 +554,7 @@ torch.library.register_fake("selector::experts", _experts_fake, lib=_LIBRARY)
 
 __all__ = [
     "AUTO",
+    "MODULE_CACHE_PREFIX",
     "OPAQUE_WHEN_COMPILED",
     "PINNED_DEFAULTS",
     "backend_forward",

@@ -226,6 +226,27 @@ def test_compiled_modules_are_named_by_constant_ids() -> None:
     assert track(clone) != uid  # a copy is its own layer
 
 
+def test_every_eager_call_keeps_the_module_reachable_by_its_id() -> None:
+    """A module whose registration died while its __dict__ lived on (unpickled, or a copy, where a dead module
+    had lived: same id(), same stored owner) is registered again by its next eager call, so torch.compile finds
+    it by its id."""
+    import copy
+    import gc
+
+    from selector.dispatch import _OWNER, tracked_id, tracked_module
+
+    original = make_experts(4, 16, 8).requires_grad_(False)
+    x = torch.randn(2, 16)
+    index, weights = random_routing(2, 4, 2)
+    original(x, index, weights)
+    twin = copy.deepcopy(original)
+    del original
+    gc.collect()
+    twin.__dict__[_OWNER] = id(twin)  # the state a copy at its dead original's address carries
+    twin(x, index, weights)
+    assert tracked_module(tracked_id(twin)) is twin
+
+
 class BrokenLoad:
     """A fake plugin that looks best on paper but whose implementation fails to import."""
 

@@ -57,3 +57,17 @@ def test_weights_are_read_from_parameters_buffers_and_plain_attributes() -> None
     del module.down_proj
     module.__dict__["down_proj"] = down  # a plain attribute (as some quantised layouts hold theirs)
     assert layers.down_weight(module) is down
+
+
+def test_forget_module_drops_the_cached_gate() -> None:
+    """The gate is read once per module, like its problem; after its declaration changes, forget_module (the call
+    that makes the selection read the problem again) makes the fused kernel read it again too."""
+    from selector.dispatch import forget_module
+    from selector.gates import clamped_swiglu
+
+    module = make_experts(4, 16, 8, layout=Layout(interleaved=True, custom_gate=True), seed=0).requires_grad_(False)
+    module.selector_gate = clamped_swiglu(1.702, 7.0)
+    assert forward._static(module).gate == clamped_swiglu(1.702, 7.0)
+    module.selector_gate = clamped_swiglu(1.0, 3.0)
+    forget_module(module)
+    assert forward._static(module).gate == clamped_swiglu(1.0, 3.0)

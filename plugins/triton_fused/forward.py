@@ -16,7 +16,7 @@ from selector.plugins.triton_fused import backward
 from selector.plugins.triton_fused.kernels import fused_experts
 
 from selector import graphs, layers
-from selector.dispatch import OPAQUE_WHEN_COMPILED, grad_inputs
+from selector.dispatch import MODULE_CACHE_PREFIX, OPAQUE_WHEN_COMPILED, grad_inputs
 from selector.guard import guard_code
 from selector.gates import DEFAULT_GATE, Gate
 from selector.problem import activation_name, gate_of
@@ -44,15 +44,16 @@ def _gate(module: torch.nn.Module) -> Gate:
 
 
 class _Static(NamedTuple):
-    """What a recorded graph bakes in from the module itself, read once per module object (as the selection reads
-    a layer's problem once per module): its gate, and that gate as a small int that a graph key hashes cheaply."""
+    """What a recorded graph bakes in from the module itself, read once per module object, as the selection reads
+    a layer's problem (both are read again after `selector.dispatch.forget_module`): its gate, and that gate as a
+    small int that a graph key hashes cheaply."""
 
     owner: int  # id() of the module it was read from: a deep copy carries this __dict__ entry but reads its own
     gate: Gate
     gate_token: int
 
 
-_STATIC = "_selector_triton_fused_static"
+_STATIC = MODULE_CACHE_PREFIX + "triton_fused_static"  # dropped by forget_module with the module's problem
 _GATE_TOKENS: dict[Gate, int] = {}
 
 
