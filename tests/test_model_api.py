@@ -233,7 +233,7 @@ def test_every_eager_call_keeps_the_module_reachable_by_its_id() -> None:
     import copy
     import gc
 
-    from selector.dispatch import _OWNER, tracked_id, tracked_module
+    from selector.dispatch import tracked_id, tracked_module
 
     original = make_experts(4, 16, 8).requires_grad_(False)
     x = torch.randn(2, 16)
@@ -242,7 +242,8 @@ def test_every_eager_call_keeps_the_module_reachable_by_its_id() -> None:
     twin = copy.deepcopy(original)
     del original
     gc.collect()
-    twin.__dict__[_OWNER] = id(twin)  # the state a copy at its dead original's address carries
+    # the state a copy (or an unpickled module) at its dead original's address carries: the stored owner id is its own
+    twin.__dict__["_selector_uid_owner"] = id(twin)
     twin(x, index, weights)
     assert tracked_module(tracked_id(twin)) is twin
 
