@@ -380,9 +380,9 @@ def _run_eager(
 ) -> torch.Tensor:
     """run_experts outside tracing; `compiled`: called by the opaque op of a compiled model (see choose_backend).
 
-    This runs on every call of every layer, and at decode its Python is a good part of the step: it reads the
-    module's __dict__ once, allocates nothing on a repeat call, and leaves the checks a signature already passed
-    to validate_inputs' memo.
+    This runs on every call of every layer, and at decode its Python is a good part of the step: it reads its
+    state from the module's __dict__ directly, allocates nothing on a repeat call, and leaves the checks a call
+    signature already passed to validate_inputs' memo.
     """
     state = module.__dict__
     weight = layers.up_weight(module)
