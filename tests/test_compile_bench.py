@@ -98,6 +98,8 @@ def test_bench_stack_flag_needs_compile_and_a_positive_count(capsys: pytest.Capt
     assert "expected a whole number of layers, at least 1" in capsys.readouterr().err
     assert main(["bench", "--stack", "4"]) == 2
     assert "--stack goes with --compile" in capsys.readouterr().err
+    assert main(["bench", "--compile", "default", "--modes", "eager,train"]) == 2
+    assert "with --compile, --modes is train" in capsys.readouterr().err
 
 
 def test_bench_compile_flag_checks_the_modes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -129,3 +131,32 @@ def test_gpu_compiled_bench_of_a_stack(tmp_path) -> None:  # noqa: ANN001
     assert data["stack"] == 2 and data["times_per"] == "layer"
     (row,) = data["rows"]
     assert set(row["times_s"]) == {"uncompiled", "default"} and not row["errors"], row
+
+
+@pytest.mark.compile
+def test_training_steps_are_timed_compiled_and_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--modes train` with `--compile`: each timed call is a forward under autograd and its backward, compiled
+    with autograd (auto is traced then, a differentiable backend)."""
+    from selector.bench import grid
+
+    steps: list[tuple] = []
+    real = grid.train_step
+    monkeypatch.setattr(grid, "train_step", lambda fn, layer, x, i, w, g, params: steps.append((x, w, params))
+                        or real(fn, layer, x, i, w, g, params))  # fmt: skip
+    tiny = Problem(4, 16, 8, 2, dtype="float32", device="cpu")
+    result = run_compiled_bench(presets={"tiny": tiny}, tokens=(1, 5), modes=("default",),
+                                backends=("auto", "grouped_mm"), dtype_name="float32", rounds=2, sample_s=0.0,
+                                device="cpu", compiler="aot_eager", train=True)  # fmt: skip
+    rows = {(r.tokens, r.backend): r for r in result.rows}
+    assert set(rows) == {(1, "auto"), (1, "grouped_mm"), (5, "auto"), (5, "grouped_mm")}
+    from selector.dispatch import get_backend_registry
+
+    for row in rows.values():
+        assert set(row.times_s) == {UNCOMPILED, "default"} and not row.errors, row
+        for ran in row.ran.values():  # whatever ran trains every input
+            assert {"hidden_states", "routing_weights", "expert_weights"} <= get_backend_registry().get(ran).differentiable
+    assert result.to_dict()["call"] == "train step"
+    assert steps and all(params for _, _, params in steps)  # the expert weights train too
+    for x, w, params in steps:  # every step ran its backward: its leaves hold gradients
+        assert x.grad is not None and w.grad is not None and all(p.grad is not None for p in params)
+    assert "Each call is a training step" in compiled_table(result)

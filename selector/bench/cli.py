@@ -10,6 +10,8 @@ from typing import Any
 
 from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, MODES
 
+DEFAULT_MODES = ["eager", "graph"]
+
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
@@ -72,6 +74,7 @@ def _cmd_compiled(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         progress=_progress(),
         stack=args.stack or 1,
+        train=args.modes == ["train"],
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +107,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.stack is not None and not args.compile:
         print("selector bench: --stack goes with --compile (layers per compiled module)", file=sys.stderr)
+        return 2
+    if args.compile and args.modes not in (DEFAULT_MODES, ["train"]):
+        print("selector bench: with --compile, --modes is train (a training step per call) or left out (a forward)",
+              file=sys.stderr)  # fmt: skip
         return 2
     if not torch.cuda.is_available():  # before any cell: the run times kernels against the GPU's floor
         build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
@@ -154,10 +161,11 @@ def register(sub: Any) -> None:
                        "(with --compile: 1,8,64,512,4096)")  # fmt: skip
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--backends", type=_names, help="comma list of selector backends (default: all registered)")
-    bench.add_argument("--modes", type=_modes, default=["eager", "graph"],
+    bench.add_argument("--modes", type=_modes, default=DEFAULT_MODES,
                        help="comma list of eager,graph,compile,train; train: one training step per call (forward "
                        "under autograd, then the backward of a fixed gradient; the differentiable backends only, "
-                       "their gradients checked against float64; never saved as tuning records)")  # fmt: skip
+                       "their gradients checked against float64; never saved as tuning records); with --compile "
+                       "only train, to time training steps compiled against uncompiled")  # fmt: skip
     bench.add_argument("--graph-max-tokens", type=int, default=4096)
     bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (all backends each round)")
     bench.add_argument("--memory-cap-gb", type=float, default=40.0, help="skip cells needing more temporaries")

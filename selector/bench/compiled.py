@@ -58,10 +58,12 @@ class CompiledBench:
     compile_s: dict[str, float] = field(default_factory=dict)  # "preset/backend/mode" -> seconds of first calls
     skipped: dict[str, str] = field(default_factory=dict)  # "preset/backend" -> why
     stack: int = 1  # layers per timed call; every time in `rows` is per layer (a call's time / stack)
+    train: bool = False  # one timed call is a training step (forward under autograd, then the backward)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "device": self.device, "modes": self.modes, "stack": self.stack,
-                "times_per": "layer", "rows": [asdict(r) for r in self.rows], "compile_s": self.compile_s,
+                "times_per": "layer", "call": "train step" if self.train else "forward",
+                "rows": [asdict(r) for r in self.rows], "compile_s": self.compile_s,
                 "skipped": self.skipped}  # fmt: skip
 
 
@@ -123,11 +125,15 @@ def run_compiled_bench(
     device: str = "cuda",
     compiler: str = "inductor",
     stack: int = 1,
+    train: bool = False,
 ) -> CompiledBench:
     """Time every backend uncompiled and compiled in each mode (see the module docstring). `presets`: preset
     names, or names mapped to their `Problem`. `stack`: layers per timed module (1: the layer itself), times
-    per layer. `device="cpu"` (with another `compiler`, e.g. "aot_eager") runs the harness on the CPU for a
-    check, on the host clock, one call per sample: its times mean nothing."""
+    per layer. `train`: one timed call is a training step, as `selector bench --modes train` times it (hidden
+    states, routing weights and expert weights require grad; the backward of a fixed gradient; gradients set
+    to None before each step), compiled with autograd. `device="cpu"` (with another `compiler`, e.g.
+    "aot_eager") runs the harness on the CPU for a check, on the host clock, one call per sample: its times
+    mean nothing."""
     import torch
 
     from selector.presets import preset
@@ -140,7 +146,7 @@ def run_compiled_bench(
     os.environ["SELECTOR_VALIDATE"] = before or "shapes"  # the layer is timed, not the per-call checks
     dtype = getattr(torch, dtype_name)
     result = CompiledBench(device=torch.cuda.get_device_name() if device == "cuda" else device, modes=list(modes),
-                           stack=stack)  # fmt: skip
+                           stack=stack, train=train)  # fmt: skip
     shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
     say = progress or (lambda msg: None)
     # every layer here is one module class: its forward is one code object, compiled once per layer and mode, which
@@ -199,6 +205,7 @@ def _bench_preset(
         members = [make_layer(torch, problem, dtype, device, seed=i, weights=w) for i, w in enumerate(weights)]
         for member in members:
             set_requested_implementation(member, name)
+            member.requires_grad_(result.train)
         why = _runs_here(name, members[0])
         if why is not None:
             result.skipped[f"{shape}/{name}"] = why
@@ -207,24 +214,27 @@ def _bench_preset(
         firsts[name] = members[0]
     compiled: dict[tuple[str, str], Callable[..., Any]] = {}
     for name, run in runs.items():
-        with torch.no_grad():  # every layer seen eagerly before tracing
+        with torch.set_grad_enabled(result.train):  # every layer seen eagerly before tracing
             run(*_inputs(torch, problem, 3, dtype, random_routing, device))
         for mode in modes:
             compiled[(name, mode)] = _compiled(torch, run, name, mode, compiler)
+    bind = _bound_step if result.train else _bound
     for t in tokens:
         say(f"{shape} T={t}")
         inputs = _inputs(torch, problem, t, dtype, random_routing, device)
+        if result.train:
+            inputs = (inputs[0].requires_grad_(True), inputs[1], inputs[2].requires_grad_(True))
         runners: dict[str, Callable[[], Any]] = {}
         errors: dict[str, str] = {}
         for name, run in runs.items():
-            runners[f"{name}|{UNCOMPILED}"] = _bound(torch, run, inputs)
+            runners[f"{name}|{UNCOMPILED}"] = bind(torch, run, inputs, run)
             for mode in modes:
                 key, fn = f"{name}|{mode}", compiled[(name, mode)]
                 start = time.perf_counter()
                 try:  # the first calls at this T trace, compile, record: outside the timing
-                    with torch.no_grad():
-                        for _ in range(3):
-                            fn(*inputs)
+                    first = bind(torch, fn, inputs, run)
+                    for _ in range(3):
+                        first()
                     sync()
                 except Exception as exc:  # noqa: BLE001 - reported per runner, the others still run
                     errors[key] = _short(exc)
@@ -232,7 +242,7 @@ def _bench_preset(
                 elapsed = time.perf_counter() - start
                 result.compile_s[f"{shape}/{name}/{mode}"] = result.compile_s.get(
                     f"{shape}/{name}/{mode}", 0.0) + elapsed  # fmt: skip
-                runners[key] = _bound(torch, fn, inputs)
+                runners[key] = bind(torch, fn, inputs, run)
         timings = time_interleaved(torch, runners, "compile", rounds=rounds, sample_s=sample_s, device=device,
                                    errors=errors)  # fmt: skip
         for name in runs:
@@ -245,11 +255,9 @@ def _bench_preset(
                 elif key in errors:
                     row.errors[mode] = errors[key]
                 if mode != UNCOMPILED and key in runners and key not in errors:
-                    with torch.no_grad():
-                        runners[key]()
+                    runners[key]()
                     row.ran[mode] = last_backend(firsts[name])
-            with torch.no_grad():
-                runners[f"{name}|{UNCOMPILED}"]()
+            runners[f"{name}|{UNCOMPILED}"]()
             row.ran[UNCOMPILED] = last_backend(firsts[name])
             result.rows.append(row)
 
@@ -262,12 +270,24 @@ def _inputs(
     return hidden, index, weights
 
 
-def _bound(torch: Any, fn: Callable[..., Any], inputs: tuple[Any, ...]) -> Callable[[], Any]:
+def _bound(torch: Any, fn: Callable[..., Any], inputs: tuple[Any, ...], module: Any = None) -> Callable[[], Any]:
+    # `module`: unused, so that _bound and _bound_step take the same arguments
     def call() -> Any:
         with torch.no_grad():
             return fn(*inputs)
 
     return call
+
+
+def _bound_step(torch: Any, fn: Callable[..., Any], inputs: tuple[Any, ...], module: Any) -> Callable[[], Any]:
+    """One training step of fn (`module`, or it compiled) on `inputs`, as the grid's train mode runs one
+    (`selector.bench.grid.train_step`: gradients set to None, forward, backward of a fixed upstream gradient)."""
+    from selector.bench.grid import train_step
+
+    x, index, weights = inputs
+    params = [p for p in module.parameters() if p.requires_grad]
+    upstream = torch.linspace(-1.0, 1.0, x.numel(), device=x.device, dtype=x.dtype).view_as(x)
+    return train_step(lambda _layer, h, i, w: fn(h, i, w), module, x, index, weights, upstream, params)
 
 
 def _short(exc: BaseException) -> str:
@@ -289,6 +309,8 @@ def compiled_table(result: CompiledBench) -> str:
     caption = ("One experts layer per call." if result.stack == 1 else
                f"A stack of {result.stack} experts layers per call (x = x + layer_i(x, ...), compiled as one); "
                f"times per layer: a call's time / {result.stack}.")  # fmt: skip
+    if result.train:
+        caption += " Each call is a training step: the forward under autograd, then the backward."
     lines = [caption, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result.rows:
         if not row.times_s and row.errors:  # nothing ran: the reasons instead
