@@ -412,7 +412,7 @@ def _run_eager(
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     requested = implementation or state.get(_REQUEST, AUTO)
     bucket = token_bucket(hidden_states.shape[0]) if requested == AUTO else 0
-    needs_grad = grad_inputs(module, hidden_states, top_k_weights) if torch.is_grad_enabled() else ()
+    needs_grad = grad_inputs(module, hidden_states, top_k_weights)
     key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, needs_grad, compiled,
            _RESOLVER.generation)  # fmt: skip
     choices = state.get(_CHOICES)

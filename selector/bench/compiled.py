@@ -218,21 +218,25 @@ def _bench_preset(
             run(*_inputs(torch, problem, 3, dtype, random_routing, device))
         for mode in modes:
             compiled[(name, mode)] = _compiled(torch, run, name, mode, compiler)
-    bind = _bound_step if result.train else _bound
     for t in tokens:
         say(f"{shape} T={t}")
         inputs = _inputs(torch, problem, t, dtype, random_routing, device)
         if result.train:
             inputs = (inputs[0].requires_grad_(True), inputs[1], inputs[2].requires_grad_(True))
+
+        def bind(fn: Callable[..., Any], module: Any, inputs: tuple[Any, ...] = inputs) -> Callable[[], Any]:
+            """fn (`module`, or it compiled) on this T's inputs: a training step, or a forward without grad."""
+            return _bound_step(torch, fn, inputs, module) if result.train else _bound(torch, fn, inputs)
+
         runners: dict[str, Callable[[], Any]] = {}
         errors: dict[str, str] = {}
         for name, run in runs.items():
-            runners[f"{name}|{UNCOMPILED}"] = bind(torch, run, inputs, run)
+            runners[f"{name}|{UNCOMPILED}"] = bind(run, run)
             for mode in modes:
                 key, fn = f"{name}|{mode}", compiled[(name, mode)]
                 start = time.perf_counter()
                 try:  # the first calls at this T trace, compile, record: outside the timing
-                    first = bind(torch, fn, inputs, run)
+                    first = bind(fn, run)
                     for _ in range(3):
                         first()
                     sync()
@@ -242,7 +246,7 @@ def _bench_preset(
                 elapsed = time.perf_counter() - start
                 result.compile_s[f"{shape}/{name}/{mode}"] = result.compile_s.get(
                     f"{shape}/{name}/{mode}", 0.0) + elapsed  # fmt: skip
-                runners[key] = bind(torch, fn, inputs, run)
+                runners[key] = bind(fn, run)
         timings = time_interleaved(torch, runners, "compile", rounds=rounds, sample_s=sample_s, device=device,
                                    errors=errors)  # fmt: skip
         for name in runs:
@@ -270,8 +274,7 @@ def _inputs(
     return hidden, index, weights
 
 
-def _bound(torch: Any, fn: Callable[..., Any], inputs: tuple[Any, ...], module: Any = None) -> Callable[[], Any]:
-    # `module`: unused, so that _bound and _bound_step take the same arguments
+def _bound(torch: Any, fn: Callable[..., Any], inputs: tuple[Any, ...]) -> Callable[[], Any]:
     def call() -> Any:
         with torch.no_grad():
             return fn(*inputs)

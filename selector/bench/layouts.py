@@ -82,4 +82,3 @@ def reference_of(torch: Any, layer: Any, problem: Problem, x: Any, index: Any, w
         params = {name: getattr(layer, name)[e].double() for name in expert_params(problem)}
         out.index_add_(0, t, expert_rows(layer, problem, x64[t], params) * w[t, j].unsqueeze(-1))
     return out
-
