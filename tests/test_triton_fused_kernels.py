@@ -206,6 +206,98 @@ def test_deterministic():
     assert torch.equal(a, b)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# The TMA path (blocks of >= TMA_MIN_BLOCK_M rows on sm_90+; the interpreter runs its descriptors too)
+# ------------------------------------------------------------------------------------------------------------
+
+TMA_CONFIG = {"BLOCK_M": 128, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 16}, "down": {"BLOCK_N": 32, "BLOCK_K": 16}}
+TMA_CASES = [
+    # id, (T, H, I, E, k), kwargs: every size a multiple of BLOCK_K (16), so transposed storage qualifies too
+    ("plain", (150, 32, 24, 3, 2), {}),
+    ("interleaved", (150, 48, 40, 3, 2), dict(interleaved=True)),
+    ("transposed_interleaved_bias", (150, 32, 32, 3, 2), dict(transposed=True, interleaved=True, bias=True)),
+    ("transposed", (150, 48, 32, 3, 2), dict(transposed=True)),
+    ("not_gated", (150, 32, 24, 3, 2), dict(gated=False, activation="gelu")),
+]
+
+
+def _gemm_launches(monkeypatch):
+    """Records the TMA switches of every GEMM launch."""
+    seen = []
+    real = K.launch
+
+    def spy(fn, grid, args, consts, *rest):
+        if fn is K._moe_gemm_kernel:
+            seen.append((consts["W_TMA"], consts["A_TMA"], consts["OUT_BLOCKED"]))
+        return real(fn, grid, args, consts, *rest)
+
+    monkeypatch.setattr(K, "launch", spy)
+    return seen
+
+
+def _run(case, E, **kw):
+    return K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=E,
+                           gate_up_bias=case["b1"], down_bias=case["b2"], config=TMA_CONFIG, **kw)  # fmt: skip
+
+
+@pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90+")
+@pytest.mark.parametrize("shape,kw", [(s, kw) for _, s, kw in TMA_CASES], ids=[n for n, _, _ in TMA_CASES])
+def test_tma_path_matches_the_reference_and_the_pointer_path_bit_for_bit(shape, kw, monkeypatch):
+    T, H, I, E, k = shape
+    kw = dict(kw)
+    case = make_case(T, H, I, E, k, bias=kw.pop("bias", False), gated=kw.get("gated", True),
+                     transposed=kw.get("transposed", False), routing="skewed")  # fmt: skip
+    seen = _gemm_launches(monkeypatch)
+    run_and_check(case, E, 1e-5, config=TMA_CONFIG, **kw)
+    assert seen == [(True, False, True), (True, True, False)], "gate_up writes block order, down reads it by TMA"
+    via_tma = _run(case, E, **kw)
+    seen.clear()
+    monkeypatch.setattr(K, "_tma_device", lambda device: False)
+    via_pointers = _run(case, E, **kw)
+    assert seen == [(False, False, False)] * 2
+    assert torch.equal(via_tma, via_pointers), "same tiles, same K order: the same bits"
+
+
+@pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90+")
+def test_tma_with_x_in_block_order(monkeypatch):
+    case = make_case(150, 32, 24, 3, 2, routing="skewed")
+    monkeypatch.setattr(K, "SORTED_X_MIN_I", 16)  # the rule is for large intermediates; the path is the same
+    seen = _gemm_launches(monkeypatch)
+    run_and_check(case, 3, 1e-5, config=TMA_CONFIG)
+    assert seen == [(True, True, True), (True, True, False)]
+    monkeypatch.setattr(K, "_tma_device", lambda device: False)
+    assert torch.equal(_run(case, 3), K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"],
+                                                      num_experts=3, config=TMA_CONFIG))  # fmt: skip
+
+
+def test_tma_declined_where_a_descriptor_cannot_read_the_tiles(monkeypatch):
+    monkeypatch.setattr(K, "_tma_device", lambda device: True)
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 64}
+    w = torch.empty(4, 256, 512, dtype=torch.bfloat16)
+    assert K.part_layout("down", w, 128, cfg, i_dim=512) == {"w_tma": True, "a_tma": True, "out_blocked": False}
+    assert K.part_layout("gate_up", w, 128, cfg, i_dim=128)["out_blocked"]
+    declined = {
+        "blocks of 64 rows (measured slower)": K.part_layout("down", w, 64, cfg, i_dim=512),
+        "intermediate rows not a multiple of 16 bytes": K.part_layout("down", w, 128, cfg, i_dim=500),
+        "weights not contiguous": K.part_layout("down", w.transpose(1, 2), 128, cfg, i_dim=256),
+        "rows not a multiple of 16 bytes": K.part_layout("down", w[:, :, :500], 128, cfg, i_dim=512),
+        "a box side over 256": K.part_layout("down", w, 128, {"BLOCK_N": 512, "BLOCK_K": 64}, i_dim=512),
+        "a contiguous side over 128 bytes": K.part_layout("down", w, 128, {"BLOCK_N": 64, "BLOCK_K": 128},
+                                                          i_dim=512),  # fmt: skip
+        "transposed, K not a multiple of BLOCK_K": K.part_layout("down", torch.empty(4, 200, 512, dtype=torch.bfloat16),
+                                                                 128, cfg, i_dim=200, transposed=True),  # fmt: skip
+        "transposed, a 256-byte channel tile": K.part_layout("down", torch.empty(4, 256, 512, dtype=torch.bfloat16),
+                                                             128, {"BLOCK_N": 128, "BLOCK_K": 64}, i_dim=256,
+                                                             transposed=True),  # fmt: skip
+        "interleaved: gate and up in one 2*BLOCK_N tile": K.part_layout(
+            "gate_up", torch.empty(4, 512, 256, dtype=torch.bfloat16), 128, {"BLOCK_N": 64, "BLOCK_K": 64}, i_dim=256,
+            interleaved=True, transposed=True),  # fmt: skip
+    }
+    assert all(v == K.NO_TMA for v in declined.values()), {k: v for k, v in declined.items() if v != K.NO_TMA}
+    monkeypatch.setattr(K, "_tma_device", lambda device: False)
+    assert K.part_layout("down", w, 128, cfg, i_dim=512) == K.NO_TMA
+
+
 def _check_align(ids_flat, E, bm):
     sorted_rows, block_expert = A.align(ids_flat, E, bm)
     n = ids_flat.numel()
@@ -449,6 +541,27 @@ def test_gpu_repeated_calls_fast_launch(monkeypatch):
     monkeypatch.setattr(L, "_LAUNCH_CACHE", _NoCache())  # every launch through Triton's own dispatch
     slow = K.fused_experts(*args, num_experts=16)
     assert torch.equal(fast, slow)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90+")
+@pytest.mark.parametrize("kw", [{}, dict(transposed=True), dict(interleaved=True, bias=True)], ids=str)
+def test_gpu_tma_large_intermediate(kw, monkeypatch):
+    # I >= SORTED_X_MIN_I: x copied into block order too; the shipped/heuristic tiles give BLOCK_M 128 here
+    kw = dict(kw)
+    case = make_case(1200, 1024, 4096, 4, 2, dtype=torch.bfloat16, device="cuda", bias=kw.pop("bias", False),
+                     transposed=kw.get("transposed", False), routing="skewed")  # fmt: skip
+    cfg = {"BLOCK_M": 128, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8},
+           "down": {"BLOCK_N": 64 if kw.get("transposed") else 128, "BLOCK_K": 64, "num_warps": 8}}  # fmt: skip
+    seen = _gemm_launches(monkeypatch)
+    run_and_check(case, 4, TOL[torch.bfloat16], config=cfg, **kw)
+    assert seen[:2] == [(True, True, True), (True, True, False)], "x, weights and intermediate through TMA"
+    via_tma = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=4,
+                              gate_up_bias=case["b1"], down_bias=case["b2"], config=cfg, **kw)  # fmt: skip
+    monkeypatch.setattr(K, "_tma_device", lambda device: False)
+    via_pointers = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=4,
+                                   gate_up_bias=case["b1"], down_bias=case["b2"], config=cfg, **kw)  # fmt: skip
+    assert torch.equal(via_tma, via_pointers)
 
 
 @pytest.mark.gpu

@@ -23,8 +23,14 @@ Launches per call (no host synchronisation anywhere, so a call can be captured i
 4. ``triton_common.combine``: out[t] = sum over j of y[t*k+j] in fixed order, fp32 accumulation (deterministic,
    no atomics); sentinel slots are skipped.
 
-Temporaries: intermediate (T*k*I) and y (T*k*H) in the input dtype plus a few small int32 buffers, within
-2 * T*k * max(2I, H) * 2 bytes.
+Blocks of TMA_MIN_BLOCK_M rows or more on sm_90+ (large T) read the weight tiles through TMA descriptors; the
+gate_up GEMM then writes the intermediate in block order (padding slots too) and the down GEMM reads it through
+a descriptor, without a gather; from SORTED_X_MIN_I up, x is first copied into block order and read the same way
+(``part_layout``). Same tiles, same K order: the bits are those of the pointer path.
+
+Temporaries: intermediate (T*k*I; in block order at most min(T*k, E) * (BLOCK_M - 1) rows more) and y (T*k*H)
+in the input dtype, x in block order where copied, plus a few small int32 buffers: within 2 * T*k * max(2I, H) *
+2 bytes for the tiles the tables and heuristics pick (BLOCK_M 128 only where experts see about 100 rows or more).
 """
 
 from __future__ import annotations
@@ -37,9 +43,9 @@ import triton.language as tl
 from selector.plugins.triton_common.activation import ACT_CODE, GATE_CODE
 from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.activation import gate as _gate
-from selector.plugins.triton_common.align import align
+from selector.plugins.triton_common.align import align, max_blocks_for
 from selector.plugins.triton_common.combine import combine
-from selector.plugins.triton_common.launch import cdiv, empty, launch
+from selector.plugins.triton_common.launch import INTERPRET, TensorDescriptor, cdiv, empty, launch
 
 from selector.guard import resolve as resolve_guard
 
@@ -73,12 +79,15 @@ def _moe_gemm_kernel(
     sorted_ptr,
     block_expert_ptr,
     topk_w_ptr,
+    a_desc,
+    w_desc,
     num_valid,
     N,
     K,
     a_div,
     num_blocks_m,
     up_offset,
+    w_rows,
     stride_am,
     stride_ak,
     stride_we,
@@ -103,6 +112,10 @@ def _moe_gemm_kernel(
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    A_TMA: tl.constexpr = False,
+    W_TMA: tl.constexpr = False,
+    W_K_ROWS: tl.constexpr = False,
+    OUT_BLOCKED: tl.constexpr = False,
 ):
     """out[row, n] = epilogue( sum_k A[row // a_div, k] * W[e, n, k] ) for the rows of each expert block.
 
@@ -110,6 +123,12 @@ def _moe_gemm_kernel(
     n + up_offset (up) when concatenated, 2n and 2n+1 when interleaved; the bias is added to both before the
     gate (GATE, ACT: triton_common.activation.gate, with gate_alpha / gate_limit for the clamped SwiGLU). W is
     addressed through (stride_wn, stride_wk), so transposed storage needs no copy.
+
+    TMA (sm_90+, see ``part_layout``): W_TMA reads the weight tiles through w_desc, the weights seen as 2-D with
+    `w_rows` rows per expert ([E * N_stored, K], or [E * K, N_stored] when W_K_ROWS: transposed storage); A_TMA
+    reads A's rows in block order through a_desc (row pid_m * BLOCK_M + i of block pid_m, no gather).
+    OUT_BLOCKED stores row i of block pid_m at out row pid_m * BLOCK_M + i (padding slots too, computed from row
+    0), instead of at the pair's own row: the down GEMM then reads it with A_TMA.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -123,6 +142,7 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
+    w_row0 = expert * w_rows  # int32: tma_fits checks that every row index fits
     expert = expert.to(tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -145,13 +165,10 @@ def _moe_gemm_kernel(
         b_ptrs = w_base + offs_c[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for kk in range(0, num_k):
-            if EVEN_K and EVEN_N:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = offs_k < K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+            k_ok = offs_k < K - kk * BLOCK_K
+            a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
+            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * 2 * BLOCK_N, kk * BLOCK_K, k_ok, c_ok, EVEN_K and EVEN_N,
+                        W_TMA, W_K_ROWS)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_wk
@@ -166,16 +183,12 @@ def _moe_gemm_kernel(
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, num_k):
-            if EVEN_K and EVEN_N:
-                a = tl.load(a_ptrs)
-                bg = tl.load(bg_ptrs)
-                bu = tl.load(bu_ptrs)
-            else:
-                k_ok = offs_k < K - kk * BLOCK_K
-                b_ok = k_ok[:, None] & n_ok[None, :]
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                bg = tl.load(bg_ptrs, mask=b_ok, other=0.0)
-                bu = tl.load(bu_ptrs, mask=b_ok, other=0.0)
+            k_ok = offs_k < K - kk * BLOCK_K
+            a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
+            bg = _w_tile(bg_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
+                         W_TMA, W_K_ROWS)  # fmt: skip
+            bu = _w_tile(bu_ptrs, w_desc, w_row0, up_offset + pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok,
+                         EVEN_K and EVEN_N, W_TMA, W_K_ROWS)  # fmt: skip
             acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
             acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
@@ -192,13 +205,10 @@ def _moe_gemm_kernel(
         b_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, num_k):
-            if EVEN_K and EVEN_N:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = offs_k < K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            k_ok = offs_k < K - kk * BLOCK_K
+            a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
+            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
+                        W_TMA, W_K_ROWS)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_wk
@@ -211,9 +221,40 @@ def _moe_gemm_kernel(
         rw = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         res = res * rw[:, None]
 
-    out_rows = rows.to(tl.int64)
+    if OUT_BLOCKED:
+        out_rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+        o_mask = n_ok[None, :]
+    else:
+        out_rows = rows.to(tl.int64)
+        o_mask = row_ok[:, None] & n_ok[None, :]
     o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _a_tile(a_ptrs, a_desc, row, k0, k_ok, EVEN_K: tl.constexpr, A_TMA: tl.constexpr):
+    """A's [BLOCK_M, BLOCK_K] tile at K offset k0: block rows from `row` through the descriptor (columns past K
+    read as zero), else the gathered rows' pointers (masked past K)."""
+    if A_TMA:
+        return a_desc.load([row, k0])
+    if EVEN_K:
+        return tl.load(a_ptrs)
+    return tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _w_tile(b_ptrs, w_desc, w_row0, c0, k0, k_ok, c_ok, EVEN: tl.constexpr, W_TMA: tl.constexpr,
+            W_K_ROWS: tl.constexpr):  # fmt: skip
+    """The weight tile [BLOCK_K, channels] of stored channels c0.. at K offset k0. Through the descriptor,
+    channels past the expert's read the next expert's rows (or zeros past the last): their outputs are never
+    stored; with W_K_ROWS, K is a multiple of BLOCK_K (``tma_fits``), so no K row reaches past the expert."""
+    if W_TMA:
+        if W_K_ROWS:
+            return w_desc.load([w_row0 + k0, c0])
+        return w_desc.load([w_row0 + c0, k0]).T
+    if EVEN:
+        return tl.load(b_ptrs)
+    return tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -230,24 +271,111 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _launch_gemm(
     a, w, bias, out, sorted_rows, block_expert, topk_w, *, num_valid, n_out, k_dim, a_div, block_m,
     stride_wn, stride_wk, up_offset, gated, interleaved, act, mul_w, cfg, dot_prec, gate=0, gate_alpha=1.0,
-    gate_limit=0.0,
+    gate_limit=0.0, w_tma=False, a_tma=False, out_blocked=False,
 ):  # fmt: skip
+    """One grouped GEMM launch. `w_tma`: weight tiles through a TMA descriptor (``tma_fits`` said yes);
+    `a_tma`: `a` holds the rows in block order (the gate_up launch's `out_blocked` output); `out_blocked`: write
+    rows in block order, `out` holding ``sorted_rows.numel()`` rows."""
     num_blocks_m = block_expert.numel()
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (num_blocks_m * cdiv(n_out, bn),)
     has_bias = bias is not None
+    k_rows = stride_wk != 1  # transposed storage: the 2-D view has K rows per expert
+    a_desc = w_desc = a  # placeholders, unused without TMA
+    if w_tma:
+        tile_c = bn * (2 if gated and interleaved else 1)
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [bk, tile_c] if k_rows else [tile_c, bk])
+    if a_tma:
+        a_desc = TensorDescriptor.from_tensor(a, [block_m, bk])
     launch(
         _moe_gemm_kernel, grid,
-        (a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a,
-         num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset,
+        (a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a, a_desc, w_desc,
+         num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset, w.shape[1],
          a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
          bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
          out.stride(0), out.stride(1), float(gate_alpha), float(gate_limit)),
         dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], GATED=gated, INTERLEAVED=interleaved,
              ACT=act, GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0),
-             EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec),
+             EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, A_TMA=a_tma, W_TMA=w_tma, W_K_ROWS=w_tma and k_rows,
+             OUT_BLOCKED=out_blocked),
         cfg["num_warps"], cfg["num_stages"],
     )  # fmt: skip
+
+
+# TMA boxes: at most 256 elements a side. Measured on the H200 (docs/design/triton_fused.md): blocks of 128 rows
+# gain 7-14% through TMA, blocks of 64 (Qwen at T=512) lose 20-30%, so smaller blocks keep pointer loads.
+TMA_MIN_BLOCK_M = 128
+# From this intermediate size up, x is also copied into block order so that gate_up reads it by TMA: the copy
+# costs T*k*H, the GEMM T*k*H*I (Mixtral's I=14336 gains 6-10%; I <= 2048 gains nothing or loses).
+SORTED_X_MIN_I = 4096
+TMA_MAX_BOX = 256
+TMA_MAX_INNER_BYTES = 128  # a box's contiguous side, at most one 128-byte swizzle span in Triton 3.6's lowering
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _tma_device(device: torch.device) -> bool:
+    """sm_90+ (or the interpreter, for the tests) with a Triton that has host-side descriptors."""
+    if TensorDescriptor is None:
+        return False
+    if device.type != "cuda":
+        return INTERPRET
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] >= (9, 0)
+
+
+def tma_fits(w: torch.Tensor, block_m: int, cfg: dict, tile_c: int, k_rows: bool) -> bool:
+    """Whether one GEMM's weights `w` [E, ., .] can come through a TMA descriptor with these tiles: stored
+    contiguously with rows of a multiple of 16 bytes from a 16-byte aligned start, fewer than 2^31 rows in
+    the 2-D view (int32 coordinates), every box side within TMA_MAX_BOX and its contiguous side within
+    TMA_MAX_INNER_BYTES (BLOCK_K, or the channel tile when transposed), and, for transposed storage (`k_rows`:
+    K rows per expert), K a multiple of BLOCK_K so that no tile reads the next expert's rows."""
+    if not TMA_MIN_BLOCK_M <= block_m <= TMA_MAX_BOX or max(tile_c, cfg["BLOCK_K"]) > TMA_MAX_BOX:
+        return False
+    if (tile_c if k_rows else cfg["BLOCK_K"]) * w.element_size() > TMA_MAX_INNER_BYTES:
+        return False
+    if not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16 or w.data_ptr() % 16:
+        return False
+    if w.shape[0] * w.shape[1] >= 2**31 or (k_rows and w.shape[1] % cfg["BLOCK_K"]):
+        return False
+    return _tma_device(w.device)
+
+
+def inter_rows_bound(num_pairs: int, num_experts: int) -> int:
+    """Rows enough for an intermediate in pair order or in block order for any BLOCK_M up to TMA_MAX_BOX."""
+    return max(num_pairs, max_blocks_for(num_pairs, num_experts, TMA_MAX_BOX) * TMA_MAX_BOX)
+
+
+def rows_in_block_order(hidden_states: torch.Tensor, sorted_rows: torch.Tensor, num_pairs: int,
+                        top_k: int) -> torch.Tensor:  # fmt: skip
+    """x's row of each slot of the sorted blocks ([sorted_rows.numel(), H]); padding slots and the unused tail
+    (never written by the align) read row 0."""
+    real = (sorted_rows >= 0) & (sorted_rows < num_pairs)
+    src = torch.where(real, sorted_rows // top_k, 0)
+    return hidden_states.index_select(0, src)
+
+
+NO_TMA: dict[str, bool] = {"w_tma": False, "a_tma": False, "out_blocked": False}
+
+
+def part_layout(part: str, w: torch.Tensor, block_m: int, cfg: dict, *, i_dim: int, gated: bool = True,
+                interleaved: bool = False, transposed: bool = False) -> dict[str, bool]:  # fmt: skip
+    """The TMA switches (``_launch_gemm``'s w_tma, a_tma, out_blocked) of one GEMM, "gate_up" or "down", with
+    weights `w` as stored and tiles `cfg`: weights by descriptor where ``tma_fits``; the intermediate (rows of
+    a multiple of 16 bytes) written in block order and read back by descriptor; from SORTED_X_MIN_I up, x in
+    block order read by descriptor too. A layer uses them only when both GEMMs can (``fused_experts_impl``)."""
+    if block_m < TMA_MIN_BLOCK_M or (i_dim * w.element_size()) % 16:
+        return NO_TMA
+    if part == "down":
+        tma = tma_fits(w, block_m, cfg, cfg["BLOCK_N"], transposed)
+        return {"w_tma": tma, "a_tma": tma, "out_blocked": False}
+    tile_c = cfg["BLOCK_N"] * (2 if gated and interleaved else 1)
+    if not tma_fits(w, block_m, cfg, tile_c, transposed):
+        return NO_TMA
+    hidden = w.shape[1] if transposed else w.shape[2]
+    x_sorted = i_dim >= SORTED_X_MIN_I and (hidden * w.element_size()) % 16 == 0
+    return {"w_tma": True, "a_tma": x_sorted, "out_blocked": True}
 
 
 def _dims(hidden_states, gate_up_proj, down_proj, gated, transposed):
@@ -370,21 +498,32 @@ def fused_experts_impl(
     checks = resolve_guard(guard, ids.device, num_experts)
     sorted_rows, block_expert = align(ids, num_experts, bm, checks, tw)
 
-    inter = empty((n_pairs, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
+    # through TMA the intermediate is written in block order (padding rows too) and read back by descriptor
+    gu = part_layout("gate_up", gate_up_proj, bm, cfg["gate_up"], i_dim=i_dim, gated=gated,
+                     interleaved=interleaved and gated, transposed=transposed)  # fmt: skip
+    dn = part_layout("down", down_proj, bm, cfg["down"], i_dim=i_dim, transposed=transposed)
+    if not (gu["w_tma"] and dn["w_tma"]):
+        gu = dn = NO_TMA
+    inter_rows = sorted_rows.numel() if gu["out_blocked"] else n_pairs
+    inter = empty((inter_rows, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
+    x_sorted = gu["a_tma"]
+    a1 = rows_in_block_order(hidden_states, sorted_rows, n_pairs, top_k) if x_sorted else hidden_states
     gate_code = GATE_CODE[gate] if gated else 0
     act_code = ACT_CODE[activation] if gate_code == 0 else 0  # the clamped SwiGLU brings its own activation
     _launch_gemm(
-        hidden_states, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
-        num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=top_k, block_m=bm, stride_wn=s1n, stride_wk=s1k,
-        up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code, mul_w=False,
+        a1, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
+        num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=1 if x_sorted else top_k, block_m=bm, stride_wn=s1n,
+        stride_wk=s1k, up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code, mul_w=False,
         cfg=cfg["gate_up"], dot_prec=dot_prec, gate=gate_code,
         gate_alpha=1.0 if gate_alpha is None else gate_alpha, gate_limit=0.0 if gate_limit is None else gate_limit,
+        **gu,
     )  # fmt: skip
     y = empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
     _launch_gemm(
         inter, down_proj, down_bias, y, sorted_rows, block_expert, tw,
         num_valid=n_pairs, n_out=h, k_dim=i_dim, a_div=1, block_m=bm, stride_wn=s2n, stride_wk=s2k,
         up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=cfg["down"], dot_prec=dot_prec,
+        **dn,
     )  # fmt: skip
     combine(y, ids, out, top_k, num_experts, guard=checks, weights=tw)
     return out

@@ -126,30 +126,35 @@ def tune_cell(
     ids, tw = _routing(num_tokens, top_k, e, dev)
     ids_flat, tw_flat = ids.reshape(-1), tw.reshape(-1)
     n_pairs = num_tokens * top_k
-    inter = torch.randn(n_pairs, i_dim, device=dev, dtype=dt)
+    inter = torch.randn(_k.inter_rows_bound(n_pairs, e), i_dim, device=dev, dtype=dt)  # block order fits too
     y = torch.empty(n_pairs, h, device=dev, dtype=dt)
     prec = _k._dot_precision(dt)
     best: dict[str, Any] | None = None
     for bm in block_m_candidates(num_tokens, top_k, e):
         sorted_rows, block_expert = _k.align(ids_flat, e, bm)
         t_align = _bench(lambda: _k.align(ids_flat, e, bm), warmup_ms, rep_ms)
+        x_sorted = _k.rows_in_block_order(x, sorted_rows, n_pairs, top_k)
         parts: dict[str, tuple[float, dict[str, int]]] = {}
         for part in ("gate_up", "down"):
             n_out = i_dim if part == "gate_up" else h
             for cfg in gemm_candidates(bm, n_out, gated and part == "gate_up", elem):
                 full = dict(cfg)
+                # the TMA layout the layer would run these tiles with (kernels.part_layout)
+                tma = _k.part_layout(part, w1 if part == "gate_up" else w2, bm, full, i_dim=i_dim, gated=gated)
                 if part == "gate_up":
+                    a, a_div = (x_sorted, 1) if tma["a_tma"] else (x, top_k)
                     fn = lambda: _k._launch_gemm(  # noqa: E731
-                        x, w1, None, inter, sorted_rows, block_expert, None, num_valid=n_pairs, n_out=i_dim,
-                        k_dim=h, a_div=top_k, block_m=bm, stride_wn=w1.stride(1), stride_wk=w1.stride(2),
+                        a, w1, None, inter, sorted_rows, block_expert, None, num_valid=n_pairs, n_out=i_dim,
+                        k_dim=h, a_div=a_div, block_m=bm, stride_wn=w1.stride(1), stride_wk=w1.stride(2),
                         up_offset=i_dim, gated=gated, interleaved=False, act=1, mul_w=False, cfg=full,
-                        dot_prec=prec,
+                        dot_prec=prec, **tma,
                     )  # fmt: skip
                 else:
                     fn = lambda: _k._launch_gemm(  # noqa: E731
                         inter, w2, None, y, sorted_rows, block_expert, tw_flat, num_valid=n_pairs, n_out=h,
                         k_dim=i_dim, a_div=1, block_m=bm, stride_wn=w2.stride(1), stride_wk=w2.stride(2),
                         up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=full, dot_prec=prec,
+                        **tma,
                     )  # fmt: skip
                 try:
                     t = _bench(fn, warmup_ms, rep_ms)
@@ -514,7 +519,7 @@ class LayerBench:
         self.b2 = torch.randn(e, h, device=device, dtype=self.dtype) if problem.has_bias else None
         probe = torch.empty(1, h, device=device, dtype=self.dtype)
         _, _, self.s1, self.s2 = _k._dims(probe, self.w1, self.w2, True, problem.is_transposed)
-        self.interleaved = problem.interleaved
+        self.interleaved, self.transposed = problem.interleaved, problem.is_transposed
         self.act = ACT_CODE.get(problem.activation, ACT_CODE["silu"]) if problem.gate.is_default else 0
         # the layer's own gate in the gate_up epilogue (the clamped SwiGLU's alpha and limit as runtime scalars)
         self.gate = GATE_CODE[problem.gate.name]
@@ -532,7 +537,8 @@ class LayerBench:
             self._cell = (num_tokens, {
                 "x": torch.randn(num_tokens, self.h, device=self.device, dtype=self.dtype, generator=g),
                 "ids": ids.reshape(-1).contiguous(), "tw": tw.reshape(-1).contiguous(), "pairs": pairs,
-                "inter": torch.randn(pairs, self.i_dim, device=self.device, dtype=self.dtype, generator=g),
+                "inter": torch.randn(self._k.inter_rows_bound(pairs, self.e), self.i_dim, device=self.device,
+                                     dtype=self.dtype, generator=g),  # rows in pair order or in block order
                 "y": torch.empty(pairs, self.h, device=self.device, dtype=self.dtype), "aligned": {},
             })  # fmt: skip
         return self._cell[1]
@@ -543,24 +549,29 @@ class LayerBench:
         if task.part == "align":
             return self.timer(lambda: k.align(c["ids"], self.e, bm))
         if bm not in c["aligned"]:
-            c["aligned"][bm] = k.align(c["ids"], self.e, bm)
-        rows, blocks = c["aligned"][bm]
+            rows, blocks = k.align(c["ids"], self.e, bm)
+            c["aligned"][bm] = rows, blocks, k.rows_in_block_order(c["x"], rows, c["pairs"], self.top_k)
+        rows, blocks, x_sorted = c["aligned"][bm]
+        cfg = task.config
+        # the TMA layout the layer would run these tiles with (kernels.part_layout)
+        tma = k.part_layout(task.part, self.w1 if task.part == "gate_up" else self.w2, bm, cfg, i_dim=self.i_dim,
+                            interleaved=self.interleaved, transposed=self.transposed)  # fmt: skip
         if task.part == "gate_up":
-            args = {"a": c["x"], "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
-                    "k_dim": self.h, "a_div": self.top_k, "stride_wn": self.s1[0], "stride_wk": self.s1[1],
+            x, a_div = (x_sorted, 1) if tma["a_tma"] else (c["x"], self.top_k)
+            args = {"a": x, "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
+                    "k_dim": self.h, "a_div": a_div, "stride_wn": self.s1[0], "stride_wk": self.s1[1],
                     "up_offset": self.i_dim, "gated": True, "interleaved": self.interleaved, "act": self.act,
                     "mul_w": False, **self.gate_args}  # fmt: skip
         else:
             args = {"a": c["inter"], "w": self.w2, "bias": self.b2, "out": c["y"], "topk_w": c["tw"], "n_out": self.h,
                     "k_dim": self.i_dim, "a_div": 1, "stride_wn": self.s2[0], "stride_wk": self.s2[1], "up_offset": 0,
                     "gated": False, "interleaved": False, "act": 0, "mul_w": True}  # fmt: skip
-        cfg = task.config
         return self.timer(lambda: k._launch_gemm(
             args["a"], args["w"], args["bias"], args["out"], rows, blocks, args["topk_w"], num_valid=c["pairs"],
             n_out=args["n_out"], k_dim=args["k_dim"], a_div=args["a_div"], block_m=bm, stride_wn=args["stride_wn"],
             stride_wk=args["stride_wk"], up_offset=args["up_offset"], gated=args["gated"],
             interleaved=args["interleaved"], act=args["act"], mul_w=args["mul_w"], cfg=cfg, dot_prec=self.prec,
-            **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args},
+            **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args}, **tma,
         ))  # fmt: skip
 
 
