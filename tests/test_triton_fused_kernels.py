@@ -212,11 +212,10 @@ def test_deterministic():
 
 TMA_CONFIG = {"BLOCK_M": 128, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 16}, "down": {"BLOCK_N": 32, "BLOCK_K": 16}}
 TMA_CASES = [
-    # id, (T, H, I, E, k), kwargs: every size a multiple of BLOCK_K (16), so transposed storage qualifies too
+    # id, (T, H, I, E, k), kwargs: K-contiguous weights (transposed storage keeps pointer loads)
     ("plain", (150, 32, 24, 3, 2), {}),
     ("interleaved", (150, 48, 40, 3, 2), dict(interleaved=True)),
-    ("transposed_interleaved_bias", (150, 32, 32, 3, 2), dict(transposed=True, interleaved=True, bias=True)),
-    ("transposed", (150, 48, 32, 3, 2), dict(transposed=True)),
+    ("interleaved_bias", (150, 32, 32, 3, 2), dict(interleaved=True, bias=True)),
     ("not_gated", (150, 32, 24, 3, 2), dict(gated=False, activation="gelu")),
 ]
 
@@ -245,8 +244,7 @@ def _run(case, E, **kw):
 def test_tma_path_matches_the_reference_and_the_pointer_path_bit_for_bit(shape, kw, monkeypatch):
     T, H, I, E, k = shape
     kw = dict(kw)
-    case = make_case(T, H, I, E, k, bias=kw.pop("bias", False), gated=kw.get("gated", True),
-                     transposed=kw.get("transposed", False), routing="skewed")  # fmt: skip
+    case = make_case(T, H, I, E, k, bias=kw.pop("bias", False), gated=kw.get("gated", True), routing="skewed")
     seen = _gemm_launches(monkeypatch)
     run_and_check(case, E, 1e-5, config=TMA_CONFIG, **kw)
     assert seen == [(True, False, True), (True, True, False)], "gate_up writes block order, down reads it by TMA"
@@ -284,14 +282,7 @@ def test_tma_declined_where_a_descriptor_cannot_read_the_tiles(monkeypatch):
         "a box side over 256": K.part_layout("down", w, 128, {"BLOCK_N": 512, "BLOCK_K": 64}, i_dim=512),
         "a contiguous side over 128 bytes": K.part_layout("down", w, 128, {"BLOCK_N": 64, "BLOCK_K": 128},
                                                           i_dim=512),  # fmt: skip
-        "transposed, K not a multiple of BLOCK_K": K.part_layout("down", torch.empty(4, 200, 512, dtype=torch.bfloat16),
-                                                                 128, cfg, i_dim=200, transposed=True),  # fmt: skip
-        "transposed, a 256-byte channel tile": K.part_layout("down", torch.empty(4, 256, 512, dtype=torch.bfloat16),
-                                                             128, {"BLOCK_N": 128, "BLOCK_K": 64}, i_dim=256,
-                                                             transposed=True),  # fmt: skip
-        "interleaved: gate and up in one 2*BLOCK_N tile": K.part_layout(
-            "gate_up", torch.empty(4, 512, 256, dtype=torch.bfloat16), 128, {"BLOCK_N": 64, "BLOCK_K": 64}, i_dim=256,
-            interleaved=True, transposed=True),  # fmt: skip
+        "transposed storage": K.part_layout("down", w, 128, cfg, i_dim=512, transposed=True),
     }
     assert all(v == K.NO_TMA for v in declined.values()), {k: v for k, v in declined.items() if v != K.NO_TMA}
     monkeypatch.setattr(K, "_tma_device", lambda device: False)
@@ -545,14 +536,14 @@ def test_gpu_repeated_calls_fast_launch(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90+")
-@pytest.mark.parametrize("kw", [{}, dict(transposed=True), dict(interleaved=True, bias=True)], ids=str)
+@pytest.mark.parametrize("kw", [{}, dict(interleaved=True, bias=True)], ids=str)
 def test_gpu_tma_large_intermediate(kw, monkeypatch):
-    # I >= SORTED_X_MIN_I: x copied into block order too; the shipped/heuristic tiles give BLOCK_M 128 here
+    # I >= SORTED_X_MIN_I: x copied into block order too
     kw = dict(kw)
     case = make_case(1200, 1024, 4096, 4, 2, dtype=torch.bfloat16, device="cuda", bias=kw.pop("bias", False),
-                     transposed=kw.get("transposed", False), routing="skewed")  # fmt: skip
+                     routing="skewed")  # fmt: skip
     cfg = {"BLOCK_M": 128, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8},
-           "down": {"BLOCK_N": 64 if kw.get("transposed") else 128, "BLOCK_K": 64, "num_warps": 8}}  # fmt: skip
+           "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8}}  # fmt: skip
     seen = _gemm_launches(monkeypatch)
     run_and_check(case, 4, TOL[torch.bfloat16], config=cfg, **kw)
     assert seen[:2] == [(True, True, True), (True, True, False)], "x, weights and intermediate through TMA"

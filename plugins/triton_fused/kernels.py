@@ -114,7 +114,6 @@ def _moe_gemm_kernel(
     DOT_PREC: tl.constexpr,
     A_TMA: tl.constexpr = False,
     W_TMA: tl.constexpr = False,
-    W_K_ROWS: tl.constexpr = False,
     OUT_BLOCKED: tl.constexpr = False,
 ):
     """out[row, n] = epilogue( sum_k A[row // a_div, k] * W[e, n, k] ) for the rows of each expert block.
@@ -125,7 +124,7 @@ def _moe_gemm_kernel(
     addressed through (stride_wn, stride_wk), so transposed storage needs no copy.
 
     TMA (sm_90+, see ``part_layout``): W_TMA reads the weight tiles through w_desc, the weights seen as 2-D with
-    `w_rows` rows per expert ([E * N_stored, K], or [E * K, N_stored] when W_K_ROWS: transposed storage); A_TMA
+    `w_rows` rows per expert ([E * N_stored, K]: K-contiguous storage only); A_TMA
     reads A's rows in block order through a_desc (row pid_m * BLOCK_M + i of block pid_m, no gather).
     OUT_BLOCKED stores row i of block pid_m at out row pid_m * BLOCK_M + i (padding slots too, computed from row
     0), instead of at the pair's own row: the down GEMM then reads it with A_TMA.
@@ -167,8 +166,7 @@ def _moe_gemm_kernel(
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * 2 * BLOCK_N, kk * BLOCK_K, k_ok, c_ok, EVEN_K and EVEN_N,
-                        W_TMA, W_K_ROWS)  # fmt: skip
+            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * 2 * BLOCK_N, kk * BLOCK_K, k_ok, c_ok, EVEN_K and EVEN_N, W_TMA)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_wk
@@ -185,10 +183,9 @@ def _moe_gemm_kernel(
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            bg = _w_tile(bg_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
-                         W_TMA, W_K_ROWS)  # fmt: skip
+            bg = _w_tile(bg_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N, W_TMA)  # fmt: skip
             bu = _w_tile(bu_ptrs, w_desc, w_row0, up_offset + pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok,
-                         EVEN_K and EVEN_N, W_TMA, W_K_ROWS)  # fmt: skip
+                         EVEN_K and EVEN_N, W_TMA)  # fmt: skip
             acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
             acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
@@ -207,8 +204,7 @@ def _moe_gemm_kernel(
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
-                        W_TMA, W_K_ROWS)  # fmt: skip
+            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N, W_TMA)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_wk
@@ -243,14 +239,11 @@ def _a_tile(a_ptrs, a_desc, row, k0, k_ok, EVEN_K: tl.constexpr, A_TMA: tl.const
 
 
 @triton.jit
-def _w_tile(b_ptrs, w_desc, w_row0, c0, k0, k_ok, c_ok, EVEN: tl.constexpr, W_TMA: tl.constexpr,
-            W_K_ROWS: tl.constexpr):  # fmt: skip
-    """The weight tile [BLOCK_K, channels] of stored channels c0.. at K offset k0. Through the descriptor,
-    channels past the expert's read the next expert's rows (or zeros past the last): their outputs are never
-    stored; with W_K_ROWS, K is a multiple of BLOCK_K (``tma_fits``), so no K row reaches past the expert."""
+def _w_tile(b_ptrs, w_desc, w_row0, c0, k0, k_ok, c_ok, EVEN: tl.constexpr, W_TMA: tl.constexpr):
+    """The weight tile [BLOCK_K, channels] of stored channels c0.. at K offset k0. Through the descriptor
+    (K-contiguous weights, [E * channels, K]), channels past the expert's read the next expert's rows (or zeros
+    past the last) and K past the end reads zeros: those outputs are never stored."""
     if W_TMA:
-        if W_K_ROWS:
-            return w_desc.load([w_row0 + k0, c0])
         return w_desc.load([w_row0 + c0, k0]).T
     if EVEN:
         return tl.load(b_ptrs)
@@ -280,11 +273,10 @@ def _launch_gemm(
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (num_blocks_m * cdiv(n_out, bn),)
     has_bias = bias is not None
-    k_rows = stride_wk != 1  # transposed storage: the 2-D view has K rows per expert
     a_desc = w_desc = a  # placeholders, unused without TMA
     if w_tma:
         tile_c = bn * (2 if gated and interleaved else 1)
-        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [bk, tile_c] if k_rows else [tile_c, bk])
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tile_c, bk])
     if a_tma:
         a_desc = TensorDescriptor.from_tensor(a, [block_m, bk])
     launch(
@@ -296,20 +288,20 @@ def _launch_gemm(
          out.stride(0), out.stride(1), float(gate_alpha), float(gate_limit)),
         dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], GATED=gated, INTERLEAVED=interleaved,
              ACT=act, GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0),
-             EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, A_TMA=a_tma, W_TMA=w_tma, W_K_ROWS=w_tma and k_rows,
+             EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, A_TMA=a_tma, W_TMA=w_tma,
              OUT_BLOCKED=out_blocked),
         cfg["num_warps"], cfg["num_stages"],
     )  # fmt: skip
 
 
 # TMA boxes: at most 256 elements a side. Measured on the H200 (docs/design/triton_fused.md): blocks of 128 rows
-# gain 7-14% through TMA, blocks of 64 (Qwen at T=512) lose 20-30%, so smaller blocks keep pointer loads.
+# ran 7-13% faster through TMA, blocks of 64 (Qwen at T=512) 20-30% slower, so smaller blocks keep pointer loads.
 TMA_MIN_BLOCK_M = 128
 # From this intermediate size up, x is also copied into block order so that gate_up reads it by TMA: the copy
-# costs T*k*H, the GEMM T*k*H*I (Mixtral's I=14336 gains 6-10%; I <= 2048 gains nothing or loses).
+# costs T*k*H, the GEMM T*k*H*I (Mixtral's I=14336 gained 3-10%; I <= 2048 nothing, or lost 3-4%).
 SORTED_X_MIN_I = 4096
 TMA_MAX_BOX = 256
-TMA_MAX_INNER_BYTES = 128  # a box's contiguous side, at most one 128-byte swizzle span in Triton 3.6's lowering
+TMA_MAX_INNER_BYTES = 128  # a box's contiguous side: 128 bytes (BLOCK_K 64 in bf16) ran on the H200; wider is untested
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
@@ -325,19 +317,18 @@ def _tma_device(device: torch.device) -> bool:
     return _CAPABILITY[index] >= (9, 0)
 
 
-def tma_fits(w: torch.Tensor, block_m: int, cfg: dict, tile_c: int, k_rows: bool) -> bool:
-    """Whether one GEMM's weights `w` [E, ., .] can come through a TMA descriptor with these tiles: stored
-    contiguously with rows of a multiple of 16 bytes from a 16-byte aligned start, fewer than 2^31 rows in
-    the 2-D view (int32 coordinates), every box side within TMA_MAX_BOX and its contiguous side within
-    TMA_MAX_INNER_BYTES (BLOCK_K, or the channel tile when transposed), and, for transposed storage (`k_rows`:
-    K rows per expert), K a multiple of BLOCK_K so that no tile reads the next expert's rows."""
+def tma_fits(w: torch.Tensor, block_m: int, cfg: dict, tile_c: int) -> bool:
+    """Whether one GEMM's weights `w` [E, channels, K] can come through a TMA descriptor with these tiles: stored
+    contiguously (K-contiguous: transposed storage keeps pointer loads) with rows of a multiple of 16 bytes from a
+    16-byte aligned start, fewer than 2^31 rows in the 2-D view (int32 coordinates), every box side within
+    TMA_MAX_BOX and the contiguous side (BLOCK_K) within TMA_MAX_INNER_BYTES."""
     if not TMA_MIN_BLOCK_M <= block_m <= TMA_MAX_BOX or max(tile_c, cfg["BLOCK_K"]) > TMA_MAX_BOX:
         return False
-    if (tile_c if k_rows else cfg["BLOCK_K"]) * w.element_size() > TMA_MAX_INNER_BYTES:
+    if cfg["BLOCK_K"] * w.element_size() > TMA_MAX_INNER_BYTES:
         return False
     if not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16 or w.data_ptr() % 16:
         return False
-    if w.shape[0] * w.shape[1] >= 2**31 or (k_rows and w.shape[1] % cfg["BLOCK_K"]):
+    if w.shape[0] * w.shape[1] >= 2**31:
         return False
     return _tma_device(w.device)
 
@@ -364,17 +355,17 @@ def part_layout(part: str, w: torch.Tensor, block_m: int, cfg: dict, *, i_dim: i
     """The TMA switches (``_launch_gemm``'s w_tma, a_tma, out_blocked) of one GEMM, "gate_up" or "down", with
     weights `w` as stored and tiles `cfg`: weights by descriptor where ``tma_fits``; the intermediate (rows of
     a multiple of 16 bytes) written in block order and read back by descriptor; from SORTED_X_MIN_I up, x in
-    block order read by descriptor too. A layer uses them only when both GEMMs can (``fused_experts_impl``)."""
-    if block_m < TMA_MIN_BLOCK_M or (i_dim * w.element_size()) % 16:
+    block order read by descriptor too. Transposed storage (N-contiguous) keeps pointer loads. A layer uses them
+    only when both GEMMs can (``fused_experts_impl``)."""
+    if transposed or block_m < TMA_MIN_BLOCK_M or (i_dim * w.element_size()) % 16:
         return NO_TMA
     if part == "down":
-        tma = tma_fits(w, block_m, cfg, cfg["BLOCK_N"], transposed)
+        tma = tma_fits(w, block_m, cfg, cfg["BLOCK_N"])
         return {"w_tma": tma, "a_tma": tma, "out_blocked": False}
     tile_c = cfg["BLOCK_N"] * (2 if gated and interleaved else 1)
-    if not tma_fits(w, block_m, cfg, tile_c, transposed):
+    if not tma_fits(w, block_m, cfg, tile_c):
         return NO_TMA
-    hidden = w.shape[1] if transposed else w.shape[2]
-    x_sorted = i_dim >= SORTED_X_MIN_I and (hidden * w.element_size()) % 16 == 0
+    x_sorted = i_dim >= SORTED_X_MIN_I  # x's rows are the weights' K: a multiple of 16 bytes already
     return {"w_tma": True, "a_tma": x_sorted, "out_blocked": True}
 
 
