@@ -122,3 +122,35 @@ def test_tune_a_quantised_shape_without_a_shipped_table_within_a_minute(tmp_path
     got = resolve_config(None, torch.device("cuda"), False, 40, 1536, 896, 4096, 6)
     assert got == summary["configs"][4096]
     QC.clear_caches()
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="runs the kernels on CPU tensors through TRITON_INTERPRET=1")
+@pytest.mark.parametrize("sorted_x", [False, True])
+def test_layer_bench_times_tiles_in_the_layout_the_layer_runs(monkeypatch, sorted_x):
+    """At BLOCK_M 128 the layer runs its GEMMs through TMA (kernels.part_layout): the tuner's timings must too,
+    the intermediate written in block order by gate_up and read back by down, x in block order where the layer
+    copies it; in the interpreter the descriptors run, so a wrong buffer size or flag fails here."""
+    from selector.plugins.triton_fused import kernels as K
+
+    monkeypatch.setattr(K, "SORTED_X_MIN_I", 16 if sorted_x else 1 << 30)
+    launched = []
+    real_launch = K._launch_gemm
+
+    def spy(a, w, bias, out, sorted_rows, *rest, **kw):
+        launched.append((kw, a.shape[0], out.shape[0], sorted_rows.numel()))
+        return real_launch(a, w, bias, out, sorted_rows, *rest, **kw)
+
+    monkeypatch.setattr(K, "_launch_gemm", spy)
+    problem = Problem(num_experts=3, hidden_size=32, intermediate_size=32, top_k=2, dtype="float16", device="cpu")
+    bench = TU.LayerBench(problem, torch.device("cpu"), _wall_timer)
+    tiles = (("BLOCK_K", 16), ("BLOCK_N", 16), ("GROUP_M", 1), ("num_stages", 2), ("num_warps", 4))
+    for part in ("gate_up", "down"):
+        bench(TU.Task(200, 128, part, tiles))
+    (up, up_a, up_out, slots), (down, down_a, _, _) = launched
+    assert (up["w_tma"], up["a_tma"], up["out_blocked"]) == (True, sorted_x, True)
+    assert (down["w_tma"], down["a_tma"], down["out_blocked"]) == (True, True, False)
+    assert up_out >= slots and down_a >= slots, "the intermediate holds every block's rows"
+    assert up_a == (slots if sorted_x else 200), "x in block order: one row per slot"
+    launched.clear()
+    bench(TU.Task(200, 64, "down", tiles))  # 64-row blocks keep pointer loads
+    assert [(kw["w_tma"], kw["a_tma"]) for kw, *_ in launched] == [(False, False)]

@@ -263,9 +263,21 @@ def test_tma_with_x_in_block_order(monkeypatch):
     seen = _gemm_launches(monkeypatch)
     run_and_check(case, 3, 1e-5, config=TMA_CONFIG)
     assert seen == [(True, True, True), (True, True, False)]
+    via_tma = _run(case, 3)
     monkeypatch.setattr(K, "_tma_device", lambda device: False)
-    assert torch.equal(_run(case, 3), K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"],
-                                                      num_experts=3, config=TMA_CONFIG))  # fmt: skip
+    assert torch.equal(via_tma, _run(case, 3))
+
+
+@pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90+")
+def test_tma_is_both_gemms_or_neither(monkeypatch):
+    # fp32: gate_up's BLOCK_K 32 (128 bytes) fits a TMA box, down's 64 (256 bytes) does not: both keep pointers,
+    # since down would otherwise read an intermediate that gate_up wrote in pair order
+    case = make_case(150, 64, 64, 3, 2, routing="skewed")
+    cfg = {"BLOCK_M": 128, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 32}, "down": {"BLOCK_N": 32, "BLOCK_K": 64}}
+    assert K.part_layout("gate_up", case["w1"], 128, cfg["gate_up"] | {"GROUP_M": 8}, i_dim=64)["w_tma"]
+    seen = _gemm_launches(monkeypatch)
+    run_and_check(case, 3, 1e-5, config=cfg)
+    assert seen == [(False, False, False)] * 2
 
 
 def test_tma_declined_where_a_descriptor_cannot_read_the_tiles(monkeypatch):
@@ -278,7 +290,8 @@ def test_tma_declined_where_a_descriptor_cannot_read_the_tiles(monkeypatch):
         "blocks of 64 rows (measured slower)": K.part_layout("down", w, 64, cfg, i_dim=512),
         "intermediate rows not a multiple of 16 bytes": K.part_layout("down", w, 128, cfg, i_dim=500),
         "weights not contiguous": K.part_layout("down", w.transpose(1, 2), 128, cfg, i_dim=256),
-        "rows not a multiple of 16 bytes": K.part_layout("down", w[:, :, :500], 128, cfg, i_dim=512),
+        "rows not a multiple of 16 bytes": K.part_layout("down", torch.empty(4, 256, 500, dtype=torch.bfloat16), 128,
+                                                         cfg, i_dim=512),  # fmt: skip
         "a box side over 256": K.part_layout("down", w, 128, {"BLOCK_N": 512, "BLOCK_K": 64}, i_dim=512),
         "a contiguous side over 128 bytes": K.part_layout("down", w, 128, {"BLOCK_N": 64, "BLOCK_K": 128},
                                                           i_dim=512),  # fmt: skip

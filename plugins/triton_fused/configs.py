@@ -88,6 +88,21 @@ def normalize(config: dict[str, Any]) -> dict[str, Any]:
 
 _DEFAULT_GEMM = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
+# TMA (kernels.part_layout). Measured on the H200 (docs/design/triton_fused.md): blocks of 128 rows ran 7-13%
+# faster through TMA, blocks of 64 (Qwen at T=512) 20-30% slower, so smaller blocks keep pointer loads. A box has
+# at most 256 elements a side; its contiguous side (BLOCK_K) ran at 128 bytes on the H200, wider is untested.
+TMA_MIN_BLOCK_M = 128
+TMA_MAX_BOX = 256
+TMA_MAX_INNER_BYTES = 128
+
+
+def tma_tiles(block_m: int, block_k: int, tile_c: int, elem: int) -> bool:
+    """Whether a GEMM's tiles (BLOCK_M rows, BLOCK_K, `tile_c` weight channels per program, `elem` bytes) are
+    ones the TMA path reads: the tuner offers blocks of TMA_MIN_BLOCK_M rows only such tiles, since a layer runs
+    TMA only when both of its GEMMs' tiles fit it."""
+    return (TMA_MIN_BLOCK_M <= block_m <= TMA_MAX_BOX and max(tile_c, block_k) <= TMA_MAX_BOX
+            and block_k * elem <= TMA_MAX_INNER_BYTES)  # fmt: skip
+
 
 def encode_config(config: dict[str, Any]) -> list[int]:
     c = normalize(config)

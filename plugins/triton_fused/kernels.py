@@ -23,14 +23,15 @@ Launches per call (no host synchronisation anywhere, so a call can be captured i
 4. ``triton_common.combine``: out[t] = sum over j of y[t*k+j] in fixed order, fp32 accumulation (deterministic,
    no atomics); sentinel slots are skipped.
 
-Blocks of TMA_MIN_BLOCK_M rows or more on sm_90+ (large T) read the weight tiles through TMA descriptors; the
-gate_up GEMM then writes the intermediate in block order (padding slots too) and the down GEMM reads it through
-a descriptor, without a gather; from SORTED_X_MIN_I up, x is first copied into block order and read the same way
-(``part_layout``). Same tiles, same K order: the bits are those of the pointer path.
+Blocks of ``configs.TMA_MIN_BLOCK_M`` rows or more on sm_90+ (large T) read the weight tiles through TMA
+descriptors; the gate_up GEMM then writes the intermediate in block order (padding slots too) and the down GEMM
+reads it through a descriptor, without a gather; from SORTED_X_MIN_I up, x is first copied into block order and
+read the same way (``part_layout``). Same tiles, same K order: the bits are those of the pointer path.
 
-Temporaries: intermediate (T*k*I; in block order at most min(T*k, E) * (BLOCK_M - 1) rows more) and y (T*k*H)
-in the input dtype, x in block order where copied, plus a few small int32 buffers: within 2 * T*k * max(2I, H) *
-2 bytes for the tiles the tables and heuristics pick (BLOCK_M 128 only where experts see about 100 rows or more).
+Temporaries: intermediate (T*k*I; in block order up to min(T*k, E) * (BLOCK_M - 1) + BLOCK_M - 1 rows more),
+y (T*k*H) in the input dtype, x in block order where copied, plus a few small int32 buffers: within
+2 * T*k * max(2I, H) * 2 bytes for the tiles the tables and heuristics pick (BLOCK_M 128 only where experts see
+about 100 rows or more).
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def _moe_gemm_kernel(
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * 2 * BLOCK_N, kk * BLOCK_K, k_ok, c_ok, EVEN_K and EVEN_N, W_TMA)  # fmt: skip
+            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * 2 * BLOCK_N, kk * BLOCK_K, k_ok, c_ok, EVEN_K and EVEN_N,
+                        W_TMA)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_wk
@@ -183,7 +185,8 @@ def _moe_gemm_kernel(
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            bg = _w_tile(bg_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N, W_TMA)  # fmt: skip
+            bg = _w_tile(bg_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
+                         W_TMA)  # fmt: skip
             bu = _w_tile(bu_ptrs, w_desc, w_row0, up_offset + pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok,
                          EVEN_K and EVEN_N, W_TMA)  # fmt: skip
             acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
@@ -204,7 +207,8 @@ def _moe_gemm_kernel(
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N, W_TMA)  # fmt: skip
+            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
+                        W_TMA)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_wk
@@ -294,14 +298,9 @@ def _launch_gemm(
     )  # fmt: skip
 
 
-# TMA boxes: at most 256 elements a side. Measured on the H200 (docs/design/triton_fused.md): blocks of 128 rows
-# ran 7-13% faster through TMA, blocks of 64 (Qwen at T=512) 20-30% slower, so smaller blocks keep pointer loads.
-TMA_MIN_BLOCK_M = 128
 # From this intermediate size up, x is also copied into block order so that gate_up reads it by TMA: the copy
 # costs T*k*H, the GEMM T*k*H*I (Mixtral's I=14336 gained 3-10%; I <= 2048 nothing, or lost 3-4%).
 SORTED_X_MIN_I = 4096
-TMA_MAX_BOX = 256
-TMA_MAX_INNER_BYTES = 128  # a box's contiguous side: 128 bytes (BLOCK_K 64 in bf16) ran on the H200; wider is untested
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
@@ -311,6 +310,8 @@ def _tma_device(device: torch.device) -> bool:
         return False
     if device.type != "cuda":
         return INTERPRET
+    if torch.version.hip is not None:  # ROCm reports its own architectures as (9, x): no Hopper TMA there
+        return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
@@ -320,11 +321,9 @@ def _tma_device(device: torch.device) -> bool:
 def tma_fits(w: torch.Tensor, block_m: int, cfg: dict, tile_c: int) -> bool:
     """Whether one GEMM's weights `w` [E, channels, K] can come through a TMA descriptor with these tiles: stored
     contiguously (K-contiguous: transposed storage keeps pointer loads) with rows of a multiple of 16 bytes from a
-    16-byte aligned start, fewer than 2^31 rows in the 2-D view (int32 coordinates), every box side within
-    TMA_MAX_BOX and the contiguous side (BLOCK_K) within TMA_MAX_INNER_BYTES."""
-    if not TMA_MIN_BLOCK_M <= block_m <= TMA_MAX_BOX or max(tile_c, cfg["BLOCK_K"]) > TMA_MAX_BOX:
-        return False
-    if cfg["BLOCK_K"] * w.element_size() > TMA_MAX_INNER_BYTES:
+    16-byte aligned start, fewer than 2^31 rows in the 2-D view (int32 coordinates), tiles within
+    ``configs.tma_tiles``."""
+    if not _configs.tma_tiles(block_m, cfg["BLOCK_K"], tile_c, w.element_size()):
         return False
     if not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16 or w.data_ptr() % 16:
         return False
@@ -334,8 +333,9 @@ def tma_fits(w: torch.Tensor, block_m: int, cfg: dict, tile_c: int) -> bool:
 
 
 def inter_rows_bound(num_pairs: int, num_experts: int) -> int:
-    """Rows enough for an intermediate in pair order or in block order for any BLOCK_M up to TMA_MAX_BOX."""
-    return max(num_pairs, max_blocks_for(num_pairs, num_experts, TMA_MAX_BOX) * TMA_MAX_BOX)
+    """Rows enough for an intermediate in pair order or in block order for any BLOCK_M up to a TMA box."""
+    box = _configs.TMA_MAX_BOX
+    return max(num_pairs, max_blocks_for(num_pairs, num_experts, box) * box)
 
 
 def rows_in_block_order(hidden_states: torch.Tensor, sorted_rows: torch.Tensor, num_pairs: int,
@@ -357,7 +357,7 @@ def part_layout(part: str, w: torch.Tensor, block_m: int, cfg: dict, *, i_dim: i
     a multiple of 16 bytes) written in block order and read back by descriptor; from SORTED_X_MIN_I up, x in
     block order read by descriptor too. Transposed storage (N-contiguous) keeps pointer loads. A layer uses them
     only when both GEMMs can (``fused_experts_impl``)."""
-    if transposed or block_m < TMA_MIN_BLOCK_M or (i_dim * w.element_size()) % 16:
+    if transposed or block_m < _configs.TMA_MIN_BLOCK_M or (i_dim * w.element_size()) % 16:
         return NO_TMA
     if part == "down":
         tma = tma_fits(w, block_m, cfg, cfg["BLOCK_N"])

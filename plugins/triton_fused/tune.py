@@ -80,6 +80,8 @@ def gemm_candidates(block_m: int, n_out: int, gated: bool, elem: int = 2) -> lis
         n_b = 2 if gated else 1
         if (block_m * bk + n_b * bn * bk) * elem * stages > 225 * 1024:
             continue
+        if block_m >= _configs.TMA_MIN_BLOCK_M and not _configs.tma_tiles(block_m, bk, bn, elem):
+            continue  # such blocks run through TMA where the weights allow, both GEMMs or neither: keep them able to
         out.append(
             {
                 "BLOCK_N": bn,
@@ -133,7 +135,6 @@ def tune_cell(
     for bm in block_m_candidates(num_tokens, top_k, e):
         sorted_rows, block_expert = _k.align(ids_flat, e, bm)
         t_align = _bench(lambda: _k.align(ids_flat, e, bm), warmup_ms, rep_ms)
-        x_sorted = _k.rows_in_block_order(x, sorted_rows, n_pairs, top_k)
         parts: dict[str, tuple[float, dict[str, int]]] = {}
         for part in ("gate_up", "down"):
             n_out = i_dim if part == "gate_up" else h
@@ -141,12 +142,13 @@ def tune_cell(
                 full = dict(cfg)
                 # the TMA layout the layer would run these tiles with (kernels.part_layout)
                 tma = _k.part_layout(part, w1 if part == "gate_up" else w2, bm, full, i_dim=i_dim, gated=gated)
-                if part == "gate_up":
-                    a, a_div = (x_sorted, 1) if tma["a_tma"] else (x, top_k)
+                if part == "gate_up":  # x copied into block order where the layer copies it, the copy timed
                     fn = lambda: _k._launch_gemm(  # noqa: E731
-                        a, w1, None, inter, sorted_rows, block_expert, None, num_valid=n_pairs, n_out=i_dim,
-                        k_dim=h, a_div=a_div, block_m=bm, stride_wn=w1.stride(1), stride_wk=w1.stride(2),
-                        up_offset=i_dim, gated=gated, interleaved=False, act=1, mul_w=False, cfg=full,
+                        _k.rows_in_block_order(x, sorted_rows, n_pairs, top_k) if tma["a_tma"] else x, w1, None,
+                        inter, sorted_rows, block_expert, None, num_valid=n_pairs, n_out=i_dim,
+                        k_dim=h, a_div=1 if tma["a_tma"] else top_k, block_m=bm, stride_wn=w1.stride(1),
+                        stride_wk=w1.stride(2), up_offset=i_dim, gated=gated, interleaved=False, act=1, mul_w=False,
+                        cfg=full,
                         dot_prec=prec, **tma,
                     )  # fmt: skip
                 else:
@@ -549,25 +551,26 @@ class LayerBench:
         if task.part == "align":
             return self.timer(lambda: k.align(c["ids"], self.e, bm))
         if bm not in c["aligned"]:
-            rows, blocks = k.align(c["ids"], self.e, bm)
-            c["aligned"][bm] = rows, blocks, k.rows_in_block_order(c["x"], rows, c["pairs"], self.top_k)
-        rows, blocks, x_sorted = c["aligned"][bm]
+            c["aligned"][bm] = k.align(c["ids"], self.e, bm)
+        rows, blocks = c["aligned"][bm]
         cfg = task.config
         # the TMA layout the layer would run these tiles with (kernels.part_layout)
         tma = k.part_layout(task.part, self.w1 if task.part == "gate_up" else self.w2, bm, cfg, i_dim=self.i_dim,
                             interleaved=self.interleaved, transposed=self.transposed)  # fmt: skip
+        sort_x = task.part == "gate_up" and tma["a_tma"]  # the layer's copy of x into block order, timed with it
         if task.part == "gate_up":
-            x, a_div = (x_sorted, 1) if tma["a_tma"] else (c["x"], self.top_k)
-            args = {"a": x, "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
-                    "k_dim": self.h, "a_div": a_div, "stride_wn": self.s1[0], "stride_wk": self.s1[1],
-                    "up_offset": self.i_dim, "gated": True, "interleaved": self.interleaved, "act": self.act,
+            args = {"a": c["x"], "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
+                    "k_dim": self.h, "a_div": 1 if sort_x else self.top_k, "stride_wn": self.s1[0],
+                    "stride_wk": self.s1[1], "up_offset": self.i_dim, "gated": True, "interleaved": self.interleaved,
+                    "act": self.act,
                     "mul_w": False, **self.gate_args}  # fmt: skip
         else:
             args = {"a": c["inter"], "w": self.w2, "bias": self.b2, "out": c["y"], "topk_w": c["tw"], "n_out": self.h,
                     "k_dim": self.i_dim, "a_div": 1, "stride_wn": self.s2[0], "stride_wk": self.s2[1], "up_offset": 0,
                     "gated": False, "interleaved": False, "act": 0, "mul_w": True}  # fmt: skip
         return self.timer(lambda: k._launch_gemm(
-            args["a"], args["w"], args["bias"], args["out"], rows, blocks, args["topk_w"], num_valid=c["pairs"],
+            k.rows_in_block_order(args["a"], rows, c["pairs"], self.top_k) if sort_x else args["a"], args["w"],
+            args["bias"], args["out"], rows, blocks, args["topk_w"], num_valid=c["pairs"],
             n_out=args["n_out"], k_dim=args["k_dim"], a_div=args["a_div"], block_m=bm, stride_wn=args["stride_wn"],
             stride_wk=args["stride_wk"], up_offset=args["up_offset"], gated=args["gated"],
             interleaved=args["interleaved"], act=args["act"], mul_w=args["mul_w"], cfg=cfg, dot_prec=self.prec,
