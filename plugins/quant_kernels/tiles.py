@@ -7,7 +7,7 @@ import functools
 
 import torch
 from selector.plugins.quant_kernels import configs as _configs
-from selector.plugins.triton_common.launch import INTERPRET, TensorDescriptor, cdiv, next_pow2
+from selector.plugins.triton_common.launch import cdiv, next_pow2, tma_device, tma_weights
 
 
 @functools.cache
@@ -121,17 +121,11 @@ def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Ten
     largest), fp8 weights stored contiguously with rows of a multiple of 16 bytes (TMA's alignment) and fewer than
     2^31 rows in all (int32 coordinates), on sm_90+ (or the interpreter, for the tests), with a Triton that has
     host descriptors."""
-    if TensorDescriptor is None or fp4 or routing[0] is None:
+    if fp4 or routing[0] is None:
         return False
     if not TMA_MIN_BLOCK_M <= routing[2] <= TMA_MAX_BOX or tile_rows > TMA_MAX_BOX:
         return False
-    if device.type == "cuda":
-        if torch.cuda.get_device_capability(device) < (9, 0):
-            return False
-    elif not INTERPRET:
-        return False
-    return all(w.is_contiguous() and w.shape[2] % 16 == 0 and w.data_ptr() % 16 == 0 and w.shape[0] * w.shape[1] < 2**31
-               for w in weights)  # fmt: skip
+    return tma_device(device) and all(tma_weights(w) for w in weights)
 
 
 def grouped_tiles(routing: tuple, n_out: int, device: torch.device, config: dict, wide: bool) -> tuple[int, int]:

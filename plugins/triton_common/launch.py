@@ -54,6 +54,32 @@ def _spec(a: Any) -> Any:
     return a
 
 
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def tma_device(device: torch.device) -> bool:
+    """Whether host-side TMA descriptors run on `device`: a Triton that has them and an NVIDIA GPU of compute
+    capability 9.0 or more (ROCm reports its own architectures as (9, x)), or the interpreter, for the tests."""
+    if TensorDescriptor is None:
+        return False
+    if device.type != "cuda":
+        return INTERPRET
+    if torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] >= (9, 0)
+
+
+def tma_weights(w: torch.Tensor) -> bool:
+    """Whether a descriptor over the 2-D view [E * rows, K] of weights `w` [E, rows, K] can read them: stored
+    contiguously, rows of a multiple of 16 bytes from a 16-byte aligned start, fewer than 2^31 rows in all (int32
+    coordinates)."""
+    return (w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+            and w.shape[0] * w.shape[1] < 2**31)  # fmt: skip
+
+
 def launch(fn: Callable, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:
     """fn[grid](*args, **consts): runtime arguments positional, every constexpr in `consts`. Repeated launches
     skip Triton's own argument dispatch (tens of us; TMA descriptors too: the compiled kernel's launcher encodes

@@ -46,7 +46,8 @@ from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.activation import gate as _gate
 from selector.plugins.triton_common.align import align, max_blocks_for
 from selector.plugins.triton_common.combine import combine
-from selector.plugins.triton_common.launch import INTERPRET, TensorDescriptor, cdiv, empty, launch
+from selector.plugins.triton_common.launch import TensorDescriptor, cdiv, empty, launch, tma_weights
+from selector.plugins.triton_common.launch import tma_device as _tma_device
 
 from selector.guard import resolve as resolve_guard
 
@@ -301,35 +302,12 @@ def _launch_gemm(
 # From this intermediate size up, x is also copied into block order so that gate_up reads it by TMA: the copy
 # costs T*k*H, the GEMM T*k*H*I (Mixtral's I=14336 gained 3-10%; I <= 2048 nothing, or lost 3-4%).
 SORTED_X_MIN_I = 4096
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
-def _tma_device(device: torch.device) -> bool:
-    """sm_90+ (or the interpreter, for the tests) with a Triton that has host-side descriptors."""
-    if TensorDescriptor is None:
-        return False
-    if device.type != "cuda":
-        return INTERPRET
-    if torch.version.hip is not None:  # ROCm reports its own architectures as (9, x): no Hopper TMA there
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index] >= (9, 0)
-
-
 def tma_fits(w: torch.Tensor, block_m: int, cfg: dict, tile_c: int) -> bool:
-    """Whether one GEMM's weights `w` [E, channels, K] can come through a TMA descriptor with these tiles: stored
-    contiguously (K-contiguous: transposed storage keeps pointer loads) with rows of a multiple of 16 bytes from a
-    16-byte aligned start, fewer than 2^31 rows in the 2-D view (int32 coordinates), tiles within
-    ``configs.tma_tiles``."""
-    if not _configs.tma_tiles(block_m, cfg["BLOCK_K"], tile_c, w.element_size()):
-        return False
-    if not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16 or w.data_ptr() % 16:
-        return False
-    if w.shape[0] * w.shape[1] >= 2**31:
-        return False
-    return _tma_device(w.device)
+    """Whether one GEMM's weights `w` [E, channels, K] (K-contiguous: transposed storage keeps pointer loads) can
+    come through a TMA descriptor with these tiles: ``launch.tma_weights`` and ``configs.tma_tiles``, on a device
+    with TMA."""
+    return (_configs.tma_tiles(block_m, cfg["BLOCK_K"], tile_c, w.element_size()) and tma_weights(w)
+            and _tma_device(w.device))  # fmt: skip
 
 
 def inter_rows_bound(num_pairs: int, num_experts: int) -> int:

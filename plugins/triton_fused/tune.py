@@ -81,7 +81,7 @@ def gemm_candidates(block_m: int, n_out: int, gated: bool, elem: int = 2) -> lis
         if (block_m * bk + n_b * bn * bk) * elem * stages > 225 * 1024:
             continue
         if block_m >= _configs.TMA_MIN_BLOCK_M and not _configs.tma_tiles(block_m, bk, bn, elem):
-            continue  # such blocks run through TMA where the weights allow, both GEMMs or neither: keep them able to
+            continue  # a layer runs TMA for both GEMMs or neither: every tile offered here must be TMA-readable
         out.append(
             {
                 "BLOCK_N": bn,
@@ -148,8 +148,7 @@ def tune_cell(
                         inter, sorted_rows, block_expert, None, num_valid=n_pairs, n_out=i_dim,
                         k_dim=h, a_div=1 if tma["a_tma"] else top_k, block_m=bm, stride_wn=w1.stride(1),
                         stride_wk=w1.stride(2), up_offset=i_dim, gated=gated, interleaved=False, act=1, mul_w=False,
-                        cfg=full,
-                        dot_prec=prec, **tma,
+                        cfg=full, dot_prec=prec, **tma,
                     )  # fmt: skip
                 else:
                     fn = lambda: _k._launch_gemm(  # noqa: E731
