@@ -302,6 +302,85 @@ def test_tma_declined_where_a_descriptor_cannot_read_the_tiles(monkeypatch):
     assert K.part_layout("down", w, 128, cfg, i_dim=512) == K.NO_TMA
 
 
+# ------------------------------------------------------------------------------------------------------------
+# Half-height tail tiles (blocks of >= HALF_TAIL_MIN_BLOCK_M rows: a block at most half full runs half the rows)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _tail_case(**kw):
+    """Pairs per expert 130, 200, 40, 30, 0: expert 0's blocks hold 128 and 2 pairs (the second a half-height
+    tile), expert 1's 128 and 72 (both full), experts 2 and 3 one block under half full, expert 4 none."""
+    case = make_case(200, 32, 24, 5, 2, seed=5, **kw)
+    ids = torch.ones(200, 2, dtype=torch.long)
+    ids[:130, 0] = 0
+    ids[130:170, 0] = 2
+    ids[170:, 0] = 3
+    case["ids"] = ids.to(case["x"].device)
+    return case
+
+
+def _inter_launches(monkeypatch):
+    """The (HALF_TAIL, output buffer, OUT_BLOCKED) of every GEMM launch."""
+    seen = []
+    real = K.launch
+
+    def spy(fn, grid, args, consts, *rest):
+        if fn is K._moe_gemm_kernel:
+            seen.append((consts["HALF_TAIL"], args[3], consts["OUT_BLOCKED"]))
+        return real(fn, grid, args, consts, *rest)
+
+    monkeypatch.setattr(K, "launch", spy)
+    return seen
+
+
+@pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90+")
+@pytest.mark.parametrize("kw", [{}, dict(interleaved=True, bias=True), dict(gated=False, activation="gelu")],
+                         ids=["plain", "interleaved_bias", "not_gated"])  # fmt: skip
+def test_half_empty_blocks_run_half_height_tiles(kw, monkeypatch):
+    kw = dict(kw)
+    case = _tail_case(bias=kw.pop("bias", False), gated=kw.get("gated", True))
+    assert torch.bincount(case["ids"].reshape(-1).cpu(), minlength=5).tolist() == [130, 200, 40, 30, 0]
+    seen = _inter_launches(monkeypatch)
+    run_and_check(case, 5, 1e-5, config=TMA_CONFIG, **kw)
+    assert [s[0] for s in seen] == [True, True]
+    inter, blocked = seen[0][1], seen[0][2]
+    assert blocked, "the intermediate in block order shows which rows the tiles computed"
+    sorted_rows, block_expert = A.align(case["ids"].reshape(-1), 5, 128)
+    n_pairs = case["ids"].numel()
+    rows = inter.reshape(-1, 128, inter.shape[1]).cpu()
+    real = (sorted_rows < n_pairs).reshape(-1, 128).cpu()
+    for b, e in enumerate(block_expert.cpu().tolist()):
+        if e < 0:
+            continue
+        written = torch.isfinite(rows[b]).all(dim=1)
+        if real[b, 64:].any():
+            assert written.all(), f"block {b} (expert {e}) is over half full: every row computed"
+        else:
+            assert written[:64].all() and not written[64:].any(), f"block {b} (expert {e}): a half-height tile"
+    half = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=5,
+                           gate_up_bias=case["b1"], down_bias=case["b2"], config=TMA_CONFIG, **kw)  # fmt: skip
+    seen.clear()
+    monkeypatch.setattr(C, "HALF_TAIL_MIN_BLOCK_M", 1 << 30)
+    full = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=5,
+                           gate_up_bias=case["b1"], down_bias=case["b2"], config=TMA_CONFIG, **kw)  # fmt: skip
+    assert [s[0] for s in seen] == [False, False]
+    assert torch.equal(half, full), "a half-height tile computes its rows as the full tile does"
+
+
+def test_half_height_tiles_on_the_pointer_path(monkeypatch):
+    monkeypatch.setattr(K, "_tma_device", lambda device: False)
+    case = _tail_case(transposed=True)
+    seen = _inter_launches(monkeypatch)
+    run_and_check(case, 5, 1e-5, config=TMA_CONFIG, transposed=True)
+    assert [(s[0], s[2]) for s in seen] == [(True, False)] * 2
+    seen.clear()
+    run_and_check(case, 5, 1e-5, config=dict(TMA_CONFIG, BLOCK_M=64), transposed=True)
+    assert [s[0] for s in seen] == [True, True], "64-row blocks: 32-row tail tiles"
+    seen.clear()
+    run_and_check(case, 5, 1e-5, config=dict(TMA_CONFIG, BLOCK_M=32), transposed=True)
+    assert [s[0] for s in seen] == [False, False], "blocks under HALF_TAIL_MIN_BLOCK_M rows run whole"
+
+
 def _check_align(ids_flat, E, bm):
     sorted_rows, block_expert = A.align(ids_flat, E, bm)
     n = ids_flat.numel()

@@ -95,6 +95,12 @@ TMA_MIN_BLOCK_M = 128
 TMA_MAX_BOX = 256
 TMA_MAX_INNER_BYTES = 128
 
+# From this BLOCK_M up, a block at most half full (an expert's last) runs as a half-height tile (the kernel's
+# HALF_TAIL). Measured on the H200 (docs/design/triton_fused.md): 4-10% faster where padding is a fifth of the
+# rows or more (Qwen and GPT-OSS at T=512 with 64-row blocks, at T=4096 with 128), the same bits; smaller blocks
+# are weight bound.
+HALF_TAIL_MIN_BLOCK_M = 64
+
 
 def tma_tiles(block_m: int, block_k: int, tile_c: int, elem: int) -> bool:
     """Whether a GEMM's tiles (BLOCK_M rows, BLOCK_K, `tile_c` weight channels per program, `elem` bytes) are

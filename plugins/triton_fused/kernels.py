@@ -27,6 +27,8 @@ Blocks of ``configs.TMA_MIN_BLOCK_M`` rows or more on sm_90+ (large T) read the 
 descriptors; the gate_up GEMM then writes the intermediate in block order (padding slots too) and the down GEMM
 reads it through a descriptor, without a gather; from SORTED_X_MIN_I up, x is first copied into block order and
 read the same way (``part_layout``). Same tiles, same K order: the bits are those of the pointer path.
+Blocks of ``configs.HALF_TAIL_MIN_BLOCK_M`` rows or more that are at most half full (an expert's last) run as
+half-height tiles: half the FLOPs for the padding an expert's tail leaves, the same bits.
 
 Temporaries: intermediate (T*k*I; in block order up to min(T*k, E) * (BLOCK_M - 1) + BLOCK_M - 1 rows more),
 y (T*k*H) in the input dtype, x in block order where copied, plus a few small int32 buffers: within
@@ -82,6 +84,7 @@ def _moe_gemm_kernel(
     block_expert_ptr,
     topk_w_ptr,
     a_desc,
+    a_desc_half,
     w_desc,
     num_valid,
     N,
@@ -117,6 +120,7 @@ def _moe_gemm_kernel(
     A_TMA: tl.constexpr = False,
     W_TMA: tl.constexpr = False,
     OUT_BLOCKED: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False,
 ):
     """out[row, n] = epilogue( sum_k A[row // a_div, k] * W[e, n, k] ) for the rows of each expert block.
 
@@ -130,6 +134,10 @@ def _moe_gemm_kernel(
     reads A's rows in block order through a_desc (row pid_m * BLOCK_M + i of block pid_m, no gather).
     OUT_BLOCKED stores row i of block pid_m at out row pid_m * BLOCK_M + i (padding slots too, computed from row
     0), instead of at the pair's own row: the down GEMM then reads it with A_TMA.
+
+    HALF_TAIL: a block whose second half holds only padding slots (an expert's last block, at most half full)
+    computes a BLOCK_M // 2-row tile (A through a_desc_half), half the FLOPs of a full block. Both GEMMs decide
+    from the same sorted rows, so the down GEMM never reads the block-order rows that gate_up skipped.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -143,11 +151,43 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
+    row0 = pid_m * BLOCK_M
+    if HALF_TAIL:
+        # an expert's padding slots come after its pairs: a second half that starts with one is all padding
+        if tl.load(sorted_ptr + row0 + BLOCK_M // 2) >= num_valid:
+            _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc_half, w_desc, expert, row0,
+                       pid_n, num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn,
+                       stride_wk, stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M // 2,
+                       BLOCK_N, BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC,
+                       A_TMA, W_TMA, OUT_BLOCKED)  # fmt: skip
+        else:
+            _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, w_desc, expert, row0,
+                       pid_n, num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn,
+                       stride_wk, stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M,
+                       BLOCK_N, BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC,
+                       A_TMA, W_TMA, OUT_BLOCKED)  # fmt: skip
+    else:
+        _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, pid_n,
+                   num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                   stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M, BLOCK_N, BLOCK_K,
+                   GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, A_TMA, W_TMA,
+                   OUT_BLOCKED)  # fmt: skip
+
+
+@triton.jit
+def _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, pid_n,
+               num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+               stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+               ACT: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, A_TMA: tl.constexpr,
+               W_TMA: tl.constexpr, OUT_BLOCKED: tl.constexpr):  # fmt: skip
+    """``_moe_gemm_kernel``'s work on the BLOCK_M sorted rows from `row0` and output channels of tile `pid_n`."""
     w_row0 = expert * w_rows  # int32: tma_fits checks that every row index fits
     expert = expert.to(tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
+    rows = tl.load(sorted_ptr + row0 + offs_m)
     row_ok = rows < num_valid
     # padding slots read row 0 (always in bounds): their results are never stored
     a_rows = tl.where(row_ok, rows // a_div, 0).to(tl.int64)
@@ -167,7 +207,7 @@ def _moe_gemm_kernel(
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
-            a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
+            a = _a_tile(a_ptrs, a_desc, row0, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
             b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * 2 * BLOCK_N, kk * BLOCK_K, k_ok, c_ok, EVEN_K and EVEN_N,
                         W_TMA)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
@@ -185,7 +225,7 @@ def _moe_gemm_kernel(
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
-            a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
+            a = _a_tile(a_ptrs, a_desc, row0, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
             bg = _w_tile(bg_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
                          W_TMA)  # fmt: skip
             bu = _w_tile(bu_ptrs, w_desc, w_row0, up_offset + pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok,
@@ -207,7 +247,7 @@ def _moe_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
-            a = _a_tile(a_ptrs, a_desc, pid_m * BLOCK_M, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
+            a = _a_tile(a_ptrs, a_desc, row0, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
             b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
                         W_TMA)  # fmt: skip
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
@@ -223,14 +263,13 @@ def _moe_gemm_kernel(
         res = res * rw[:, None]
 
     if OUT_BLOCKED:
-        out_rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+        out_rows = (row0 + offs_m).to(tl.int64)
         o_mask = n_ok[None, :]
     else:
         out_rows = rows.to(tl.int64)
         o_mask = row_ok[:, None] & n_ok[None, :]
     o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-
 
 @triton.jit
 def _a_tile(a_ptrs, a_desc, row, k0, k_ok, EVEN_K: tl.constexpr, A_TMA: tl.constexpr):
@@ -273,20 +312,25 @@ def _launch_gemm(
 ):  # fmt: skip
     """One grouped GEMM launch. `w_tma`: weight tiles through a TMA descriptor (``tma_fits`` said yes);
     `a_tma`: `a` holds the rows in block order (the gate_up launch's `out_blocked` output); `out_blocked`: write
-    rows in block order, `out` holding ``sorted_rows.numel()`` rows."""
+    rows in block order, `out` holding ``sorted_rows.numel()`` rows. Blocks of HALF_TAIL_MIN_BLOCK_M rows or
+    more run half-empty blocks as half-height tiles (the kernel's HALF_TAIL)."""
     num_blocks_m = block_expert.numel()
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (num_blocks_m * cdiv(n_out, bn),)
     has_bias = bias is not None
-    a_desc = w_desc = a  # placeholders, unused without TMA
+    half_tail = block_m >= _configs.HALF_TAIL_MIN_BLOCK_M
+    a_desc = a_desc_half = w_desc = a  # placeholders, unused without TMA
     if w_tma:
         tile_c = bn * (2 if gated and interleaved else 1)
         w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tile_c, bk])
     if a_tma:
         a_desc = TensorDescriptor.from_tensor(a, [block_m, bk])
+        if half_tail:
+            a_desc_half = TensorDescriptor.from_tensor(a, [block_m // 2, bk])
     launch(
         _moe_gemm_kernel, grid,
-        (a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a, a_desc, w_desc,
+        (a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a, a_desc,
+         a_desc_half, w_desc,
          num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset, w.shape[1],
          a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
          bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
@@ -294,7 +338,7 @@ def _launch_gemm(
         dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], GATED=gated, INTERLEAVED=interleaved,
              ACT=act, GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0),
              EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, A_TMA=a_tma, W_TMA=w_tma,
-             OUT_BLOCKED=out_blocked),
+             OUT_BLOCKED=out_blocked, HALF_TAIL=half_tail),
         cfg["num_warps"], cfg["num_stages"],
     )  # fmt: skip
 
