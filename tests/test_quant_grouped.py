@@ -519,7 +519,8 @@ def test_align_rides_on_x_quantisation(monkeypatch):
     monkeypatch.setattr(shared_align, "SINGLE_ALIGN_MAX", 4)  # too many pairs to ride
     launched.clear()
     separate = _run(module, x, idx, w, cfg)
-    assert [n for n, _ in launched if "align" in n] == ["_align_count_kernel", "_align_kernel"]
+    assert [n for n, _ in launched if "align" in n] == ["_align_count_kernel", "_align_prefix_kernel",
+                                                        "_align_kernel"]
     assert [c["ALIGN"] for n, c in launched if n == "_quant_rows_kernel"] == [False]
     assert torch.equal(riding, separate)
 

@@ -416,6 +416,14 @@ def test_align(n, E, bm):
     _check_align(ids, E, bm)
 
 
+@pytest.mark.parametrize("n,E,bm", [(2500, 8, 128), (1500, 256, 16)])
+def test_align_prefix_pass_over_several_steps(n, E, bm, monkeypatch):
+    # 4 chunks per step of the prefix pass (its shipped step covers a few thousand chunks at once)
+    monkeypatch.setattr(A, "PREFIX_ELEMS", 4 * A.PREFIX_E_TILE)
+    g = torch.Generator().manual_seed(n + 1)
+    _check_align(torch.randint(0, E + 1, (n,), generator=g).to(DEV), E, bm)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,E,bm", [(70000, 256, 64), (131072, 128, 128), (5000, 60, 16)])
 def test_gpu_align_large(n, E, bm):

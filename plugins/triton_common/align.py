@@ -3,7 +3,8 @@
 Output sizes depend only on T*k, E and BLOCK_M: ``sorted_rows[max_blocks * BLOCK_M]`` (pair index t*k+j, or T*k
 for a padding slot) and ``block_expert[max_blocks]`` (expert of each block, -1 for blocks past the end: those
 programs exit at once). No host synchronisation, so a CUDA graph captures it. One launch when T*k <=
-SINGLE_ALIGN_MAX (``_align_kernel``), else ``_align_count_kernel`` + ``_align_kernel``.
+SINGLE_ALIGN_MAX (``_align_kernel``), else three: per-chunk counts (``_align_count_kernel``), their prefix sums
+over the chunks (``_align_prefix_kernel``), the scatter (``_align_kernel``, one program per chunk).
 
 With a routing guard (selector.guard) the first launch also checks every pair it reads: ids outside [0, E) (bar
 the expert-parallel sentinel) and NaN / infinite weights are counted into the device flag; such pairs are left
@@ -22,10 +23,15 @@ from selector.guard import RoutingGuard
 from .guard import check_slots, record_faults, reported_value
 from .launch import cdiv, empty, launch, next_pow2
 
-# Routing up to this many (token, slot) pairs is done by one program in one launch (decode); above it
-# the pairs are split into chunks of ALIGN_CHUNK, counted by one launch and scattered by a second.
+# Routing up to this many (token, slot) pairs is done by one program in one launch (decode); above it the pairs
+# are split into chunks of ALIGN_CHUNK, counted by one launch, prefix-summed by a second and scattered by a third.
+# A chunk is one scatter step: each step is a dependent load-rank-store round trip (about 4 us on the H200), so
+# a program that scattered 512 pairs took 8 of them.
 SINGLE_ALIGN_MAX = 1024
-ALIGN_CHUNK = 512
+ALIGN_CHUNK = 64
+# the prefix pass: one program per PREFIX_E_TILE experts, PREFIX_ELEMS counts per step (a few steps at T*k = 131072)
+PREFIX_E_TILE = 16
+PREFIX_ELEMS = 4096
 
 @triton.jit(do_not_specialize=["num_pairs", "limit", "tag"])
 def _align_count_kernel(
@@ -59,6 +65,23 @@ def _align_count_kernel(
         record_faults(flag_ptr, host_ptr, tag, n_ids, tl.sum(bad_w.to(tl.int32), axis=0), reported_value(raw, bad_id))
 
 
+@triton.jit(do_not_specialize=["num_chunks"])
+def _align_prefix_kernel(partial_ptr, num_chunks, E_PAD: tl.constexpr, E_TILE: tl.constexpr, C_TILE: tl.constexpr):
+    """In place over ``_align_count_kernel``'s table: partial[c, e] becomes the number of expert e's pairs in
+    chunks before c, and row num_chunks (allocated after the chunks' rows) gets each expert's total. Program pid
+    sums the columns of experts pid * E_TILE .. (pid + 1) * E_TILE - 1, C_TILE chunks at a time."""
+    e_range = tl.program_id(0) * E_TILE + tl.arange(0, E_TILE)
+    running = tl.zeros([E_TILE], dtype=tl.int32)
+    for c0 in range(0, num_chunks, C_TILE):
+        cidx = c0 + tl.arange(0, C_TILE)
+        ptrs = partial_ptr + cidx[:, None] * E_PAD + e_range[None, :]
+        c_ok = cidx[:, None] < num_chunks
+        part = tl.load(ptrs, mask=c_ok, other=0)
+        tl.store(ptrs, tl.cumsum(part, axis=0) - part + running[None, :], mask=c_ok)
+        running += tl.sum(part, axis=0)
+    tl.store(partial_ptr + num_chunks * E_PAD + e_range, running)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks", "limit", "tag"])
 def _align_kernel(
     ids_ptr,
@@ -78,7 +101,6 @@ def _align_kernel(
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,
     E_PAD: tl.constexpr,
-    NCH_SUB: tl.constexpr,
     B_TILE: tl.constexpr,
     SINGLE: tl.constexpr,
     GUARD: tl.constexpr,
@@ -86,7 +108,7 @@ def _align_kernel(
     """Scatter pair indices into expert-sorted, BLOCK_M-padded order; write per-block experts and padding.
 
     SINGLE: one program does everything (counts too). Otherwise program pid scatters chunk pid using the
-    per-chunk counts of ``_align_count_kernel``. Inside one expert's group the pairs keep their order (ranks
+    prefix counts of ``_align_prefix_kernel``. Inside one expert's group the pairs keep their order (ranks
     come from prefix counts, no atomics), so the layout itself is deterministic. GUARD with SINGLE: the program
     checks the pairs too (with several chunks ``_align_count_kernel`` does).
     """
@@ -105,14 +127,14 @@ def _align_kernel(
             value = tl.maximum(value, reported_value(raw, bad_id))
         record_faults(flag_ptr, host_ptr, tag, n_ids, n_w, value)
     align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
-                  max_blocks, tl.program_id(0), tl.num_programs(0), BLOCK_M, CHUNK, SUB, E_PAD, NCH_SUB, B_TILE,
+                  max_blocks, tl.program_id(0), tl.num_programs(0), BLOCK_M, CHUNK, SUB, E_PAD, B_TILE,
                   SINGLE)  # fmt: skip
 
 
 @triton.jit
 def align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks, max_blocks,
                   pid, nprog, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
-                  NCH_SUB: tl.constexpr, B_TILE: tl.constexpr, SINGLE: tl.constexpr):  # fmt: skip
+                  B_TILE: tl.constexpr, SINGLE: tl.constexpr):  # fmt: skip
     """The work of ``_align_kernel``'s program `pid` of `nprog`; with SINGLE (pid 0 of 1) also callable from
     another kernel's program, so that the routing rides on a launch the layer makes anyway (the quantised
     experts' x quantisation)."""
@@ -130,16 +152,9 @@ def align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs,
         before = tl.zeros([E_PAD], dtype=tl.int32)
         lo = 0
         hi = num_pairs
-    else:
-        total = tl.zeros([E_PAD], dtype=tl.int32)
-        before = tl.zeros([E_PAD], dtype=tl.int32)
-        for c0 in range(0, num_chunks, NCH_SUB):
-            cidx = c0 + tl.arange(0, NCH_SUB)
-            part = tl.load(
-                partial_ptr + cidx[:, None] * E_PAD + e_range[None, :], mask=cidx[:, None] < num_chunks, other=0
-            )
-            total += tl.sum(part, axis=0)
-            before += tl.sum(tl.where(cidx[:, None] < pid, part, 0), axis=0)
+    else:  # the prefix pass left this chunk's "pairs before it" in its row and the totals after the last row
+        before = tl.load(partial_ptr + pid * E_PAD + e_range)
+        total = tl.load(partial_ptr + num_chunks * E_PAD + e_range)
         lo = pid * CHUNK
         hi = tl.minimum(lo + CHUNK, num_pairs)
 
@@ -221,19 +236,15 @@ def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int, gua
     sorted_rows = empty(mb * block_m, torch.int32, dev, 1 << 30)
     block_expert = empty(mb, torch.int32, dev, -1)
     e_pad = max(16, next_pow2(num_experts))
-    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, NCH_SUB=16, B_TILE=16 if block_m >= 64 else 32,
-                  GUARD=guard is not None)
+    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, B_TILE=16 if block_m >= 64 else 32, GUARD=guard is not None)
     warps = 8 if e_pad >= 128 else 4
     if n <= SINGLE_ALIGN_MAX:
         chunk = max(16, next_pow2(n))
         consts.update(CHUNK=chunk, SUB=min(64, chunk), SINGLE=True)
         return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, None, guard, weights)
-    # up to ~256 chunks of >= 512 pairs: the scatter loop is latency bound, ~4 us per 64-pair step (on the H200:
-    # 134 us with 64 chunks of 2048 at T*k = 131072; ~40 us with chunks of 512), while each program also
-    # reads the whole [chunks, E] count table. The 256-chunk setting itself is not measured yet.
-    chunk = max(ALIGN_CHUNK, next_pow2(cdiv(n, 256)))
-    consts.update(CHUNK=chunk, SUB=64, NCH_SUB=16 if e_pad <= 256 else 8, SINGLE=False)
-    partial = empty(cdiv(n, chunk) * e_pad, torch.int32, dev, 1 << 20)
+    # one scatter step per chunk; the count table gets a row of totals after the chunks' rows
+    consts.update(CHUNK=ALIGN_CHUNK, SUB=ALIGN_CHUNK, SINGLE=False)
+    partial = empty((cdiv(n, ALIGN_CHUNK) + 1) * e_pad, torch.int32, dev, 1 << 20)
     return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, partial, guard, weights)
 
 
@@ -249,11 +260,14 @@ def run_align(plan: AlignPlan) -> None:
     n, chunks = plan.ids.numel(), plan.chunks
     checks = guard_args(plan.guard, plan.weights, plan.ids)
     if not plan.single:
+        e_pad = plan.consts["E_PAD"]
         launch(
             _align_count_kernel, (chunks,), (plan.ids, plan.partial, n, plan.num_experts, *checks),
-            dict(CHUNK=plan.consts["CHUNK"], E_PAD=plan.consts["E_PAD"], GUARD=plan.guard is not None),
-            plan.num_warps,
+            dict(CHUNK=plan.consts["CHUNK"], E_PAD=e_pad, GUARD=plan.guard is not None), plan.num_warps,
         )  # fmt: skip
+        e_tile = min(e_pad, PREFIX_E_TILE)
+        launch(_align_prefix_kernel, (e_pad // e_tile,), (plan.partial, chunks),
+               dict(E_PAD=e_pad, E_TILE=e_tile, C_TILE=PREFIX_ELEMS // e_tile), 4)  # fmt: skip
     partial = plan.sorted_rows if plan.single else plan.partial  # unused by the one-program path
     launch(
         _align_kernel, (chunks,),
