@@ -480,7 +480,7 @@ def test_quantize_rows_zeroes_what_the_later_kernels_need():
 def test_align_rides_on_x_quantisation(monkeypatch):
     """Sorted blocks at decode: one more program of x's quantisation launch routes the pairs (no align launch of
     its own): the same routing buffers as the fused backend's align, every element written (poisoned buffers), the
-    same quantised x. Above one program's worth of pairs the align keeps its own two launches, and the layer's
+    same quantised x. Above one program's worth of pairs the align keeps its own three launches, and the layer's
     output is bit for bit the riding one."""
     from selector.plugins.quant_kernels import ops
     from selector.plugins.triton_common import align as shared_align

@@ -308,13 +308,16 @@ def test_tma_declined_where_a_descriptor_cannot_read_the_tiles(monkeypatch):
 
 
 def _tail_case(**kw):
-    """Pairs per expert 130, 200, 40, 30, 0: expert 0's blocks hold 128 and 2 pairs (the second a half-height
-    tile), expert 1's 128 and 72 (both full), experts 2 and 3 one block under half full, expert 4 none."""
-    case = make_case(200, 32, 24, 5, 2, seed=5, **kw)
-    ids = torch.ones(200, 2, dtype=torch.long)
+    """Pairs per expert 130, 201, 40, 30, 0, 65, 64, 0. At 128-row blocks: expert 0's blocks hold 128 and 2 pairs
+    (the second a half-height tile), expert 1's 128 and 73 (both full), experts 2, 3 and 6 one block at most half
+    full, expert 5 one block of 65 (one past half: full)."""
+    case = make_case(265, 32, 24, 8, 2, seed=5, **kw)
+    ids = torch.ones(265, 2, dtype=torch.long)
     ids[:130, 0] = 0
     ids[130:170, 0] = 2
-    ids[170:, 0] = 3
+    ids[170:200, 0] = 3
+    ids[200:, 0] = 5
+    ids[200:264, 1] = 6
     case["ids"] = ids.to(case["x"].device)
     return case
 
@@ -339,13 +342,13 @@ def _inter_launches(monkeypatch):
 def test_half_empty_blocks_run_half_height_tiles(kw, monkeypatch):
     kw = dict(kw)
     case = _tail_case(bias=kw.pop("bias", False), gated=kw.get("gated", True))
-    assert torch.bincount(case["ids"].reshape(-1).cpu(), minlength=5).tolist() == [130, 200, 40, 30, 0]
+    assert torch.bincount(case["ids"].reshape(-1).cpu(), minlength=8).tolist() == [130, 201, 40, 30, 0, 65, 64, 0]
     seen = _inter_launches(monkeypatch)
-    run_and_check(case, 5, 1e-5, config=TMA_CONFIG, **kw)
+    run_and_check(case, 8, 1e-5, config=TMA_CONFIG, **kw)
     assert [s[0] for s in seen] == [True, True]
     inter, blocked = seen[0][1], seen[0][2]
     assert blocked, "the intermediate in block order shows which rows the tiles computed"
-    sorted_rows, block_expert = A.align(case["ids"].reshape(-1), 5, 128)
+    sorted_rows, block_expert = A.align(case["ids"].reshape(-1), 8, 128)
     n_pairs = case["ids"].numel()
     rows = inter.reshape(-1, 128, inter.shape[1]).cpu()
     real = (sorted_rows < n_pairs).reshape(-1, 128).cpu()
@@ -357,27 +360,35 @@ def test_half_empty_blocks_run_half_height_tiles(kw, monkeypatch):
             assert written.all(), f"block {b} (expert {e}) is over half full: every row computed"
         else:
             assert written[:64].all() and not written[64:].any(), f"block {b} (expert {e}): a half-height tile"
-    half = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=5,
+    half = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=8,
                            gate_up_bias=case["b1"], down_bias=case["b2"], config=TMA_CONFIG, **kw)  # fmt: skip
     seen.clear()
     monkeypatch.setattr(C, "HALF_TAIL_MIN_BLOCK_M", 1 << 30)
-    full = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=5,
+    full = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=8,
                            gate_up_bias=case["b1"], down_bias=case["b2"], config=TMA_CONFIG, **kw)  # fmt: skip
     assert [s[0] for s in seen] == [False, False]
     assert torch.equal(half, full), "a half-height tile computes its rows as the full tile does"
 
 
-def test_half_height_tiles_on_the_pointer_path(monkeypatch):
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_half_height_tiles_on_the_pointer_path(block_m, monkeypatch):
+    # transposed weights keep pointer loads; 64-row blocks run 32-row tails (the same bits on the H200 too)
     monkeypatch.setattr(K, "_tma_device", lambda device: False)
     case = _tail_case(transposed=True)
+    cfg = dict(TMA_CONFIG, BLOCK_M=block_m)
     seen = _inter_launches(monkeypatch)
-    run_and_check(case, 5, 1e-5, config=TMA_CONFIG, transposed=True)
+    run_and_check(case, 8, 1e-5, config=cfg, transposed=True)
     assert [(s[0], s[2]) for s in seen] == [(True, False)] * 2
-    seen.clear()
-    run_and_check(case, 5, 1e-5, config=dict(TMA_CONFIG, BLOCK_M=64), transposed=True)
-    assert [s[0] for s in seen] == [True, True], "64-row blocks: 32-row tail tiles"
-    seen.clear()
-    run_and_check(case, 5, 1e-5, config=dict(TMA_CONFIG, BLOCK_M=32), transposed=True)
+    args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
+    half = K.fused_experts(*args, num_experts=8, transposed=True, config=cfg)
+    monkeypatch.setattr(C, "HALF_TAIL_MIN_BLOCK_M", 1 << 30)
+    assert torch.equal(half, K.fused_experts(*args, num_experts=8, transposed=True, config=cfg))
+
+
+def test_blocks_under_the_half_tail_size_run_whole(monkeypatch):
+    case = _tail_case()
+    seen = _inter_launches(monkeypatch)
+    run_and_check(case, 8, 1e-5, config=dict(TMA_CONFIG, BLOCK_M=32))
     assert [s[0] for s in seen] == [False, False], "blocks under HALF_TAIL_MIN_BLOCK_M rows run whole"
 
 
@@ -398,6 +409,9 @@ def _check_align(ids_flat, E, bm):
             assert 0 <= r < n and flat[r] == e
             seen.append(r)
     assert sorted(seen) == [i for i in range(n) if 0 <= flat[i] < E]
+    for bi in range(len(used)):  # an expert's pairs fill its blocks from the first slot (the half-height tails)
+        real = [r != n for r in s[bi * bm : (bi + 1) * bm]]
+        assert real == sorted(real, reverse=True), f"block {bi}: a padding slot before a pair"
     # inside one expert the pairs keep their order (deterministic layout)
     per_expert: dict[int, list[int]] = {}
     for bi, e in enumerate(used):
@@ -416,9 +430,10 @@ def test_align(n, E, bm):
     _check_align(ids, E, bm)
 
 
-@pytest.mark.parametrize("n,E,bm", [(2500, 8, 128), (1500, 256, 16)])
+@pytest.mark.parametrize("n,E,bm", [(2600, 8, 128), (1500, 256, 16)])
 def test_align_prefix_pass_over_several_steps(n, E, bm, monkeypatch):
-    # 4 chunks per step of the prefix pass (its shipped step covers a few thousand chunks at once)
+    # 4 chunks per step of the prefix pass (its shipped step covers 256 at once); 2600 pairs: 41 chunks, so the
+    # last step is a partial one
     monkeypatch.setattr(A, "PREFIX_ELEMS", 4 * A.PREFIX_E_TILE)
     g = torch.Generator().manual_seed(n + 1)
     _check_align(torch.randint(0, E + 1, (n,), generator=g).to(DEV), E, bm)

@@ -202,8 +202,10 @@ def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 class AlignPlan(NamedTuple):
     """What ``align`` fills and how (``run_align`` launches it): `_align_kernel`'s constexprs and warps, and, for
-    many pairs, the per-chunk counts `partial` that ``_align_count_kernel`` fills first. Without them (`single`)
-    one program does it all, and a caller may run that program inside a kernel of its own (``align_program``)."""
+    many pairs, the count table `partial` ([chunks + 1, E_PAD] int32): ``_align_count_kernel`` fills the chunks'
+    rows, ``_align_prefix_kernel`` turns them into prefix counts in place and fills the last row with the
+    totals. Without it (`single`) one program does it all, and a caller may run that program inside a kernel of
+    its own (``align_program``)."""
 
     ids: torch.Tensor
     num_experts: int

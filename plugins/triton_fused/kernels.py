@@ -12,7 +12,7 @@ with the weights laid out as a Transformers experts module stores them (see ``fu
 
 Launches per call (no host synchronisation anywhere, so a call can be captured in a CUDA graph):
 
-1. ``triton_common.align`` (one launch when T*k <= SINGLE_ALIGN_MAX, else two): groups the (token, slot)
+1. ``triton_common.align`` (one launch when T*k <= SINGLE_ALIGN_MAX, else three): groups the (token, slot)
    pairs by expert into blocks of BLOCK_M rows. Output sizes depend only on T, k, E and BLOCK_M:
    ``sorted_rows[max_blocks * BLOCK_M]`` (pair index t*k+j, or T*k for a padding slot) and
    ``block_expert[max_blocks]`` (expert of each block, -1 for blocks past the end: those programs exit at once).
@@ -31,7 +31,8 @@ Blocks of ``configs.HALF_TAIL_MIN_BLOCK_M`` rows or more that are at most half f
 half-height tiles: half the FLOPs for the padding an expert's tail leaves, the same bits.
 
 Temporaries: intermediate (T*k*I; in block order up to min(T*k, E) * (BLOCK_M - 1) + BLOCK_M - 1 rows more),
-y (T*k*H) in the input dtype, x in block order where copied, plus a few small int32 buffers: within
+y (T*k*H) in the input dtype, x in block order where copied, plus int32 routing buffers (the align's count
+table, (T*k / 64 + 1) * E_PAD entries, is under 2% of y's bytes at H >= 2048): within
 2 * T*k * max(2I, H) * 2 bytes for the tiles the tables and heuristics pick (BLOCK_M 128 only where experts see
 about 100 rows or more).
 """
@@ -270,6 +271,7 @@ def _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, 
         o_mask = row_ok[:, None] & n_ok[None, :]
     o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
 
 @triton.jit
 def _a_tile(a_ptrs, a_desc, row, k0, k_ok, EVEN_K: tl.constexpr, A_TMA: tl.constexpr):
