@@ -220,14 +220,14 @@ TMA_CASES = [
 ]
 
 
-def _gemm_launches(monkeypatch):
-    """Records the TMA switches of every GEMM launch."""
+def _gemm_launches(monkeypatch, record=lambda args, consts: (consts["W_TMA"], consts["A_TMA"], consts["OUT_BLOCKED"])):
+    """Records `record(args, consts)` of every GEMM launch: by default its TMA switches."""
     seen = []
     real = K.launch
 
     def spy(fn, grid, args, consts, *rest):
         if fn is K._moe_gemm_kernel:
-            seen.append((consts["W_TMA"], consts["A_TMA"], consts["OUT_BLOCKED"]))
+            seen.append(record(args, consts))
         return real(fn, grid, args, consts, *rest)
 
     monkeypatch.setattr(K, "launch", spy)
@@ -324,16 +324,7 @@ def _tail_case(**kw):
 
 def _inter_launches(monkeypatch):
     """The (HALF_TAIL, output buffer, OUT_BLOCKED) of every GEMM launch."""
-    seen = []
-    real = K.launch
-
-    def spy(fn, grid, args, consts, *rest):
-        if fn is K._moe_gemm_kernel:
-            seen.append((consts["HALF_TAIL"], args[3], consts["OUT_BLOCKED"]))
-        return real(fn, grid, args, consts, *rest)
-
-    monkeypatch.setattr(K, "launch", spy)
-    return seen
+    return _gemm_launches(monkeypatch, lambda args, consts: (consts["HALF_TAIL"], args[3], consts["OUT_BLOCKED"]))
 
 
 @pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90+")

@@ -267,9 +267,8 @@ def run_align(plan: AlignPlan) -> None:
             _align_count_kernel, (chunks,), (plan.ids, plan.partial, n, plan.num_experts, *checks),
             dict(CHUNK=plan.consts["CHUNK"], E_PAD=e_pad, GUARD=plan.guard is not None), plan.num_warps,
         )  # fmt: skip
-        e_tile = min(e_pad, PREFIX_E_TILE)
-        launch(_align_prefix_kernel, (e_pad // e_tile,), (plan.partial, chunks),
-               dict(E_PAD=e_pad, E_TILE=e_tile, C_TILE=PREFIX_ELEMS // e_tile), 4)  # fmt: skip
+        launch(_align_prefix_kernel, (e_pad // PREFIX_E_TILE,), (plan.partial, chunks),  # E_PAD >= 16: whole tiles
+               dict(E_PAD=e_pad, E_TILE=PREFIX_E_TILE, C_TILE=PREFIX_ELEMS // PREFIX_E_TILE), 4)  # fmt: skip
     partial = plan.sorted_rows if plan.single else plan.partial  # unused by the one-program path
     launch(
         _align_kernel, (chunks,),

@@ -153,20 +153,15 @@ def _moe_gemm_kernel(
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
-    if HALF_TAIL:
-        # an expert's padding slots come after its pairs: a second half that starts with one is all padding
-        if tl.load(sorted_ptr + row0 + BLOCK_M // 2) >= num_valid:
-            _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc_half, w_desc, expert, row0,
-                       pid_n, num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn,
-                       stride_wk, stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M // 2,
-                       BLOCK_N, BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC,
-                       A_TMA, W_TMA, OUT_BLOCKED)  # fmt: skip
-        else:
-            _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, w_desc, expert, row0,
-                       pid_n, num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn,
-                       stride_wk, stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M,
-                       BLOCK_N, BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC,
-                       A_TMA, W_TMA, OUT_BLOCKED)  # fmt: skip
+    half = False
+    if HALF_TAIL:  # an expert's padding slots come after its pairs: a second half that starts with one is all padding
+        half = tl.load(sorted_ptr + row0 + BLOCK_M // 2) >= num_valid
+    if half:
+        _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc_half, w_desc, expert, row0, pid_n,
+                   num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                   stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M // 2, BLOCK_N,
+                   BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, A_TMA, W_TMA,
+                   OUT_BLOCKED)  # fmt: skip
     else:
         _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, pid_n,
                    num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
