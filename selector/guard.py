@@ -291,7 +291,7 @@ def clear() -> None:
 
 def pending_faults(device: torch.device) -> dict[str, int]:
     """The device flag's counts as they stand (syncs; for tests and `selector doctor`-style reports)."""
-    flags = _FLAGS.get(torch.device(device))
+    flags = flags_for(device, create=False)  # "cuda" means the current device, as where the flag was made
     if flags is None:
         return {"bad_ids": 0, "bad_weights": 0, "layer": 0, "value": 0}
     words = flags.flag.tolist()

@@ -129,7 +129,7 @@ def reference_experts(
             down = h @ ref.down_proj[e] if ref.is_transposed else ref.down_proj[e] @ h
             if ref.has_bias:
                 down = down + ref.down_proj_bias[e]
-            if ref.has_post_expert_norm:
+            if getattr(ref, "has_post_expert_norm", False):  # Transformers before the norm has no such flag
                 down = ref.post_expert_norm(down)
             out[t] += w[t, j] * down
     return out
