@@ -365,13 +365,15 @@ def test_grouped_mm_triton_combine_matches_the_torch_tail(guard_interpreter, tok
 
 
 @pytest.mark.parametrize("case,value", BAD_CASES, ids=[c for c, _ in BAD_CASES])
-@pytest.mark.parametrize("tokens", [T, 600])  # one align program; several chunks (T*k > SINGLE_ALIGN_MAX)
+# one token: no align or combine launch (the decode pair blocks check in gate_up, poison in down's epilogue);
+# one align program; several chunks (T*k > SINGLE_ALIGN_MAX)
+@pytest.mark.parametrize("tokens", [1, T, 600])
 def test_fused_align_and_combine_guard(guard_interpreter, case, value, tokens):
     from selector.plugins.triton_fused.forward import triton_fused_experts_forward
 
     m = make_experts(E, H, I, seed=1, device=DEV)
     x, ids, w = _inputs(DEV, tokens=tokens)
-    slots = BAD_SLOTS + ((tokens - 1, 1),)
+    slots = ((0, 1),) if tokens == 1 else BAD_SLOTS + ((tokens - 1, 1),)
     clean = triton_fused_experts_forward(m, x, ids, w)
     bad_ids, bad_w = _make_bad(ids, w, value, slots)
     out = triton_fused_experts_forward(m, x, bad_ids, bad_w)

@@ -570,6 +570,71 @@ GPU_SHAPES = [
 ]
 
 
+# ---- decode: a block per (token, slot) pair, no align and no combine launch ------------------------------------
+
+
+def _decode_launches(monkeypatch):
+    """The kernels a call launches from kernels.py; align and combine (their own modules) refuse to run."""
+    seen = []
+    real = K.launch
+
+    def spy(fn, grid, args, consts, *rest):
+        seen.append(fn)
+        return real(fn, grid, args, consts, *rest)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a one-token call ran the align or the combine")
+
+    monkeypatch.setattr(K, "launch", spy)
+    monkeypatch.setattr(K, "align", refuse)
+    monkeypatch.setattr(K, "combine", refuse)
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(bias=True), dict(gated=False), dict(transposed=True, interleaved=True, bias=True)],
+    ids=["plain", "bias", "ungated", "transposed_interleaved_bias"],
+)
+def test_one_token_is_two_launches_that_match_the_reference(kw, k, monkeypatch):
+    """The down launch's counters come poisoned (launch.POISON): unless gate_up's first program zeroes them, no
+    slot is the last to arrive and the output stays NaN."""
+    kw = dict(kw)
+    case = make_case(1, 32, 16, 8, k, bias=kw.pop("bias", False), gated=kw.get("gated", True),
+                     transposed=kw.get("transposed", False))  # fmt: skip
+    seen = _decode_launches(monkeypatch)
+    run_and_check(case, 8, TOL[torch.float32], **kw)
+    assert seen == [K._pair_gemm_kernel, K._pair_gemm_kernel]
+
+
+def test_one_token_skips_sentinel_slots():
+    case = make_case(1, 32, 16, 8, 4)
+    ids = case["ids"].clone()
+    ids[0, 1] = 8  # the expert-parallel sentinel: another rank's expert
+    run_and_check(case, 8, TOL[torch.float32], ids=ids)
+    ids[0, :] = 8  # every slot elsewhere: this rank adds nothing
+    out = K.fused_experts(case["x"], case["w1"], case["w2"], ids, case["wts"], num_experts=8)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_two_tokens_take_the_sorted_blocks(monkeypatch):
+    seen = _gemm_launches(monkeypatch, record=lambda args, consts: consts["BLOCK_M"])
+    run_and_check(make_case(2, 32, 16, 8, 2), 8, TOL[torch.float32])
+    assert len(seen) == 2  # both GEMMs through the grouped kernel, after an align
+
+
+@pytest.mark.gpu
+def test_gpu_one_token_is_deterministic_and_matches_the_reference():
+    """Qwen3-30B-A3B's experts at one token, bf16: the down epilogue's last-arriving slot adds the k rows in a fixed
+    order, so repeated calls give the same bits whatever order the programs ran in."""
+    case = make_case(1, 2048, 768, 128, 8, dtype=torch.bfloat16, device="cuda", seed=3)
+    run_and_check(case, 128, TOL[torch.bfloat16])
+    args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
+    outs = [K.fused_experts(*args, num_experts=128) for _ in range(50)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -23,6 +23,12 @@ Launches per call (no host synchronisation anywhere, so a call can be captured i
 4. ``triton_common.combine``: out[t] = sum over j of y[t*k+j] in fixed order, fp32 accumulation (deterministic,
    no atomics); sentinel slots are skipped.
 
+One token (``PAIR_BLOCK_MAX_TOKENS``): two launches of ``_pair_gemm_kernel``, no align and no combine. Each pair
+is a block of its own (a router's top-k experts are distinct: no weights are read twice); gate_up's first program
+zeroes the down launch's counters and runs the routing guard's checks, and the down launch adds the k slots in
+its epilogue: the last slot of a token to arrive sums the fp32 rows in a fixed order (deterministic, no float
+atomics).
+
 Blocks of ``configs.TMA_MIN_BLOCK_M`` rows or more on sm_90+ (large T) read the weight tiles through TMA
 descriptors; the gate_up GEMM then writes the intermediate in block order (padding slots too) and the down GEMM
 reads it through a descriptor, without a gather; from SORTED_X_MIN_I up, x is first copied into block order and
@@ -47,9 +53,10 @@ import triton.language as tl
 from selector.plugins.triton_common.activation import ACT_CODE, GATE_CODE
 from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.activation import gate as _gate
-from selector.plugins.triton_common.align import align, max_blocks_for
+from selector.plugins.triton_common.align import align, guard_args, max_blocks_for
 from selector.plugins.triton_common.combine import combine
-from selector.plugins.triton_common.launch import TensorDescriptor, cdiv, empty, launch, tma_weights
+from selector.plugins.triton_common.guard import check_slots, record_faults, reported_value
+from selector.plugins.triton_common.launch import TensorDescriptor, cdiv, empty, launch, next_pow2, tma_weights
 from selector.plugins.triton_common.launch import tma_device as _tma_device
 
 from selector.guard import resolve as resolve_guard
@@ -153,37 +160,42 @@ def _moe_gemm_kernel(
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
-    half = False
+    half = False  # Triton makes this a runtime value: the half branch below is compiled whatever HALF_TAIL says,
+    # so without HALF_TAIL it is a whole tile on a_desc (never taken), and a_desc_half may be a placeholder
+    HALF_M: tl.constexpr = BLOCK_M // 2 if HALF_TAIL else BLOCK_M
     if HALF_TAIL:  # an expert's padding slots come after its pairs: a second half that starts with one is all padding
         half = tl.load(sorted_ptr + row0 + BLOCK_M // 2) >= num_valid
     if half:
-        _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc_half, w_desc, expert, row0, pid_n,
-                   num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-                   stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M // 2, BLOCK_N,
-                   BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, A_TMA, W_TMA,
-                   OUT_BLOCKED)  # fmt: skip
+        rows_h = tl.load(sorted_ptr + row0 + tl.arange(0, HALF_M))
+        _store_tile(out_ptr, _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc_half if HALF_TAIL else a_desc,
+                                        w_desc, expert, row0, rows_h, pid_n, num_valid, N, K, a_div, up_offset,
+                                        w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be,
+                                        stride_bn, gate_alpha, gate_limit, HALF_M, BLOCK_N, BLOCK_K, GATED,
+                                        INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, A_TMA,
+                                        W_TMA),
+                    rows_h, row0, pid_n, num_valid, N, stride_om, stride_on, HALF_M, BLOCK_N, OUT_BLOCKED)  # fmt: skip
     else:
-        _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, pid_n,
-                   num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-                   stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M, BLOCK_N, BLOCK_K,
-                   GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, A_TMA, W_TMA,
-                   OUT_BLOCKED)  # fmt: skip
+        rows = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
+        _store_tile(out_ptr, _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, rows,
+                                        pid_n, num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak,
+                                        stride_we, stride_wn, stride_wk, stride_be, stride_bn, gate_alpha,
+                                        gate_limit, BLOCK_M, BLOCK_N, BLOCK_K, GATED, INTERLEAVED, ACT, GATE,
+                                        HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, A_TMA, W_TMA),
+                    rows, row0, pid_n, num_valid, N, stride_om, stride_on, BLOCK_M, BLOCK_N, OUT_BLOCKED)  # fmt: skip
 
 
 @triton.jit
-def _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, pid_n,
-               num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-               stride_be, stride_bn, stride_om, stride_on, gate_alpha, gate_limit, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-               ACT: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr,
-               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, A_TMA: tl.constexpr,
-               W_TMA: tl.constexpr, OUT_BLOCKED: tl.constexpr):  # fmt: skip
-    """``_moe_gemm_kernel``'s work on the BLOCK_M sorted rows from `row0` and output channels of tile `pid_n`."""
+def _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, rows, pid_n, num_valid, N, K,
+               a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+               gate_alpha, gate_limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, GATE: tl.constexpr,
+               HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               DOT_PREC: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr):  # fmt: skip
+    """The fp32 epilogue result [BLOCK_M, BLOCK_N] of one tile: the block's pair `rows` (num_valid for a padding
+    slot; A_TMA: the block's slots from `row0` in block order) times output channels of tile `pid_n`."""
     w_row0 = expert * w_rows  # int32: tma_fits checks that every row index fits
     expert = expert.to(tl.int64)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ptr + row0 + offs_m)
     row_ok = rows < num_valid
     # padding slots read row 0 (always in bounds): their results are never stored
     a_rows = tl.where(row_ok, rows // a_div, 0).to(tl.int64)
@@ -257,13 +269,22 @@ def _gemm_tile(a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_w_ptr, a_desc, 
     if MUL_W:
         rw = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         res = res * rw[:, None]
+    return res
 
+
+@triton.jit
+def _store_tile(out_ptr, res, rows, row0, pid_n, num_valid, N, stride_om, stride_on, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, OUT_BLOCKED: tl.constexpr):  # fmt: skip
+    """Writes a tile's result: at the pairs' own rows, or (OUT_BLOCKED) at the block's slots from `row0`, padding
+    slots too."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
     if OUT_BLOCKED:
-        out_rows = (row0 + offs_m).to(tl.int64)
+        out_rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         o_mask = n_ok[None, :]
     else:
         out_rows = rows.to(tl.int64)
-        o_mask = row_ok[:, None] & n_ok[None, :]
+        o_mask = (rows < num_valid)[:, None] & n_ok[None, :]
     o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -289,6 +310,124 @@ def _w_tile(b_ptrs, w_desc, w_row0, c0, k0, k_ok, c_ok, EVEN: tl.constexpr, W_TM
     if EVEN:
         return tl.load(b_ptrs)
     return tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Decode: one block per (token, slot) pair, no align launch, the combine in the down GEMM's epilogue.
+# --------------------------------------------------------------------------------------------------------------
+
+# Up to this many tokens each (token, slot) pair is a block of its own: one token's k experts are distinct, so no
+# expert's weights are read twice, and the layer is two launches instead of four (no align, no combine).
+PAIR_BLOCK_MAX_TOKENS = 1
+PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: row 0 is the pair's, the other rows are padding
+
+
+@triton.jit(do_not_specialize=["num_valid", "limit", "tag", "n_counts"])
+def _pair_gemm_kernel(
+    a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, topk_w_ptr, part_ptr, count_ptr, flag_ptr, host_ptr,
+    num_valid, num_experts, top_k, limit, tag, n_counts, N, K, a_div, up_offset,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
+    gate_alpha, gate_limit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ACT: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, FIRST: tl.constexpr,
+    COMBINE: tl.constexpr, GUARD: tl.constexpr, PAIRS_PAD: tl.constexpr, COUNTS_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+):  # fmt: skip
+    """``_moe_gemm_kernel`` at decode: program (p, n) computes pair p's output channels of tile n with expert
+    ids[p]'s weights (row 0 of a BLOCK_M tile); a pair whose id is outside [0, num_experts) computes nothing.
+
+    FIRST (the gate_up launch): program (0, 0) also does the align launch's other work: it zeroes the down
+    launch's n_counts counters and, with GUARD, checks every pair and records faults (selector.guard).
+    COMBINE (the down launch; out is the layer's [T, N] output): each program writes its fp32 row to part
+    [pairs, N] and counts itself in count[token, n]; the last of the token's slots to arrive (every slot
+    counts, computed or not) adds the computed slots' rows in one fixed-shape sum, the same bits whichever
+    arrives last, and writes out[token]. With GUARD a token with a bad slot gets a NaN row, as ``combine`` gives.
+    """
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if FIRST:
+        if (pair == 0) & (pid_n == 0):
+            zero = tl.arange(0, COUNTS_PAD)
+            tl.store(count_ptr + zero, tl.zeros([COUNTS_PAD], dtype=tl.int32), mask=zero < n_counts)
+            if GUARD:
+                offs = tl.arange(0, PAIRS_PAD)
+                in_range = offs < num_valid
+                raw = tl.load(ids_ptr + offs, mask=in_range, other=0)
+                bad_id, bad_w = check_slots(raw, tl.load(topk_w_ptr + offs, mask=in_range, other=0.0), in_range,
+                                            limit)  # fmt: skip
+                record_faults(flag_ptr, host_ptr, tag, tl.sum(bad_id.to(tl.int32), axis=0),
+                              tl.sum(bad_w.to(tl.int32), axis=0), reported_value(raw, bad_id))  # fmt: skip
+    expert = tl.load(ids_ptr + pair)
+    valid = (expert >= 0) & (expert < num_experts)
+    rows = tl.where(tl.arange(0, BLOCK_M) == 0, pair, num_valid)
+    res = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if valid:
+        res = _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_ptr, a_ptr, tl.where(valid, expert, 0).to(tl.int32),
+                         0, rows, pid_n, num_valid, N, K, a_div, up_offset, 0, stride_am, stride_ak, stride_we,
+                         stride_wn, stride_wk, stride_be, stride_bn, gate_alpha, gate_limit, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, False,
+                         False)  # fmt: skip
+    if COMBINE:
+        _combine_pair(res, pair, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr, num_experts, top_k,
+                      limit, N, stride_om, stride_on, BLOCK_M, BLOCK_N, K_PAD, GUARD)  # fmt: skip
+    elif valid:
+        _store_tile(out_ptr, res, rows, 0, pid_n, num_valid, N, stride_om, stride_on, BLOCK_M, BLOCK_N, False)
+
+
+@triton.jit
+def _combine_pair(res, pair, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr, num_experts, top_k,
+                  limit, N, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
+                  GUARD: tl.constexpr):  # fmt: skip
+    """``_pair_gemm_kernel``'s COMBINE epilogue for pair `pair` (its result in row 0 of `res`)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if valid:
+        row_ptrs = part_ptr + pair.to(tl.int64) * N + offs_m[:, None] * 0 + offs_n[None, :]
+        tl.store(row_ptrs, res, mask=(offs_m == 0)[:, None] & n_ok[None, :])
+    # every warp's stores first, then the counter (acq_rel): the last to count sees every slot's row
+    tl.debug_barrier()
+    token = pair // top_k
+    if tl.atomic_add(count_ptr + token * tl.cdiv(N, BLOCK_N) + pid_n, 1) == top_k - 1:
+        j = tl.arange(0, K_PAD)
+        j_ok = j < top_k
+        slots = token * top_k + j
+        e = tl.load(ids_ptr + slots, mask=j_ok, other=-1)
+        ok = j_ok & (e >= 0) & (e < num_experts)
+        v = tl.load(part_ptr + slots.to(tl.int64)[:, None] * N + offs_n[None, :], mask=ok[:, None] & n_ok[None, :],
+                    other=0.0, cache_modifier=".cg")  # fmt: skip  # other SMs wrote them: past this SM's L1
+        acc = tl.sum(v, axis=0)
+        if GUARD:
+            bad_id, bad_w = check_slots(e, tl.load(topk_w_ptr + slots, mask=j_ok, other=0.0), j_ok, limit)
+            acc = tl.where(tl.max((bad_id | bad_w).to(tl.int32), axis=0) > 0, float("nan"), acc)
+        tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty),
+                 mask=n_ok)  # fmt: skip
+
+
+def _launch_pair_gemm(a, w, bias, out, ids, topk_w, part, counts, guard, *, num_experts, top_k, n_out, k_dim,
+                      a_div, stride_wn, stride_wk, up_offset, gated, interleaved, act, cfg, dot_prec, gate=0,
+                      gate_alpha=1.0, gate_limit=0.0, first, combine_out):  # fmt: skip
+    """One ``_pair_gemm_kernel`` launch: `first` for gate_up (zeroes `counts`; with a RoutingGuard `guard` checks
+    the routing), `combine_out` for down (out is the layer's output, `part` its fp32 rows per pair)."""
+    n_pairs = ids.numel()
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    has_bias = bias is not None
+    _, flag, host, limit, tag = guard_args(guard, topk_w, ids)
+    launch(
+        _pair_gemm_kernel, (n_pairs, cdiv(n_out, bn)),
+        (a, w, bias if has_bias else w, out, ids, topk_w, part, counts, flag, host,
+         n_pairs, num_experts, top_k, limit, tag, counts.numel(), n_out, k_dim, a_div, up_offset,
+         a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
+         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
+         out.stride(0), out.stride(1), float(gate_alpha), float(gate_limit)),
+        dict(BLOCK_M=PAIR_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, GATED=gated, INTERLEAVED=interleaved, ACT=act,
+             GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=combine_out, EVEN_K=(k_dim % bk == 0),
+             EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, FIRST=first, COMBINE=combine_out, GUARD=guard is not None,
+             PAIRS_PAD=max(16, next_pow2(n_pairs)), COUNTS_PAD=max(16, next_pow2(counts.numel())),
+             K_PAD=max(2, next_pow2(top_k))),
+        cfg["num_warps"], cfg["num_stages"],
+    )  # fmt: skip
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -506,6 +645,28 @@ def fused_experts_impl(
     dot_prec = _dot_precision(hidden_states.dtype)
 
     checks = resolve_guard(guard, ids.device, num_experts)
+    gate_code = GATE_CODE[gate] if gated else 0
+    act_code = ACT_CODE[activation] if gate_code == 0 else 0  # the clamped SwiGLU brings its own activation
+    gate_args = dict(gate=gate_code, gate_alpha=1.0 if gate_alpha is None else gate_alpha,
+                     gate_limit=0.0 if gate_limit is None else gate_limit)  # fmt: skip
+    if t <= PAIR_BLOCK_MAX_TOKENS:  # decode: a block per pair, two launches (``_pair_gemm_kernel``)
+        dev = hidden_states.device
+        counts = empty(t * cdiv(h, cfg["down"]["BLOCK_N"]), torch.int32, dev, 1 << 20)  # zeroed by gate_up
+        part = empty((n_pairs, h), torch.float32, dev, float("nan"))
+        inter = empty((n_pairs, i_dim), hidden_states.dtype, dev, float("nan"))
+        both = dict(num_experts=num_experts, top_k=top_k, dot_prec=dot_prec)
+        _launch_pair_gemm(
+            hidden_states, gate_up_proj, gate_up_bias, inter, ids, tw, part, counts, checks, n_out=i_dim, k_dim=h,
+            a_div=top_k, stride_wn=s1n, stride_wk=s1k, up_offset=i_dim, gated=gated,
+            interleaved=interleaved and gated, act=act_code, cfg=cfg["gate_up"], first=True, combine_out=False,
+            **gate_args, **both,
+        )  # fmt: skip
+        _launch_pair_gemm(
+            inter, down_proj, down_bias, out, ids, tw, part, counts, checks, n_out=h, k_dim=i_dim, a_div=1,
+            stride_wn=s2n, stride_wk=s2k, up_offset=0, gated=False, interleaved=False, act=0, cfg=cfg["down"],
+            first=False, combine_out=True, **both,
+        )  # fmt: skip
+        return out
     sorted_rows, block_expert = align(ids, num_experts, bm, checks, tw)
 
     # through TMA the intermediate is written in block order (padding rows too) and read back by descriptor
@@ -518,15 +679,11 @@ def fused_experts_impl(
     inter = empty((inter_rows, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
     x_sorted = gu["a_tma"]
     a1 = rows_in_block_order(hidden_states, sorted_rows, n_pairs, top_k) if x_sorted else hidden_states
-    gate_code = GATE_CODE[gate] if gated else 0
-    act_code = ACT_CODE[activation] if gate_code == 0 else 0  # the clamped SwiGLU brings its own activation
     _launch_gemm(
         a1, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
         num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=1 if x_sorted else top_k, block_m=bm, stride_wn=s1n,
         stride_wk=s1k, up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code, mul_w=False,
-        cfg=cfg["gate_up"], dot_prec=dot_prec, gate=gate_code,
-        gate_alpha=1.0 if gate_alpha is None else gate_alpha, gate_limit=0.0 if gate_limit is None else gate_limit,
-        **gu,
+        cfg=cfg["gate_up"], dot_prec=dot_prec, **gate_args, **gu,
     )  # fmt: skip
     y = empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
     _launch_gemm(

@@ -42,7 +42,8 @@ TOKEN_COUNTS = (1, 8, 64, 512, 4096, 16384)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N of the gated gate_up GEMM counts intermediate channels
 # (the program reads twice as many weight rows).
-_SMALL_M = [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5), (128, 128, 4, 3)]
+_SMALL_M = [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 4, 3), (64, 64, 4, 5),
+            (128, 128, 4, 3)]
 _LARGE_M = [
     (64, 64, 4, 4),
     (128, 64, 4, 4),
