@@ -154,3 +154,27 @@ def test_layer_bench_times_tiles_in_the_layout_the_layer_runs(monkeypatch, sorte
     launched.clear()
     bench(TU.Task(200, 64, "down", tiles))  # 64-row blocks keep pointer loads
     assert [(kw["w_tma"], kw["a_tma"]) for kw, *_ in launched] == [(False, False)]
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="runs the kernels on CPU tensors through TRITON_INTERPRET=1")
+def test_layer_bench_times_one_token_on_the_pair_kernel(monkeypatch):
+    """At one token the layer runs _pair_gemm_kernel without an align: the tuner times that kernel, and the
+    align costs nothing."""
+    from selector.plugins.triton_fused import kernels as K
+
+    launched = []
+    real = K.launch
+
+    def spy(fn, grid, args, consts, *rest):
+        launched.append((fn, consts["FIRST"], consts["COMBINE"]) if fn is K._pair_gemm_kernel else (fn,))
+        return real(fn, grid, args, consts, *rest)
+
+    monkeypatch.setattr(K, "launch", spy)
+    monkeypatch.setattr(K, "align", lambda *a, **k: pytest.fail("one token needs no align"))
+    problem = Problem(num_experts=4, hidden_size=32, intermediate_size=32, top_k=2, dtype="float16", device="cpu")
+    bench = TU.LayerBench(problem, torch.device("cpu"), _wall_timer)
+    tiles = (("BLOCK_K", 16), ("BLOCK_N", 16), ("GROUP_M", 1), ("num_stages", 2), ("num_warps", 4))
+    assert bench(TU.Task(1, 16, "align")) == 0.0
+    for part in ("gate_up", "down"):
+        assert bench(TU.Task(1, 16, part, tiles)) > 0.0
+    assert set(launched) == {(K._pair_gemm_kernel, True, False), (K._pair_gemm_kernel, False, True)}

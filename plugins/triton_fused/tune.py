@@ -124,6 +124,10 @@ def tune_cell(
     e, _, h = w1.shape
     i_dim = w2.shape[2]
     dev, dt = w1.device, w1.dtype
+    if num_tokens <= _k.PAIR_BLOCK_MAX_TOKENS:
+        return _tune_pair_cell(Problem(num_experts=e, hidden_size=h, intermediate_size=i_dim, top_k=top_k,
+                                       dtype=str(dt).replace("torch.", "")), dev, num_tokens,
+                               lambda fn: _bench(fn, warmup_ms, rep_ms), log)  # fmt: skip
     elem = w1.element_size()
     x = torch.randn(num_tokens, h, device=dev, dtype=dt)
     ids, tw = _routing(num_tokens, top_k, e, dev)
@@ -183,6 +187,31 @@ def tune_cell(
     if best is None:
         raise RuntimeError(f"no candidate config ran for T={num_tokens}")
     return best
+
+
+def _tune_pair_cell(problem: Problem, device: torch.device, num_tokens: int,
+                    timer: Callable[[Callable[[], None]], float], log=print) -> dict[str, Any]:  # fmt: skip
+    """``tune_cell`` where the layer runs pair blocks (no align; each GEMM's tiles timed on its own launch)."""
+    bench = LayerBench(problem, device, timer)
+    bm = 16
+    best: dict[str, tuple[float, dict[str, int]]] = {}
+    for part in GEMM_PARTS:
+        n_out = problem.intermediate_size if part == "gate_up" else problem.hidden_size
+        for cfg in gemm_candidates(bm, n_out, part == "gate_up", bench.w1.element_size()):
+            try:
+                t = bench(Task(num_tokens, bm, part, _cfg_items(cfg)))
+            except Exception as exc:  # a config that does not compile or run here (resources)
+                log(f"    skip pair blocks {part} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            if part not in best or t < best[part][0]:
+                best[part] = (t, cfg)
+    if len(best) < 2:
+        raise RuntimeError(f"no candidate config ran for T={num_tokens}")
+    log(f"  T={num_tokens} pair blocks: gate_up {best['gate_up'][0] * 1e6:.1f}us {best['gate_up'][1]} "
+        f"down {best['down'][0] * 1e6:.1f}us {best['down'][1]}")  # fmt: skip
+    return {"config": {"BLOCK_M": bm, "gate_up": best["gate_up"][1], "down": best["down"][1]},
+            "time_s": best["gate_up"][0] + best["down"][0], "gate_up_s": best["gate_up"][0],
+            "down_s": best["down"][0], "align_s": 0.0}  # fmt: skip
 
 
 def tune(
@@ -548,17 +577,53 @@ class LayerBench:
     def __call__(self, task: Task) -> float:
         k, c = self._k, self._inputs(task.num_tokens)
         bm = task.block_m
+        pair_blocks = task.num_tokens <= k.PAIR_BLOCK_MAX_TOKENS  # the layer runs _pair_gemm_kernel, no align
         if task.part == "align":
-            return self.timer(lambda: k.align(c["ids"], self.e, bm))
+            return 0.0 if pair_blocks else self.timer(lambda: k.align(c["ids"], self.e, bm))
+        cfg = task.config
+        if pair_blocks:
+            return self._time_pair_blocks(task.part, cfg, c)
         if bm not in c["aligned"]:
             c["aligned"][bm] = k.align(c["ids"], self.e, bm)
         rows, blocks = c["aligned"][bm]
-        cfg = task.config
         # the TMA layout the layer would run these tiles with (kernels.part_layout)
         tma = k.part_layout(task.part, self.w1 if task.part == "gate_up" else self.w2, bm, cfg, i_dim=self.i_dim,
                             interleaved=self.interleaved, transposed=self.transposed)  # fmt: skip
         sort_x = task.part == "gate_up" and tma["a_tma"]  # the layer's copy of x into block order, timed with it
-        if task.part == "gate_up":
+        args = self._part_args(task.part, c, sort_x)
+        return self.timer(lambda: k._launch_gemm(
+            k.rows_in_block_order(args["a"], rows, c["pairs"], self.top_k) if sort_x else args["a"], args["w"],
+            args["bias"], args["out"], rows, blocks, args["topk_w"], num_valid=c["pairs"],
+            n_out=args["n_out"], k_dim=args["k_dim"], a_div=args["a_div"], block_m=bm, stride_wn=args["stride_wn"],
+            stride_wk=args["stride_wk"], up_offset=args["up_offset"], gated=args["gated"],
+            interleaved=args["interleaved"], act=args["act"], mul_w=args["mul_w"], cfg=cfg, dot_prec=self.prec,
+            **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args}, **tma,
+        ))  # fmt: skip
+
+    def _time_pair_blocks(self, part: str, cfg: dict[str, int], c: dict[str, Any]) -> float:
+        """One token: the layer's two ``_pair_gemm_kernel`` launches, gate_up (which zeroes the counters) or down
+        (the k-way sum in its epilogue, into the layer's output; its counters zeroed before each call)."""
+        k = self._k
+        if "counts" not in c:  # enough counters for any BLOCK_N of the down GEMM
+            c["counts"] = torch.zeros(c["pairs"] // self.top_k * k.cdiv(self.h, 16), dtype=torch.int32,
+                                      device=self.device)  # fmt: skip
+            c["part"] = torch.empty(c["pairs"], self.h, dtype=torch.float32, device=self.device)
+            c["out"] = torch.empty(c["pairs"] // self.top_k, self.h, dtype=self.dtype, device=self.device)
+        args = self._part_args(part, c, False)
+        first = part == "gate_up"
+        launch = lambda: k._launch_pair_gemm(  # noqa: E731
+            args["a"], args["w"], args["bias"], args["out"] if first else c["out"], c["ids"], c["tw"], c["part"],
+            c["counts"], None, num_experts=self.e, top_k=self.top_k, n_out=args["n_out"], k_dim=args["k_dim"],
+            a_div=args["a_div"], stride_wn=args["stride_wn"], stride_wk=args["stride_wk"],
+            up_offset=args["up_offset"], gated=args["gated"], interleaved=args["interleaved"], act=args["act"],
+            cfg=cfg, dot_prec=self.prec, first=first, combine_out=not first,
+            **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args},
+        )  # fmt: skip
+        return self.timer(launch if first else lambda: (c["counts"].zero_(), launch()))
+
+    def _part_args(self, part: str, c: dict[str, Any], sort_x: bool) -> dict[str, Any]:
+        """One GEMM's operands and flags as the layer passes them."""
+        if part == "gate_up":
             args = {"a": c["x"], "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
                     "k_dim": self.h, "a_div": 1 if sort_x else self.top_k, "stride_wn": self.s1[0],
                     "stride_wk": self.s1[1], "up_offset": self.i_dim, "gated": True, "interleaved": self.interleaved,
@@ -568,14 +633,7 @@ class LayerBench:
             args = {"a": c["inter"], "w": self.w2, "bias": self.b2, "out": c["y"], "topk_w": c["tw"], "n_out": self.h,
                     "k_dim": self.i_dim, "a_div": 1, "stride_wn": self.s2[0], "stride_wk": self.s2[1], "up_offset": 0,
                     "gated": False, "interleaved": False, "act": 0, "mul_w": True}  # fmt: skip
-        return self.timer(lambda: k._launch_gemm(
-            k.rows_in_block_order(args["a"], rows, c["pairs"], self.top_k) if sort_x else args["a"], args["w"],
-            args["bias"], args["out"], rows, blocks, args["topk_w"], num_valid=c["pairs"],
-            n_out=args["n_out"], k_dim=args["k_dim"], a_div=args["a_div"], block_m=bm, stride_wn=args["stride_wn"],
-            stride_wk=args["stride_wk"], up_offset=args["up_offset"], gated=args["gated"],
-            interleaved=args["interleaved"], act=args["act"], mul_w=args["mul_w"], cfg=cfg, dot_prec=self.prec,
-            **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args}, **tma,
-        ))  # fmt: skip
+        return args
 
 
 # --- the entry point --------------------------------------------------------------------------------------------
