@@ -162,13 +162,7 @@ def tune_cell(
                         up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=full, dot_prec=prec,
                         **tma,
                     )  # fmt: skip
-                try:
-                    t = _bench(fn, warmup_ms, rep_ms)
-                except Exception as exc:  # a config that does not compile or run here (resources)
-                    log(f"    skip BM={bm} {part} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-                    continue
-                if part not in parts or t < parts[part][0]:
-                    parts[part] = (t, cfg)
+                _keep_fastest(parts, part, cfg, lambda fn=fn: _bench(fn, warmup_ms, rep_ms), log, f"BM={bm}")
         if len(parts) < 2:
             continue
         total = t_align + parts["gate_up"][0] + parts["down"][0]
@@ -189,6 +183,19 @@ def tune_cell(
     return best
 
 
+def _keep_fastest(best: dict[str, tuple[float, dict[str, int]]], part: str, cfg: dict[str, int],
+                  run: Callable[[], float], log, label: str) -> None:  # fmt: skip
+    """Times one tile config (`run()`: seconds) and keeps it as best[part] when fastest; a config that does not
+    compile or run here (resources) is logged and left out."""
+    try:
+        t = run()
+    except Exception as exc:
+        log(f"    skip {label} {part} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+        return
+    if part not in best or t < best[part][0]:
+        best[part] = (t, cfg)
+
+
 def _tune_pair_cell(problem: Problem, device: torch.device, num_tokens: int,
                     timer: Callable[[Callable[[], None]], float], log=print) -> dict[str, Any]:  # fmt: skip
     """``tune_cell`` where the layer runs pair blocks (no align; each GEMM's tiles timed on its own launch)."""
@@ -198,13 +205,8 @@ def _tune_pair_cell(problem: Problem, device: torch.device, num_tokens: int,
     for part in GEMM_PARTS:
         n_out = problem.intermediate_size if part == "gate_up" else problem.hidden_size
         for cfg in gemm_candidates(bm, n_out, part == "gate_up", bench.w1.element_size()):
-            try:
-                t = bench(Task(num_tokens, bm, part, _cfg_items(cfg)))
-            except Exception as exc:  # a config that does not compile or run here (resources)
-                log(f"    skip pair blocks {part} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            if part not in best or t < best[part][0]:
-                best[part] = (t, cfg)
+            task = Task(num_tokens, bm, part, _cfg_items(cfg))
+            _keep_fastest(best, part, cfg, lambda task=task: bench(task), log, "pair blocks")
     if len(best) < 2:
         raise RuntimeError(f"no candidate config ran for T={num_tokens}")
     log(f"  T={num_tokens} pair blocks: gate_up {best['gate_up'][0] * 1e6:.1f}us {best['gate_up'][1]} "
