@@ -373,7 +373,7 @@ def test_fused_align_and_combine_guard(guard_interpreter, case, value, tokens):
 
     m = make_experts(E, H, I, seed=1, device=DEV)
     x, ids, w = _inputs(DEV, tokens=tokens)
-    slots = ((0, 1),) if tokens == 1 else BAD_SLOTS + ((tokens - 1, 1),)
+    slots = ((0, 0), (0, 1)) if tokens == 1 else BAD_SLOTS + ((tokens - 1, 1),)  # one token: both its slots
     clean = triton_fused_experts_forward(m, x, ids, w)
     bad_ids, bad_w = _make_bad(ids, w, value, slots)
     out = triton_fused_experts_forward(m, x, bad_ids, bad_w)

@@ -608,6 +608,12 @@ def test_one_token_is_two_launches_that_match_the_reference(kw, k, monkeypatch):
     assert seen == [K._pair_gemm_kernel, K._pair_gemm_kernel]
 
 
+def test_one_token_takes_int32_and_repeated_ids():
+    case = make_case(1, 40, 16, 8, 3)  # H not a multiple of the tiles' BLOCK_N
+    ids = torch.tensor([[2, 2, 5]], dtype=torch.int32, device=case["x"].device)  # expert 2 twice: both count
+    run_and_check(case, 8, TOL[torch.float32], ids=ids)
+
+
 def test_one_token_skips_sentinel_slots():
     case = make_case(1, 32, 16, 8, 4)
     ids = case["ids"].clone()

@@ -342,7 +342,9 @@ def _pair_gemm_kernel(
     COMBINE (the down launch; out is the layer's [T, N] output): each program writes its fp32 row to part
     [pairs, N] and counts itself in count[token, n]; the last of the token's slots to arrive (every slot
     counts, computed or not) adds the computed slots' rows in one fixed-shape sum, the same bits whichever
-    arrives last, and writes out[token]. With GUARD a token with a bad slot gets a NaN row, as ``combine`` gives.
+    arrives last, writes out[token] and sets the counter back to 0. The rows are added unrounded (the sorted path
+    rounds each slot's row to the input dtype first), so a token's bits differ from the sorted path's by that
+    rounding. With GUARD a token with a bad slot gets a NaN row, as ``combine`` gives.
     """
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -389,7 +391,10 @@ def _combine_pair(res, pair, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_
     # every warp's stores first, then the counter (acq_rel): the last to count sees every slot's row
     tl.debug_barrier()
     token = pair // top_k
-    if tl.atomic_add(count_ptr + token * tl.cdiv(N, BLOCK_N) + pid_n, 1) == top_k - 1:
+    counter = count_ptr + token * tl.cdiv(N, BLOCK_N) + pid_n
+    # a scalar atomic: one thread runs it and Triton hands the old value to the others through shared memory
+    if tl.atomic_add(counter, 1) == top_k - 1:
+        tl.store(counter, 0)  # every slot has counted: the counter is free again (a relaunch needs no zeroing)
         j = tl.arange(0, K_PAD)
         j_ok = j < top_k
         slots = token * top_k + j

@@ -125,9 +125,12 @@ def tune_cell(
     i_dim = w2.shape[2]
     dev, dt = w1.device, w1.dtype
     if num_tokens <= _k.PAIR_BLOCK_MAX_TOKENS:
-        return _tune_pair_cell(Problem(num_experts=e, hidden_size=h, intermediate_size=i_dim, top_k=top_k,
-                                       dtype=str(dt).replace("torch.", "")), dev, num_tokens,
-                               lambda fn: _bench(fn, warmup_ms, rep_ms), log)  # fmt: skip
+        if not gated:
+            raise ValueError("triton_fused tune: the tile tables hold gated experts only")
+        problem = Problem(num_experts=e, hidden_size=h, intermediate_size=i_dim, top_k=top_k,
+                          dtype=str(dt).replace("torch.", ""))  # fmt: skip
+        bench = LayerBench(problem, dev, lambda fn: _bench(fn, warmup_ms, rep_ms), weights=(w1, w2))
+        return _tune_pair_cell(bench, num_tokens, log)
     elem = w1.element_size()
     x = torch.randn(num_tokens, h, device=dev, dtype=dt)
     ids, tw = _routing(num_tokens, top_k, e, dev)
@@ -196,14 +199,12 @@ def _keep_fastest(best: dict[str, tuple[float, dict[str, int]]], part: str, cfg:
         best[part] = (t, cfg)
 
 
-def _tune_pair_cell(problem: Problem, device: torch.device, num_tokens: int,
-                    timer: Callable[[Callable[[], None]], float], log=print) -> dict[str, Any]:  # fmt: skip
+def _tune_pair_cell(bench: LayerBench, num_tokens: int, log=print) -> dict[str, Any]:
     """``tune_cell`` where the layer runs pair blocks (no align; each GEMM's tiles timed on its own launch)."""
-    bench = LayerBench(problem, device, timer)
     bm = 16
     best: dict[str, tuple[float, dict[str, int]]] = {}
     for part in GEMM_PARTS:
-        n_out = problem.intermediate_size if part == "gate_up" else problem.hidden_size
+        n_out = bench.i_dim if part == "gate_up" else bench.h
         for cfg in gemm_candidates(bm, n_out, part == "gate_up", bench.w1.element_size()):
             task = Task(num_tokens, bm, part, _cfg_items(cfg))
             _keep_fastest(best, part, cfg, lambda task=task: bench(task), log, "pair blocks")
@@ -534,7 +535,9 @@ class LayerBench:
     """Times a problem's align and GEMMs on random weights laid out as the problem stores them (transposed,
     interleaved, biases): `bench(task) -> seconds`. Inputs for one token count at a time are kept."""
 
-    def __init__(self, problem: Problem, device: torch.device, timer: Callable[[Callable[[], None]], float]) -> None:
+    def __init__(self, problem: Problem, device: torch.device, timer: Callable[[Callable[[], None]], float],
+                 weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+        """`weights`: (gate_up, down) as the problem stores them, instead of random ones."""
         from selector.plugins.triton_common.activation import ACT_CODE, GATE_CODE
 
         from . import kernels as _k
@@ -546,8 +549,10 @@ class LayerBench:
         g = torch.Generator(device=device).manual_seed(0)
         shape1 = (e, h, 2 * i_dim) if problem.is_transposed else (e, 2 * i_dim, h)
         shape2 = (e, i_dim, h) if problem.is_transposed else (e, h, i_dim)
-        self.w1 = torch.randn(shape1, device=device, dtype=self.dtype, generator=g) / math.sqrt(h)
-        self.w2 = torch.randn(shape2, device=device, dtype=self.dtype, generator=g) / math.sqrt(i_dim)
+        if weights is None:
+            weights = (torch.randn(shape1, device=device, dtype=self.dtype, generator=g) / math.sqrt(h),
+                       torch.randn(shape2, device=device, dtype=self.dtype, generator=g) / math.sqrt(i_dim))  # fmt: skip
+        self.w1, self.w2 = weights
         self.b1 = torch.randn(e, 2 * i_dim, device=device, dtype=self.dtype) if problem.has_bias else None
         self.b2 = torch.randn(e, h, device=device, dtype=self.dtype) if problem.has_bias else None
         probe = torch.empty(1, h, device=device, dtype=self.dtype)
@@ -603,8 +608,8 @@ class LayerBench:
         ))  # fmt: skip
 
     def _time_pair_blocks(self, part: str, cfg: dict[str, int], c: dict[str, Any]) -> float:
-        """One token: the layer's two ``_pair_gemm_kernel`` launches, gate_up (which zeroes the counters) or down
-        (the k-way sum in its epilogue, into the layer's output; its counters zeroed before each call)."""
+        """One token: the layer's two ``_pair_gemm_kernel`` launches, gate_up or down (the k-way sum in its
+        epilogue, into the layer's output; each call leaves the counters at zero for the next)."""
         k = self._k
         if "counts" not in c:  # enough counters for any BLOCK_N of the down GEMM
             c["counts"] = torch.zeros(c["pairs"] // self.top_k * k.cdiv(self.h, 16), dtype=torch.int32,
@@ -621,7 +626,7 @@ class LayerBench:
             cfg=cfg, dot_prec=self.prec, first=first, combine_out=not first,
             **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args},
         )  # fmt: skip
-        return self.timer(launch if first else lambda: (c["counts"].zero_(), launch()))
+        return self.timer(launch)
 
     def _part_args(self, part: str, c: dict[str, Any], sort_x: bool) -> dict[str, Any]:
         """One GEMM's operands and flags as the layer passes them."""
