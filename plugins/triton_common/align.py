@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from selector.guard import RoutingGuard
 
-from .guard import check_slots, record_faults, reported_value
+from .guard import check_pairs, check_slots, record_faults, reported_value
 from .launch import cdiv, empty, launch, next_pow2
 
 # Routing up to this many (token, slot) pairs is done by one program in one launch (decode); above it the pairs
@@ -113,19 +113,7 @@ def _align_kernel(
     checks the pairs too (with several chunks ``_align_count_kernel`` does).
     """
     if GUARD and SINGLE:
-        n_ids = tl.full([], 0, tl.int32)
-        n_w = tl.full([], 0, tl.int32)
-        value = tl.full([], -2147483648, tl.int32)
-        for s in range(0, num_pairs, CHUNK):
-            offs = s + tl.arange(0, CHUNK)
-            in_range = offs < num_pairs
-            raw = tl.load(ids_ptr + offs, mask=in_range, other=0)
-            w = tl.load(wts_ptr + offs, mask=in_range, other=0.0)
-            bad_id, bad_w = check_slots(raw, w, in_range, limit)
-            n_ids += tl.sum(bad_id.to(tl.int32), axis=0)
-            n_w += tl.sum(bad_w.to(tl.int32), axis=0)
-            value = tl.maximum(value, reported_value(raw, bad_id))
-        record_faults(flag_ptr, host_ptr, tag, n_ids, n_w, value)
+        check_pairs(ids_ptr, wts_ptr, num_pairs, flag_ptr, host_ptr, limit, tag, CHUNK)
     align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
                   max_blocks, tl.program_id(0), tl.num_programs(0), BLOCK_M, CHUNK, SUB, E_PAD, B_TILE,
                   SINGLE)  # fmt: skip

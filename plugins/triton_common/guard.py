@@ -1,7 +1,7 @@
 """The routing guard's device side (selector.guard): finding bad expert ids and weights inside a kernel.
 
-- ``check_slots`` / ``record_faults``: jitted pieces the align kernels call on the pairs they read anyway (no
-  launch of their own on the fused path);
+- ``check_slots`` / ``record_faults`` / ``check_pairs``: jitted pieces the align kernels (and the fused decode
+  kernel) call on the pairs they read anyway (no launch of their own on the fused path);
 - ``sanitize_triton(ids, weights, guard)``: what ``selector.guard.sanitize_routing`` runs on a GPU (registered
   when this module is imported), one launch: bad slots get weight NaN and ``selector.guard.safe_id`` (E, the
   dropped id, for backends that skip it; else expert 0): their token's output turns NaN, nobody else's changes;
@@ -48,6 +48,23 @@ if triton is not None:
             old = tl.atomic_cas(flag_ptr + 2, 0, tag)
             tl.store(flag_ptr + 3, tl.where(n_ids > 0, value, 0), mask=old == 0)
             tl.store(host_ptr, tag)  # pinned host memory: the host sees it without a sync
+
+    @triton.jit
+    def check_pairs(ids_ptr, wts_ptr, num_pairs, flag_ptr, host_ptr, limit, tag, CHUNK: tl.constexpr):
+        """One program's guard work over the flat routing: checks pairs 0 .. num_pairs - 1, CHUNK at a time, and
+        records their faults once."""
+        n_ids = tl.full([], 0, tl.int32)
+        n_w = tl.full([], 0, tl.int32)
+        value = tl.full([], -2147483648, tl.int32)
+        for s in range(0, num_pairs, CHUNK):
+            offs = s + tl.arange(0, CHUNK)
+            in_range = offs < num_pairs
+            raw = tl.load(ids_ptr + offs, mask=in_range, other=0)
+            bad_id, bad_w = check_slots(raw, tl.load(wts_ptr + offs, mask=in_range, other=0.0), in_range, limit)
+            n_ids += tl.sum(bad_id.to(tl.int32), axis=0)
+            n_w += tl.sum(bad_w.to(tl.int32), axis=0)
+            value = tl.maximum(value, reported_value(raw, bad_id))
+        record_faults(flag_ptr, host_ptr, tag, n_ids, n_w, value)
 
     @triton.jit(do_not_specialize=["n", "limit", "tag", "safe"])
     def _sanitize_kernel(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, flag_ptr, host_ptr, n, limit, tag, safe,

@@ -55,7 +55,7 @@ from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.activation import gate as _gate
 from selector.plugins.triton_common.align import align, guard_args, max_blocks_for
 from selector.plugins.triton_common.combine import combine
-from selector.plugins.triton_common.guard import check_slots, record_faults, reported_value
+from selector.plugins.triton_common.guard import check_pairs, check_slots
 from selector.plugins.triton_common.launch import TensorDescriptor, cdiv, empty, launch, next_pow2, tma_weights
 from selector.plugins.triton_common.launch import tma_device as _tma_device
 
@@ -353,22 +353,16 @@ def _pair_gemm_kernel(
             zero = tl.arange(0, COUNTS_PAD)
             tl.store(count_ptr + zero, tl.zeros([COUNTS_PAD], dtype=tl.int32), mask=zero < n_counts)
             if GUARD:
-                offs = tl.arange(0, PAIRS_PAD)
-                in_range = offs < num_valid
-                raw = tl.load(ids_ptr + offs, mask=in_range, other=0)
-                bad_id, bad_w = check_slots(raw, tl.load(topk_w_ptr + offs, mask=in_range, other=0.0), in_range,
-                                            limit)  # fmt: skip
-                record_faults(flag_ptr, host_ptr, tag, tl.sum(bad_id.to(tl.int32), axis=0),
-                              tl.sum(bad_w.to(tl.int32), axis=0), reported_value(raw, bad_id))  # fmt: skip
+                check_pairs(ids_ptr, topk_w_ptr, num_valid, flag_ptr, host_ptr, limit, tag, PAIRS_PAD)
     expert = tl.load(ids_ptr + pair)
     valid = (expert >= 0) & (expert < num_experts)
     rows = tl.where(tl.arange(0, BLOCK_M) == 0, pair, num_valid)
     res = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if valid:
-        res = _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_ptr, a_ptr, tl.where(valid, expert, 0).to(tl.int32),
-                         0, rows, pid_n, num_valid, N, K, a_div, up_offset, 0, stride_am, stride_ak, stride_we,
-                         stride_wn, stride_wk, stride_be, stride_bn, gate_alpha, gate_limit, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, False,
+        res = _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_ptr, a_ptr, expert.to(tl.int32), 0, rows, pid_n,
+                         num_valid, N, K, a_div, up_offset, 0, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                         stride_be, stride_bn, gate_alpha, gate_limit, BLOCK_M, BLOCK_N, BLOCK_K, GATED,
+                         INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, False,
                          False)  # fmt: skip
     if COMBINE:
         _combine_pair(res, pair, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr, num_experts, top_k,
