@@ -385,6 +385,28 @@ def test_fused_align_and_combine_guard(guard_interpreter, case, value, tokens):
     _expect_fault(str(caught.value), value, len(slots))
 
 
+@pytest.mark.parametrize("case,value", BAD_CASES, ids=[c for c, _ in BAD_CASES])
+def test_one_token_down_by_output_tile_guard(guard_interpreter, case, value, monkeypatch):
+    """One token whose down projection runs _token_down_kernel (large K-contiguous experts): gate_up's first
+    program records the faults, the down launch poisons the token."""
+    from selector.plugins.triton_fused import configs as C
+    from selector.plugins.triton_fused.forward import triton_fused_experts_forward
+
+    monkeypatch.setattr(C, "TOKEN_DOWN_MIN_I", 1)
+    C.clear_caches()
+    m = make_experts(E, H, I, seed=1, device=DEV)
+    x, ids, w = _inputs(DEV, tokens=1)
+    clean = triton_fused_experts_forward(m, x, ids, w)
+    assert torch.isfinite(clean).all()
+    bad_ids, bad_w = _make_bad(ids, w, value, ((0, 1),))
+    out = triton_fused_experts_forward(m, x, bad_ids, bad_w)
+    assert torch.isnan(out).all()
+    with pytest.raises(ExpertsInputError) as caught:
+        selector.check()
+    _expect_fault(str(caught.value), value, 1)
+    C.clear_caches()
+
+
 @pytest.mark.parametrize("mode", ["grouped", "batched"])
 @pytest.mark.parametrize("case,value", [("id_minus_1", -1), ("id_E_plus_1000", E + 1000), ("weight_nan", float("nan"))],
                          ids=["id_minus_1", "id_E_plus_1000", "weight_nan"])  # fmt: skip

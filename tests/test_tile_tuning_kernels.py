@@ -187,3 +187,33 @@ def test_layer_bench_times_one_token_on_the_pair_kernel(monkeypatch):
                            num_experts=4)  # fmt: skip
     assert torch.isfinite(out).all(), "the timed down launch wrote the layer's output"
     torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="runs the kernels on CPU tensors through TRITON_INTERPRET=1")
+def test_layer_bench_times_one_token_down_by_output_tile(monkeypatch):
+    """Where the layer's one-token down projection runs _token_down_kernel, the tuner times that kernel (after a
+    gate_up that applies the routing weights) and offers its tiles."""
+    from selector.plugins.triton_fused import configs as C
+    from selector.plugins.triton_fused import kernels as K
+
+    monkeypatch.setattr(C, "TOKEN_DOWN_MIN_I", 1)
+    launched = []
+    real = K.launch
+
+    def spy(fn, grid, args, consts, *rest):
+        launched.append((fn, consts.get("MUL_W")))
+        return real(fn, grid, args, consts, *rest)
+
+    monkeypatch.setattr(K, "launch", spy)
+    problem = Problem(num_experts=4, hidden_size=32, intermediate_size=32, top_k=2, dtype="float16", device="cpu")
+    bench = TU.LayerBench(problem, torch.device("cpu"), _wall_timer)
+    tiles = (("BLOCK_K", 16), ("BLOCK_N", 16), ("GROUP_M", 1), ("num_stages", 2), ("num_warps", 4))
+    for part in ("gate_up", "down"):
+        bench(TU.Task(1, 16, part, tiles))
+    assert set(launched) == {(K._pair_gemm_kernel, True), (K._token_down_kernel, None)}
+    cell = bench._cell[1]
+    want = K.fused_experts(cell["x"], bench.w1, bench.w2, cell["ids"].view(1, -1), cell["tw"].view(1, -1),
+                           num_experts=4)  # fmt: skip
+    torch.testing.assert_close(cell["out"], want, rtol=1e-2, atol=1e-2)
+    plan = TU.candidate_plan(4, 32, 32, 2, 1)
+    assert TU.token_down_candidates()[0] in plan[16]["down"]

@@ -624,6 +624,62 @@ def test_one_token_skips_sentinel_slots():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.fixture
+def down_by_token(monkeypatch):
+    """Every one-token call with K-contiguous down weights runs _token_down_kernel (not only I >= 2048)."""
+    from selector.plugins.triton_fused import configs as C
+
+    monkeypatch.setattr(C, "TOKEN_DOWN_MIN_I", 1)
+    C.clear_caches()
+    yield
+    C.clear_caches()
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("kw", [dict(), dict(bias=True), dict(gated=False), dict(interleaved=True, bias=True)],
+                         ids=["plain", "bias", "ungated", "interleaved_bias"])  # fmt: skip
+def test_one_token_down_by_output_tile_matches_the_reference(down_by_token, kw, k, monkeypatch):
+    """The down launch is one program per output tile with one K loop over the k experts, the routing weights
+    applied by gate_up (no counters, no fp32 rows)."""
+    kw = dict(kw)
+    case = make_case(1, 32, 16, 8, k, bias=kw.pop("bias", False), gated=kw.get("gated", True))
+    seen = _decode_launches(monkeypatch)
+    run_and_check(case, 8, TOL[torch.float32], **kw)
+    assert seen == [K._pair_gemm_kernel, K._token_down_kernel]
+
+
+@pytest.mark.parametrize("bk", [16, 32])
+def test_one_token_down_by_output_tile_masks_each_experts_k_tail(down_by_token, bk):
+    """I = 40 is not a multiple of BLOCK_K: each slot's last K step reads past its expert's rows only under a
+    mask, and the next slot starts at its own row 0; H = 40 is not a multiple of BLOCK_N either."""
+    case = make_case(1, 40, 40, 8, 3)
+    tiles = {"BLOCK_N": 16, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    run_and_check(case, 8, TOL[torch.float32], config={"BLOCK_M": 16, "gate_up": tiles, "down": tiles})
+
+
+def test_one_token_down_by_output_tile_skips_sentinels_and_repeats(down_by_token):
+    case = make_case(1, 32, 16, 8, 4)
+    ids = case["ids"].clone()
+    ids[0, 1] = 8  # the expert-parallel sentinel
+    run_and_check(case, 8, TOL[torch.float32], ids=ids)
+    run_and_check(case, 8, TOL[torch.float32], ids=torch.tensor([[2, 2, 5, 5]], dtype=torch.int32, device=DEV))
+    ids[0, :] = 8  # every slot elsewhere: this rank adds nothing
+    out = K.fused_experts(case["x"], case["w1"], case["w2"], ids, case["wts"], num_experts=8)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_one_token_down_by_output_tile_only_for_large_k_contiguous_experts(monkeypatch):
+    from selector.plugins.triton_fused import configs as C
+
+    assert K.token_down(C.TOKEN_DOWN_MIN_I, 1) and not K.token_down(C.TOKEN_DOWN_MIN_I - 1, 1)
+    assert not K.token_down(C.TOKEN_DOWN_MIN_I, 4096), "transposed (N-contiguous) down weights keep pair blocks"
+    case = make_case(1, 32, 16, 8, 2, transposed=True, bias=True)
+    monkeypatch.setattr(C, "TOKEN_DOWN_MIN_I", 1)
+    seen = _decode_launches(monkeypatch)
+    run_and_check(case, 8, TOL[torch.float32], transposed=True)
+    assert seen == [K._pair_gemm_kernel, K._pair_gemm_kernel]
+
+
 def test_two_tokens_take_the_sorted_blocks(monkeypatch):
     seen = _gemm_launches(monkeypatch, record=lambda args, consts: consts["BLOCK_M"])
     run_and_check(make_case(2, 32, 16, 8, 2), 8, TOL[torch.float32])

@@ -101,6 +101,12 @@ TMA_MAX_INNER_BYTES = 128
 # are weight bound.
 HALF_TAIL_MIN_BLOCK_M = 64
 
+# One token: from this intermediate size up (K-contiguous down weights), the down projection runs as one K loop
+# over the k experts per output tile (kernels._token_down_kernel) instead of a program per (slot, tile) with the
+# k-way sum in its epilogue. Measured on the H200 (docs/design/triton_fused.md): Mixtral (I=14336) and DeepSeek-V3
+# (I=2048) 5-6% faster per layer, the Qwen shapes (I=768, 1408) and GPT-OSS's transposed weights slower.
+TOKEN_DOWN_MIN_I = 2048
+
 
 def tma_tiles(block_m: int, block_k: int, tile_c: int, elem: int) -> bool:
     """Whether a GEMM's tiles (BLOCK_M rows, BLOCK_K, `tile_c` weight channels per program, `elem` bytes) are
@@ -191,6 +197,10 @@ def default_config(
                 "num_warps": 4,
                 "num_stages": _cap_stages(4, bm, bn, bk, n_b, elem),
             }
+        if num_tokens <= 1 and intermediate >= TOKEN_DOWN_MIN_I:  # one K loop of k * I per output tile
+            bk = 256 if elem == 2 else 128
+            cfg["down"] = {"BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4,
+                           "num_stages": _cap_stages(4, bm, 32, bk, 1, elem)}  # fmt: skip
     else:
         warps = 8 if bm == 128 else 4
         bk = 64 if elem == 2 else 32

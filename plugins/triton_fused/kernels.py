@@ -27,7 +27,9 @@ One token (``PAIR_BLOCK_MAX_TOKENS``): two launches of ``_pair_gemm_kernel``, no
 is a block of its own (a router's top-k experts are distinct: no weights are read twice); gate_up's first program
 zeroes the down launch's counters and runs the routing guard's checks, and the down launch adds the k slots in
 its epilogue: the last slot of a token to arrive sums the fp32 rows in a fixed order (deterministic, no float
-atomics).
+atomics). From ``configs.TOKEN_DOWN_MIN_I`` up (K-contiguous down weights) the down launch is
+``_token_down_kernel`` instead: one program per output tile, one K loop over the k experts' weights, the
+routing weights applied in gate_up's epilogue.
 
 Blocks of ``configs.TMA_MIN_BLOCK_M`` rows or more on sm_90+ (large T) read the weight tiles through TMA
 descriptors; the gate_up GEMM then writes the intermediate in block order (padding slots too) and the down GEMM
@@ -404,11 +406,88 @@ def _combine_pair(res, pair, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_
                  mask=n_ok)  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["limit"])
+def _token_down_kernel(
+    a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, topk_w_ptr, num_experts, top_k, limit, N, K,
+    stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr, K_PAD: tl.constexpr,
+):  # fmt: skip
+    """The down projection of one token, k-way sum included: out[n] = sum_j a[j] . W[ids[j], n, :] (+ w[j] *
+    bias[ids[j], n]) for output channels of tile program_id(0), the k experts' K ranges read one after another
+    as one K loop. `a` [k, K] holds the token's intermediate rows, already scaled by their routing weights (the
+    gate_up launch's MUL_W). One program owns each output element and adds in a fixed order: deterministic,
+    no atomics, no partial rows. Slots with an id outside [0, num_experts) add nothing; with GUARD a token
+    with a bad slot gets a NaN row, as ``combine`` gives."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    j = tl.arange(0, K_PAD)
+    j_ok = j < top_k
+    e_all = tl.load(ids_ptr + j, mask=j_ok, other=-1)
+    ok_all = j_ok & (e_all >= 0) & (e_all < num_experts)
+    steps = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in range(0, top_k * steps):
+        slot = it // steps
+        k0 = (it - slot * steps) * BLOCK_K
+        pick = j == slot
+        rows = tl.sum(tl.where(pick, ok_all.to(tl.int32), 0), axis=0)  # 1: the slot's row is read, 0: none
+        expert = tl.sum(tl.where(pick & ok_all, e_all, 0), axis=0).to(tl.int64)  # 0 for a slot that adds nothing
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptr + slot * K + k0 + offs_m[:, None] * 0 + offs_k[None, :],
+                    mask=(offs_m < rows)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
+        if EVEN_N:
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    res = tl.sum(acc, axis=0)  # row 0 is the token's; the other rows are zeros
+    rw = tl.load(topk_w_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        for slot in tl.static_range(K_PAD):
+            e_s = tl.sum(tl.where((j == slot) & ok_all, e_all, 0), axis=0).to(tl.int64)
+            w_s = tl.sum(tl.where((j == slot) & ok_all, rw, 0.0), axis=0)
+            b = tl.load(bias_ptr + e_s * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0).to(tl.float32)
+            res += w_s * b
+    if GUARD:
+        bad_id, bad_w = check_slots(e_all, rw, j_ok, limit)
+        res = tl.where(tl.max((bad_id | bad_w).to(tl.int32), axis=0) > 0, float("nan"), res)
+    tl.store(out_ptr + offs_n * stride_on, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def token_down(i_dim: int, stride_wk: int) -> bool:
+    """Whether a one-token call runs its down projection through ``_token_down_kernel``: large intermediates
+    stored K-contiguous (``configs.TOKEN_DOWN_MIN_I``)."""
+    return i_dim >= _configs.TOKEN_DOWN_MIN_I and stride_wk == 1
+
+
+def _launch_token_down(inter, w, bias, out, ids, topk_w, guard, *, num_experts, top_k, n_out, k_dim, stride_wn,
+                       stride_wk, cfg, dot_prec):  # fmt: skip
+    """One ``_token_down_kernel`` launch: the layer's output row `out` [1, n_out] from `inter` [k, k_dim]."""
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    has_bias = bias is not None
+    _, _, _, limit, _ = guard_args(guard, topk_w, ids)
+    launch(
+        _token_down_kernel, (cdiv(n_out, bn),),
+        (inter, w, bias if has_bias else w, out, ids, topk_w, num_experts, top_k, limit, n_out, k_dim,
+         w.stride(0), stride_wn, stride_wk, bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
+         out.stride(1)),
+        dict(BLOCK_M=PAIR_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=has_bias, EVEN_N=(n_out % bn == 0),
+             DOT_PREC=dot_prec, GUARD=guard is not None, K_PAD=max(2, next_pow2(top_k))),
+        cfg["num_warps"], cfg["num_stages"],
+    )  # fmt: skip
+
+
 def _launch_pair_gemm(a, w, bias, out, ids, topk_w, part, counts, guard, *, num_experts, top_k, n_out, k_dim,
                       a_div, stride_wn, stride_wk, up_offset, gated, interleaved, act, cfg, dot_prec, gate=0,
-                      gate_alpha=1.0, gate_limit=0.0, first, combine_out):  # fmt: skip
+                      gate_alpha=1.0, gate_limit=0.0, first, combine_out, mul_w=False):  # fmt: skip
     """One ``_pair_gemm_kernel`` launch: `first` for gate_up (zeroes `counts`; with a RoutingGuard `guard` checks
-    the routing), `combine_out` for down (out is the layer's output, `part` its fp32 rows per pair)."""
+    the routing), `combine_out` for down (out is the layer's output, `part` its fp32 rows per pair); `mul_w`:
+    scale the rows by their routing weights (gate_up ahead of ``_token_down_kernel``)."""
     n_pairs = ids.numel()
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     has_bias = bias is not None
@@ -421,7 +500,7 @@ def _launch_pair_gemm(a, w, bias, out, ids, topk_w, part, counts, guard, *, num_
          bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
          out.stride(0), out.stride(1), float(gate_alpha), float(gate_limit)),
         dict(BLOCK_M=PAIR_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, GATED=gated, INTERLEAVED=interleaved, ACT=act,
-             GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=combine_out, EVEN_K=(k_dim % bk == 0),
+             GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=combine_out or mul_w, EVEN_K=(k_dim % bk == 0),
              EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, FIRST=first, COMBINE=combine_out, GUARD=guard is not None,
              PAIRS_PAD=max(16, next_pow2(n_pairs)), COUNTS_PAD=max(16, next_pow2(counts.numel())),
              K_PAD=max(2, next_pow2(top_k))),
@@ -648,18 +727,25 @@ def fused_experts_impl(
     act_code = ACT_CODE[activation] if gate_code == 0 else 0  # the clamped SwiGLU brings its own activation
     gate_args = dict(gate=gate_code, gate_alpha=1.0 if gate_alpha is None else gate_alpha,
                      gate_limit=0.0 if gate_limit is None else gate_limit)  # fmt: skip
-    if t <= PAIR_BLOCK_MAX_TOKENS:  # decode: a block per pair, two launches (``_pair_gemm_kernel``)
+    if t <= PAIR_BLOCK_MAX_TOKENS:  # decode: a block per pair, then the down launch: two launches
         dev = hidden_states.device
-        counts = empty(t * cdiv(h, cfg["down"]["BLOCK_N"]), torch.int32, dev, 1 << 20)  # zeroed by gate_up
-        part = empty((n_pairs, h), torch.float32, dev, float("nan"))
+        by_token = token_down(i_dim, s2k)  # down by output tile (no counters, no fp32 rows), else by pair
+        n_counts = 0 if by_token else t * cdiv(h, cfg["down"]["BLOCK_N"])
+        counts = empty(n_counts, torch.int32, dev, 1 << 20)  # zeroed by gate_up
+        part = empty((0 if by_token else n_pairs, h), torch.float32, dev, float("nan"))
         inter = empty((n_pairs, i_dim), hidden_states.dtype, dev, float("nan"))
         both = dict(num_experts=num_experts, top_k=top_k, dot_prec=dot_prec)
         _launch_pair_gemm(
             hidden_states, gate_up_proj, gate_up_bias, inter, ids, tw, part, counts, checks, n_out=i_dim, k_dim=h,
             a_div=top_k, stride_wn=s1n, stride_wk=s1k, up_offset=i_dim, gated=gated,
             interleaved=interleaved and gated, act=act_code, cfg=cfg["gate_up"], first=True, combine_out=False,
-            **gate_args, **both,
+            mul_w=by_token, **gate_args, **both,
         )  # fmt: skip
+        if by_token:
+            _launch_token_down(inter, down_proj, down_bias, out, ids, tw, checks, num_experts=num_experts,
+                               top_k=top_k, n_out=h, k_dim=i_dim, stride_wn=s2n, stride_wk=s2k, cfg=cfg["down"],
+                               dot_prec=dot_prec)  # fmt: skip
+            return out
         _launch_pair_gemm(
             inter, down_proj, down_bias, out, ids, tw, part, counts, checks, n_out=h, k_dim=i_dim, a_div=1,
             stride_wn=s2n, stride_wk=s2k, up_offset=0, gated=False, interleaved=False, act=0, cfg=cfg["down"],

@@ -95,6 +95,20 @@ def gemm_candidates(block_m: int, n_out: int, gated: bool, elem: int = 2) -> lis
     return out
 
 
+# One token's down projection as ``_token_down_kernel`` (one K loop over the k experts per output tile): narrow
+# tiles, so that H / BLOCK_N programs cover the GPU, and deep pipelines; the H200 sweep's leaders first.
+_TOKEN_DOWN = [(32, 256, 4, 4), (32, 256, 4, 8), (16, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 8)]
+
+
+def token_down_candidates(elem: int = 2) -> list[dict[str, int]]:
+    out = []
+    for bn, bk, warps, stages in _TOKEN_DOWN:
+        if (16 * bk + bn * bk) * elem * stages > 225 * 1024:
+            continue
+        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": warps, "num_stages": stages})
+    return out
+
+
 def _routing(num_tokens: int, top_k: int, num_experts: int, device, gen=None):
     scores = torch.rand(num_tokens, num_experts, device=device, generator=gen)
     w, ids = torch.topk(scores, top_k, dim=-1)
@@ -203,9 +217,14 @@ def _tune_pair_cell(bench: LayerBench, num_tokens: int, log=print) -> dict[str, 
     """``tune_cell`` where the layer runs pair blocks (no align; each GEMM's tiles timed on its own launch)."""
     bm = 16
     best: dict[str, tuple[float, dict[str, int]]] = {}
+    by_token = bench._k.token_down(bench.i_dim, bench.s2[1])
     for part in GEMM_PARTS:
         n_out = bench.i_dim if part == "gate_up" else bench.h
-        for cfg in gemm_candidates(bm, n_out, part == "gate_up", bench.w1.element_size()):
+        if part == "down" and by_token:
+            cands = token_down_candidates(bench.w1.element_size())
+        else:
+            cands = gemm_candidates(bm, n_out, part == "gate_up", bench.w1.element_size())
+        for cfg in cands:
             task = Task(num_tokens, bm, part, _cfg_items(cfg))
             _keep_fastest(best, part, cfg, lambda task=task: bench(task), log, "pair blocks")
     if len(best) < 2:
@@ -322,6 +341,9 @@ def candidate_plan(
         _configs.default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, num_sms=num_sms)
     )
     bms = [default["BLOCK_M"]] + [bm for bm in block_m_candidates(num_tokens, top_k, num_experts)]
+    from .kernels import PAIR_BLOCK_MAX_TOKENS
+
+    token_cell = num_tokens <= PAIR_BLOCK_MAX_TOKENS and intermediate >= _configs.TOKEN_DOWN_MIN_I
     plan: dict[int, dict[str, list[dict[str, int]]]] = {}
     for bm in dict.fromkeys(bms):
         plan[bm] = {}
@@ -330,6 +352,8 @@ def candidate_plan(
             first = [default[part]] if bm == default["BLOCK_M"] else []
             ranked = prior_winners(prior or {}, bm, part)
             rest = gemm_candidates(bm, n_out, part == "gate_up", elem)
+            if part == "down" and token_cell:  # the layer may run _token_down_kernel (K-contiguous weights)
+                rest = token_down_candidates(elem) + rest
             allowed = {_cfg_items(c) for c in rest}
             seen: set[tuple] = set()
             plan[bm][part] = []
@@ -608,8 +632,9 @@ class LayerBench:
         ))  # fmt: skip
 
     def _time_pair_blocks(self, part: str, cfg: dict[str, int], c: dict[str, Any]) -> float:
-        """One token: the layer's two ``_pair_gemm_kernel`` launches, gate_up or down (the k-way sum in its
-        epilogue, into the layer's output; each call leaves the counters at zero for the next)."""
+        """One token: the layer's two launches, gate_up or down, as the layer runs them: down as
+        ``_token_down_kernel`` where ``kernels.token_down`` says so, else a ``_pair_gemm_kernel`` with the k-way
+        sum in its epilogue, into the layer's output (each call leaves the counters at zero for the next)."""
         k = self._k
         if "counts" not in c:  # enough counters for any BLOCK_N of the down GEMM
             c["counts"] = torch.zeros(c["pairs"] // self.top_k * k.cdiv(self.h, 16), dtype=torch.int32,
@@ -618,12 +643,20 @@ class LayerBench:
             c["out"] = torch.empty(c["pairs"] // self.top_k, self.h, dtype=self.dtype, device=self.device)
         args = self._part_args(part, c, False)
         first = part == "gate_up"
+        by_token = k.token_down(self.i_dim, self.s2[1])
+        if by_token and not first:
+            launch = lambda: k._launch_token_down(  # noqa: E731
+                args["a"], args["w"], args["bias"], c["out"], c["ids"], c["tw"], None, num_experts=self.e,
+                top_k=self.top_k, n_out=args["n_out"], k_dim=args["k_dim"], stride_wn=args["stride_wn"],
+                stride_wk=args["stride_wk"], cfg=cfg, dot_prec=self.prec,
+            )  # fmt: skip
+            return self.timer(launch)
         launch = lambda: k._launch_pair_gemm(  # noqa: E731
             args["a"], args["w"], args["bias"], args["out"] if first else c["out"], c["ids"], c["tw"], c["part"],
             c["counts"], None, num_experts=self.e, top_k=self.top_k, n_out=args["n_out"], k_dim=args["k_dim"],
             a_div=args["a_div"], stride_wn=args["stride_wn"], stride_wk=args["stride_wk"],
             up_offset=args["up_offset"], gated=args["gated"], interleaved=args["interleaved"], act=args["act"],
-            cfg=cfg, dot_prec=self.prec, first=first, combine_out=not first,
+            cfg=cfg, dot_prec=self.prec, first=first, combine_out=not first, mul_w=first and by_token,
             **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args},
         )  # fmt: skip
         return self.timer(launch)
