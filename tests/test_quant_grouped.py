@@ -555,15 +555,17 @@ def test_tma_path_with_k_split_in_shares(monkeypatch):
         assert relative_error(out, whole.cpu().double()) < (GPU_TOL if CUDA else 1e-5)
 
 
-@pytest.mark.parametrize("gate_up_bn", [16, 32], ids=["inter-requantised", "inter-quantised-in-epilogue"])
+@pytest.mark.parametrize("gate_up_bn", [16, 32, 64],
+                         ids=["inter-requantised", "inter-quantised-in-epilogue", "tile-over-two-scale-rows"])
 @pytest.mark.parametrize(
     "layout", [Layout(), Layout(interleaved=True, bias=True), Layout(gated=False), Layout(expert_parallel=True)],
     ids=str,
 )
 def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatch):
     """Sorted blocks of 64 rows (large T): x quantised straight into block order, both projections read their
-    activations and weights through TMA descriptors, the intermediate stays in block order (requantised in block
-    order when the gate_up tile is narrower than a group). Same numbers as the pointer loads, and the reference's.
+    activations and weights through TMA descriptors (a concatenated gate_up as gate and up rows in one box), the
+    intermediate stays in block order (requantised in block order when the gate_up tile is narrower than a group).
+    Same numbers as the pointer loads, and the reference's.
     I = 80 over 32-wide groups leaves a partial last group; skewed routing leaves padding slots and unused blocks."""
     _tma_on(monkeypatch)
     launched = []
@@ -580,6 +582,8 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
         grouped = [c for n, c in launched if n == "_grouped_kernel"]
         quants = [c for n, c in launched if n == "_quant_rows_kernel"]
         assert [c["TMA"] for c in grouped] == [True, True] and [c["SORTED_OUT"] for c in grouped] == [True, False]
+        # a concatenated gate_up reads a tile's gate rows and up rows as one box and runs one dot
+        assert [c["PAIRED"] for c in grouped] == [layout.gated and not layout.interleaved, False]
         assert quants[0]["GATHER"] and quants[0]["SLOTS"]
         assert len(quants) == (2 if gate_up_bn < 32 else 1) and all(c["SLOTS"] for c in quants)
         with monkeypatch.context() as pointer_loads:  # the same layer where TMA cannot run

@@ -127,8 +127,8 @@ def _scaled(d, sa, ws, ONE_ROW: tl.constexpr):
     """A K tile's dot times its row scales sa [BM] and weight scales ws ([BN], or one scalar when ONE_ROW)."""
     if ONE_ROW:
         r = d * (sa * ws)[:, None]
-    else:
-        r = d * sa[:, None] * ws[None, :]
+    else:  # the scales' product first: where ws takes few values (PAIRED: two) the compiler keeps a few products
+        r = d * (sa[:, None] * ws[None, :])  # per thread and one multiply per element, not two
     return r
 
 
@@ -310,7 +310,7 @@ def _grouped_kernel(
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, FINISH: tl.constexpr,
     PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr, TMA: tl.constexpr, SORTED_OUT: tl.constexpr,
-    SWAP: tl.constexpr,
+    SWAP: tl.constexpr, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
@@ -345,6 +345,9 @@ def _grouped_kernel(
     the next TMA projection reads.
     SWAP (``_mma``): the K loop accumulates the transposed tile (weights on the MMA's M side); the epilogue sees
     the same [BLOCK_M, N] tile.
+    PAIRED (TMA, gated, concatenated gate | up): w_desc sees the weights as [2E, C / 2, K] and one box [2, BLOCK_N,
+    BLOCK_K] holds a tile's gate rows and its up rows, so each K step is one dot of 2 x BLOCK_N columns instead of
+    two of BLOCK_N (a narrow fp8 wgmma waits on shared-memory reads); the epilogue splits the columns.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -383,10 +386,15 @@ def _grouped_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    W: tl.constexpr = 2 * BLOCK_N if GATED and INTERLEAVED else BLOCK_N  # stored channels of one tile
+    W: tl.constexpr = 2 * BLOCK_N if GATED and (INTERLEAVED or PAIRED) else BLOCK_N  # stored channels of one tile
     if GATED and INTERLEAVED:
         offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         c_ok = offs_c < 2 * N
+    elif PAIRED:  # the tile's gate channels, then its up channels
+        half = tl.arange(0, 2 * BLOCK_N) // BLOCK_N
+        offs_c = pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N) % BLOCK_N
+        c_ok = offs_c < N
+        offs_c += half * up_offset
     else:
         offs_c = offs_n
         c_ok = n_ok
@@ -422,11 +430,24 @@ def _grouped_kernel(
         else:
             a = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             aq, sa = _quant_rows(a.to(tl.float32), static_s, BLOCK_M, STATIC, EXACT)
-        b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                            stride_sn, stride_sk, BLOCK_K, W, FP4, UE8M0, EXACT, ONE_SCALE_ROW,
-                            w_desc, w_row0 + pid_n * W, TMA)  # fmt: skip
-        acc = _mma(acc, aq, b, sa, ws, MAX_IMPRECISE, ONE_SCALE_ROW, SWAP)
-        if GATED and not INTERLEAVED:
+        if PAIRED:
+            b = tl.reshape(w_desc.load([2 * expert.to(tl.int32), pid_n * BLOCK_N, k0]), (W, BLOCK_K)).T
+            if ONE_SCALE_ROW:  # one scale per half
+                ws_g = _fp8_col_scale(s_base, offs_n, n_ok, k0 // BLOCK_K, n_split, split_rows, bn, stride_sn,
+                                      stride_sk, UE8M0, True)  # fmt: skip
+                ws_u = _fp8_col_scale(s_base, offs_n + up_offset, n_ok, k0 // BLOCK_K, n_split, split_rows, bn,
+                                      stride_sn, stride_sk, UE8M0, True)  # fmt: skip
+                ws = tl.where(half == 0, ws_g, ws_u)
+            else:
+                ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BLOCK_K, n_split, split_rows, bn, stride_sn,
+                                    stride_sk, UE8M0, False)  # fmt: skip
+            acc = _mma(acc, aq, b, sa, ws, MAX_IMPRECISE, False, SWAP)
+        else:
+            b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
+                                stride_sn, stride_sk, BLOCK_K, W, FP4, UE8M0, EXACT, ONE_SCALE_ROW,
+                                w_desc, w_row0 + pid_n * W, TMA)  # fmt: skip
+            acc = _mma(acc, aq, b, sa, ws, MAX_IMPRECISE, ONE_SCALE_ROW, SWAP)
+        if GATED and not INTERLEAVED and not PAIRED:
             bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
                                   stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
                                   EXACT, ONE_SCALE_ROW, w_desc, w_row0 + up_offset + pid_n * BLOCK_N,
@@ -446,7 +467,7 @@ def _grouped_kernel(
         # only the block's real rows travel (a pair block: 1 of 16); padding rows finish as zeros (finite)
         real = row_ok[:, None]
         tl.store(part + tl.program_id(1) * share + cols_a, acc, mask=real)
-        if GATED and not INTERLEAVED:
+        if GATED and not INTERLEAVED and not PAIRED:
             tl.store(part + tl.program_id(1) * share + cols_u, acc_u, mask=real)
         # every warp's stores first (older Tritons put no barrier before a scalar atomic), then acq_rel: this
         # share's sums are visible before it is counted, and the last one to count sees every share's
@@ -457,7 +478,7 @@ def _grouped_kernel(
         acc = tl.load(part + cols_a, mask=real, other=0.0, cache_modifier=".cg")
         for sh in tl.static_range(1, SPLIT_K):
             acc += tl.load(part + sh * share + cols_a, mask=real, other=0.0, cache_modifier=".cg")
-        if GATED and not INTERLEAVED:
+        if GATED and not INTERLEAVED and not PAIRED:
             acc_u = tl.load(part + cols_u, mask=real, other=0.0, cache_modifier=".cg")
             for sh in tl.static_range(1, SPLIT_K):
                 acc_u += tl.load(part + sh * share + cols_u, mask=real, other=0.0, cache_modifier=".cg")
@@ -467,6 +488,11 @@ def _grouped_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_base + offs_c * stride_bn, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        res = _activation(gate, ACT) * up
+    elif GATED and PAIRED:
+        if HAS_BIAS:
+            acc += tl.load(bias_base + offs_c * stride_bn, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         res = _activation(gate, ACT) * up
     elif GATED:
         if HAS_BIAS:

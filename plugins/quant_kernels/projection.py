@@ -79,9 +79,11 @@ def _launch(
         # a tile of stored channels (2 x BLOCK_N interleaved) starts at a multiple of its width: when that width
         # divides the scale block's, the tile lies in one scale row, unless it straddles the up half's start
         # (scale blocks restart there): a gated tile never does; a plain one over [gate | up] can
-        tile_c = 2 * bn if gated and interleaved else bn
+        # through TMA a concatenated gate_up tile is one box of its gate rows and its up rows (PAIRED): one dot
+        paired = a_sorted and gated and not interleaved
+        tile_c = 2 * bn if gated and (interleaved or paired) else bn
         straddles = not gated and n_split < w.shape[1] and n_split % tile_c != 0
-        one_row = not fp4 and block_n_w % tile_c == 0 and not straddles
+        one_row = not fp4 and block_n_w % (bn if paired else tile_c) == 0 and not straddles
         tiles = num_blocks_m * cdiv(n_out, bn)
         part = count = s  # unused unless the kernel finishes a split K (FINISH) or adds the slots (COMBINE)
         ids, top_k = (combine[1], combine[2]) if combine is not None else (s, 1)
@@ -107,7 +109,10 @@ def _launch(
             if tile_c > TMA_MAX_BOX:
                 raise ValueError(f"quantised experts: a TMA weight tile holds at most {TMA_MAX_BOX} rows, not {tile_c}")
             a_desc = TensorDescriptor.from_tensor(a, [bm, block_k])
-            w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tile_c, block_k])
+            if paired:  # [2E, C / 2, K]: an expert's gate half, then its up half
+                w_desc = TensorDescriptor.from_tensor(w.view(2 * w.shape[0], c // 2, w.shape[2]), [2, bn, block_k])
+            else:
+                w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tile_c, block_k])
         num_valid_pairs = num_pairs if num_pairs is not None else out.shape[-2]
         # MAX_IMPRECISE=0: the fp8 dots keep the tensor core's own accumulation within each K tile
         launch(
@@ -124,7 +129,7 @@ def _launch(
                  INTER_DTYPE=_TL_DTYPES[inter_dtype or a.dtype], PAIR_BLOCKS=sorted_rows is None, SPLIT_K=split,
                  MAX_IMPRECISE=0, ONE_SCALE_ROW=one_row, FINISH=finish_split > 1, PART_W=tile_c,
                  COMBINE=combine is not None, K_PAD=next_pow2(top_k), TMA=a_sorted,
-                 SORTED_OUT=out_sorted, SWAP=bool(cfg.get("SWAP"))),
+                 SORTED_OUT=out_sorted, SWAP=bool(cfg.get("SWAP")), PAIRED=paired),
             cfg["num_warps"], cfg["num_stages"],
         )  # fmt: skip
     else:
