@@ -562,7 +562,7 @@ def test_tma_path_with_k_split_in_shares(monkeypatch):
     ids=str,
 )
 def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatch):
-    """Sorted blocks of 64 rows (large T): x quantised straight into block order, both projections read their
+    """Sorted blocks of 64 rows (large T): x quantised and gathered into block order, both projections read their
     activations and weights through TMA descriptors (a concatenated gate_up as gate and up rows in one box), the
     intermediate stays in block order (requantised in block order when the gate_up tile is narrower than a group).
     Same numbers as the pointer loads, and the reference's.
@@ -584,8 +584,10 @@ def test_tma_path_reads_block_ordered_activations(layout, gate_up_bn, monkeypatc
         assert [c["TMA"] for c in grouped] == [True, True] and [c["SORTED_OUT"] for c in grouped] == [True, False]
         # a concatenated gate_up reads a tile's gate rows and up rows as one box and runs one dot
         assert [c["PAIRED"] for c in grouped] == [layout.gated and not layout.interleaved, False]
-        assert quants[0]["GATHER"] and quants[0]["SLOTS"]
-        assert len(quants) == (2 if gate_up_bn < 32 else 1) and all(c["SLOTS"] for c in quants)
+        # x: each token quantised once, then its bytes gathered into block order; the intermediate requantised in
+        # block order where the gate_up tile is narrower than a group
+        assert not quants[0]["SLOTS"] and [n for n, _ in launched].count("_gather_rows_kernel") == 1
+        assert len(quants) == (2 if gate_up_bn < 32 else 1) and all(c["SLOTS"] for c in quants[1:])
         with monkeypatch.context() as pointer_loads:  # the same layer where TMA cannot run
             _patch(pointer_loads, "use_tma", lambda real: lambda *a, **kw: False)
             launched.clear()

@@ -538,15 +538,15 @@ def _grouped_kernel(
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, block_expert_ptr, ids_ptr, num_rows, K,
-                       num_counts, num_valid, a_div, num_experts, max_blocks, stride_xm, stride_qm, stride_sm,
+                       num_counts, num_valid, num_experts, max_blocks, stride_xm, stride_qm, stride_sm,
                        stride_zm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
-                       ZERO: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr, GATHER: tl.constexpr,
+                       ZERO: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
                        BLOCK_M: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        E_PAD: tl.constexpr, B_TILE: tl.constexpr):  # fmt: skip
     """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic).
-    SLOTS: row r is slot r of the align layout's blocks (BLOCK_M rows each); the slots of unused blocks (block
-    expert < 0, never read) are left unwritten. GATHER (with SLOTS): x holds pairs' rows, slot r quantises
-    x[sorted[r] // a_div], and a padding slot (sorted[r] >= num_valid) gets zeros.
+    SLOTS: row r of x (already in block order) is slot r of the align layout's blocks (BLOCK_M rows each); the
+    slots of unused blocks (block expert < 0, never read) are left unwritten (token rows go to block order
+    through ``_gather_rows_kernel``).
     Also clears what the layer's later kernels count or add into, saving them launches of their own: ZERO, a
     tensor shaped like x (zero_ptr); COUNTS, num_counts int32 at count_ptr. ALIGN (not with SLOTS): the grid's
     last row of programs has no rows to quantise, and its program (last, 0) routes the layer's num_valid pairs
@@ -558,16 +558,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, blo
     rows = offs_r.to(tl.int64)
     if SLOTS:
         r_ok = r_ok & (tl.load(block_expert_ptr + offs_r // BLOCK_M, mask=r_ok, other=-1) >= 0)
-    if GATHER:
-        src = tl.load(sorted_ptr + offs_r, mask=r_ok, other=num_valid)
-        x_rows = (tl.where(src < num_valid, src, 0) // a_div).to(tl.int64)
-        x_ok = r_ok & (src < num_valid)
-    else:
-        x_rows = rows
-        x_ok = r_ok
     mask = r_ok[:, None] & (offs_k < K)[None, :]
-    x_mask = x_ok[:, None] & (offs_k < K)[None, :]
-    x = tl.load(x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     q, s = _quant_rows(x, 1.0, BLOCK_R, False, EXACT)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + tl.program_id(1), s, mask=r_ok)
@@ -584,6 +576,33 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, blo
         if (tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == 0):
             align_program(ids_ptr, sorted_ptr, sorted_ptr, block_expert_ptr, num_valid, num_experts, 1, max_blocks,
                           0, 1, BLOCK_M, CHUNK, SUB, E_PAD, B_TILE, True)  # fmt: skip
+
+
+@triton.jit
+def _gather_rows_kernel(q_ptr, s_ptr, out_q_ptr, out_s_ptr, sorted_ptr, block_expert_ptr, num_slots, num_valid,
+                        a_div, K, G, stride_qm, stride_sm, stride_oqm, stride_osm, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Quantised token rows into block order: slot r gets row sorted[r] // a_div of q (bytes) and of its scales s,
+    a padding slot (sorted[r] >= num_valid) zeros and scale 1; the slots of unused blocks (block expert < 0,
+    never read) are left unwritten. Program (i, j): BLOCK_R slots, bytes [j * BLOCK_C, (j + 1) * BLOCK_C) of
+    their rows, and program j == 0 their G scales."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < num_slots
+    r_ok = r_ok & (tl.load(block_expert_ptr + offs_r // BLOCK_M, mask=r_ok, other=-1) >= 0)
+    src = tl.load(sorted_ptr + offs_r, mask=r_ok, other=num_valid)
+    real = r_ok & (src < num_valid)
+    rows = (tl.where(real, src, 0) // a_div).to(tl.int64)
+    slots = offs_r.to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < K
+    v = tl.load(q_ptr + rows[:, None] * stride_qm + offs_c[None, :], mask=real[:, None] & c_ok[None, :], other=0)
+    tl.store(out_q_ptr + slots[:, None] * stride_oqm + offs_c[None, :], v, mask=r_ok[:, None] & c_ok[None, :])
+    if tl.program_id(1) == 0:
+        offs_g = tl.arange(0, BLOCK_G)
+        g_ok = offs_g < G
+        sc = tl.load(s_ptr + rows[:, None] * stride_sm + offs_g[None, :], mask=real[:, None] & g_ok[None, :],
+                     other=1.0)  # fmt: skip
+        tl.store(out_s_ptr + slots[:, None] * stride_osm + offs_g[None, :], sc, mask=r_ok[:, None] & g_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------------------------
