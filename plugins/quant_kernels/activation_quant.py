@@ -28,6 +28,8 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
     rows, k = x.shape
     sorted_rows = block_expert = None
     bm = num_valid = 0
+    if align is not None and (slots is not None or not align.single):
+        raise ValueError("quantize_rows: align needs a one-program plan (plan_align) and no slots")
     if slots is not None:
         sorted_rows, block_expert, bm = slots
         if sorted_rows is None or zero is not None:
@@ -37,8 +39,6 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
             raise ValueError(f"quantize_rows: {num_valid} pairs do not fit {sorted_rows.numel()} slots (a_div?)")
         if not a_div and rows != sorted_rows.numel():
             raise ValueError(f"quantize_rows: x in block order must have {sorted_rows.numel()} rows, got {rows}")
-        if align is not None:
-            raise ValueError("quantize_rows: align needs a one-program plan (plan_align) and no slots")
         if a_div:  # a token's row fills k slots: quantised once, then its bytes copied (half the bytes of bf16)
             q_tok, s_tok = quantize_rows(x, group, block_r, num_warps, counts=counts)
             return gather_rows(q_tok, s_tok, slots, a_div)
@@ -50,8 +50,6 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
     if counts is not None and (counts.dtype != torch.int32 or not counts.is_contiguous()):
         raise ValueError("quantize_rows: counts must be contiguous int32")
     if align is not None:
-        if not align.single:
-            raise ValueError("quantize_rows: align needs a one-program plan (plan_align) and no slots")
         ids, num_valid, num_experts = align.ids, align.ids.numel(), align.num_experts
         sorted_rows, block_expert, bm = align.sorted_rows, align.block_expert, align.consts["BLOCK_M"]
         max_blocks = block_expert.numel()

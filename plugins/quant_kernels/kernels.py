@@ -310,7 +310,7 @@ def _grouped_kernel(
     A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, FINISH: tl.constexpr,
     PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr, TMA: tl.constexpr, SORTED_OUT: tl.constexpr,
-    SWAP: tl.constexpr, PAIRED: tl.constexpr = False,
+    SWAP: tl.constexpr, PAIRED: tl.constexpr,
 ):  # fmt: skip
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
