@@ -22,8 +22,8 @@ DEV = "cuda" if CUDA else "cpu"
 # On the GPU the fp8 tensor-core dot accumulates at reduced precision, so a few intermediate values land on the
 # neighbouring e4m3 code when they are requantised (docs/design/quant_kernels.md): with dozens of pairs
 # that moves the output by ~2e-3 (the H200, test_tma_path_with_k_split_in_shares, 66 pairs). The TMA tests (66 and
-# 74 pairs) allow it on CUDA; the interpreter, and the tests with a few pairs (which met 1e-4 on the H200), keep the
-# tight bounds.
+# 74 pairs) and the layout tests (10 pairs; the interleaved gate/up with biases reached 1.6e-4 on the H200) allow it
+# on CUDA; the interpreter, and the other tests with a few pairs (which met 1e-4 on the H200), keep the tight bounds.
 GPU_TOL = 5e-3
 
 
@@ -148,7 +148,8 @@ def test_fp4_and_default_block_with_epilogue_quantisation():
 def test_layouts(layout):
     module = Q.quantize_experts(make_experts(4, 64, 64, layout, device=DEV, seed=24), "fp8_block", "float32", (32, 32))
     idx, w = random_routing(5, 4, 2, device=DEV, sentinel=layout.expert_parallel)
-    _check(module, torch.randn(5, 64, device=DEV), idx, w, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}})
+    config = {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32}}
+    _check(module, torch.randn(5, 64, device=DEV), idx, w, config, tol=GPU_TOL if CUDA else 1e-4)
 
 
 def test_triton_fused_runs_quantised_experts():
