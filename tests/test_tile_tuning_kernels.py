@@ -190,6 +190,36 @@ def test_layer_bench_times_one_token_on_the_pair_kernel(monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRETER, reason="runs the kernels on CPU tensors through TRITON_INTERPRET=1")
+def test_layer_bench_times_one_token_split_down(monkeypatch):
+    """The tuner offers the one-token down GEMM at each of PAIR_DOWN_SPLITS and times a split one as the layer
+    runs it: its part rows fit every split it offers, and the output is the layer's."""
+    from selector.plugins.triton_fused import kernels as K
+
+    splits = []
+    real = K.launch
+
+    def spy(fn, grid, args, consts, *rest):
+        splits.append(consts["SPLIT"])
+        return real(fn, grid, args, consts, *rest)
+
+    monkeypatch.setattr(K, "launch", spy)
+    problem = Problem(num_experts=4, hidden_size=32, intermediate_size=32, top_k=2, dtype="float16", device="cpu")
+    bench = TU.LayerBench(problem, torch.device("cpu"), _wall_timer)
+    tiles = (("BLOCK_K", 16), ("BLOCK_N", 16), ("GROUP_M", 1), ("num_stages", 2), ("num_warps", 4))
+    bench(TU.Task(1, 16, "gate_up", tiles))
+    bench(TU.Task(1, 16, "down", tiles + (("SPLIT_K", max(TU.PAIR_DOWN_SPLITS)),)))
+    assert splits == [1, max(TU.PAIR_DOWN_SPLITS)]
+    cell = bench._cell[1]
+    want = K.fused_experts(cell["x"], bench.w1, bench.w2, cell["ids"].view(1, -1), cell["tw"].view(1, -1),
+                           num_experts=4)  # fmt: skip
+    torch.testing.assert_close(cell["out"], want, rtol=1e-2, atol=1e-2)
+    one, many = TU.candidate_plan(4, 32, 32, 2, 1), TU.candidate_plan(4, 32, 32, 2, 64)
+    assert {c["SPLIT_K"] for c in one[16]["down"]} == set(TU.PAIR_DOWN_SPLITS)
+    assert all(c.get("SPLIT_K", 1) == 1 for bm in many for part in many[bm].values() for c in part)
+    assert all(c.get("SPLIT_K", 1) == 1 for c in one[16]["gate_up"])
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="runs the kernels on CPU tensors through TRITON_INTERPRET=1")
 def test_layer_bench_times_one_token_down_by_output_tile(monkeypatch):
     """Where the layer's one-token down projection runs _token_down_kernel, the tuner times that kernel (after a
     gate_up that applies the routing weights) and offers its tiles."""

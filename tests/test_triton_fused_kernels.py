@@ -680,6 +680,45 @@ def test_one_token_down_by_output_tile_only_for_large_k_contiguous_experts(monke
     assert seen == [K._pair_gemm_kernel, K._pair_gemm_kernel]
 
 
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(bias=True), dict(gated=False, bias=True), dict(transposed=True, interleaved=True, bias=True)],
+    ids=["plain", "bias", "ungated_bias", "transposed_interleaved_bias"],
+)  # fmt: skip
+def test_one_token_split_down_matches_the_reference(split, kw, monkeypatch):
+    """The down GEMM's SPLIT_K at one token: each (pair, tile) is SPLIT_K programs over runs of whole K steps,
+    the weighted bias added by the first only, and the last of the token's k * SPLIT_K programs to arrive adds
+    them all. I = 40 with BLOCK_K 16 is 3 K steps: the last run is short, and an 8-way split leaves programs
+    with no steps at all (they add zero rows and still count)."""
+    kw = dict(kw)
+    case = make_case(1, 40, 40, 8, 3, bias=kw.pop("bias", False), gated=kw.get("gated", True),
+                     transposed=kw.get("transposed", False))  # fmt: skip
+    tiles = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    config = {"BLOCK_M": 16, "gate_up": tiles, "down": dict(tiles, SPLIT_K=split)}
+    seen = _decode_launches(monkeypatch)
+    run_and_check(case, 8, TOL[torch.float32], config=config, **kw)
+    assert seen == [K._pair_gemm_kernel, K._pair_gemm_kernel]
+
+
+def test_one_token_split_down_skips_sentinels_and_counts_every_split():
+    case = make_case(1, 32, 32, 8, 4)
+    tiles = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    config = {"BLOCK_M": 16, "gate_up": tiles, "down": dict(tiles, SPLIT_K=2)}
+    ids = case["ids"].clone()
+    ids[0, 1] = 8  # the expert-parallel sentinel
+    run_and_check(case, 8, TOL[torch.float32], config=config, ids=ids)
+    ids[0, :] = 8  # every slot elsewhere: the last of the 8 programs per tile still writes the zeros
+    out = K.fused_experts(case["x"], case["w1"], case["w2"], ids, case["wts"], num_experts=8, config=config)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("part,split", [("down", 3), ("down", 0), ("gate_up", 2)])
+def test_split_k_is_a_power_of_two_for_down_only(part, split):
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        C.normalize({"BLOCK_M": 16, part: {"SPLIT_K": split}})
+
+
 def test_two_tokens_take_the_sorted_blocks(monkeypatch):
     seen = _gemm_launches(monkeypatch, record=lambda args, consts: consts["BLOCK_M"])
     run_and_check(make_case(2, 32, 16, 8, 2), 8, TOL[torch.float32])
@@ -687,13 +726,16 @@ def test_two_tokens_take_the_sorted_blocks(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_one_token_is_deterministic_and_matches_the_reference():
-    """Qwen3-30B-A3B's experts at one token, bf16: the down epilogue's last-arriving slot adds the k rows in a fixed
-    order, so repeated calls give the same bits whatever order the programs ran in."""
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_gpu_one_token_is_deterministic_and_matches_the_reference(split):
+    """Qwen3-30B-A3B's experts at one token, bf16: the down epilogue's last-arriving program adds the k * SPLIT_K
+    rows in a fixed order, so repeated calls give the same bits whatever order the programs ran in."""
     case = make_case(1, 2048, 768, 128, 8, dtype=torch.bfloat16, device="cuda", seed=3)
-    run_and_check(case, 128, TOL[torch.bfloat16])
+    cfg = C.get_config(128, 2048, 768, 1, 8, torch.bfloat16, device="cuda")
+    cfg = dict(cfg, down=dict(cfg["down"], SPLIT_K=split))
+    run_and_check(case, 128, TOL[torch.bfloat16], config=cfg)
     args = (case["x"], case["w1"], case["w2"], case["ids"], case["wts"])
-    outs = [K.fused_experts(*args, num_experts=128) for _ in range(50)]
+    outs = [K.fused_experts(*args, num_experts=128, config=cfg) for _ in range(50)]
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 

@@ -8,6 +8,9 @@ A configuration is a dict::
 
 For the gated gate_up GEMM, BLOCK_N counts intermediate channels: each program reads 2*BLOCK_N weight rows
 (gate and up). A flat dict (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) applies to both.
+The down GEMM's SPLIT_K (a power of two, default 1; gate_up's must be 1) is read at one token only, where the
+down projection runs as pair blocks: each (pair, tile) splits its K steps over that many programs, whose rows
+the last arriver adds (``kernels._pair_gemm_kernel``).
 
 Tuned configurations ship as JSON in ``configs/<GPU name with spaces as underscores>.json``::
 
@@ -39,7 +42,7 @@ from selector.plugins.tile_tables import read_table
 from selector import settings
 
 CONFIG_DIR = Path(__file__).with_name("configs")
-_GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+_GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory we let the pipeline use (H100/H200 allow 227 KB)
 
 
@@ -71,7 +74,7 @@ def normalize(config: dict[str, Any]) -> dict[str, Any]:
     flat = {k: config[k] for k in _GEMM_KEYS if k in config}
     out: dict[str, Any] = {"BLOCK_M": int(config.get("BLOCK_M", 64))}
     for part in ("gate_up", "down"):
-        sub = dict(_DEFAULT_GEMM)
+        sub = dict(DEFAULT_GEMM)
         sub.update(flat)
         sub.update(config.get(part, {}) or {})
         out[part] = {k: int(sub[k]) for k in _GEMM_KEYS}
@@ -81,12 +84,17 @@ def normalize(config: dict[str, Any]) -> dict[str, Any]:
         if val < 16 or val & (val - 1):
             raise ValueError(f"triton_fused: config {name}={val} must be a power of two >= 16")
     for p in ("gate_up", "down"):
-        if out[p]["num_warps"] not in (1, 2, 4, 8, 16) or out[p]["num_stages"] < 1 or out[p]["GROUP_M"] < 1:
+        split = out[p]["SPLIT_K"]
+        if split < 1 or split & (split - 1) or (p == "gate_up" and split != 1):
+            raise ValueError(f"triton_fused: config {p}.SPLIT_K={split}: the down GEMM's is a power of two, "
+                             "gate_up's is 1")  # fmt: skip
+        bad_pipe = out[p]["num_warps"] not in (1, 2, 4, 8, 16) or out[p]["num_stages"] < 1
+        if bad_pipe or out[p]["GROUP_M"] < 1:
             raise ValueError(f"triton_fused: bad config {p}={out[p]}")
     return out
 
 
-_DEFAULT_GEMM = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+DEFAULT_GEMM = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1}
 
 # TMA (kernels.part_layout). Measured on the H200 (docs/design/triton_fused.md): blocks of 128 rows ran 7-13%
 # faster through TMA, blocks of 64 (Qwen at T=512) 20-30% slower, so smaller blocks keep pointer loads. A box has

@@ -27,7 +27,7 @@ One token (``PAIR_BLOCK_MAX_TOKENS``): two launches of ``_pair_gemm_kernel``, no
 is a block of its own (a router's top-k experts are distinct: no weights are read twice); gate_up's first program
 zeroes the down launch's counters and runs the routing guard's checks, and the down launch adds the k slots in
 its epilogue: the last slot of a token to arrive sums the fp32 rows in a fixed order (deterministic, no float
-atomics). From ``configs.TOKEN_DOWN_MIN_I`` up (K-contiguous down weights) the down launch is
+atomics); with the down tiles' SPLIT_K each slot is that many programs over runs of K steps, all in that sum. From ``configs.TOKEN_DOWN_MIN_I`` up (K-contiguous down weights) the down launch is
 ``_token_down_kernel`` instead: one program per output tile, one K loop over the k experts' weights, the
 routing weights applied in gate_up's epilogue.
 
@@ -334,22 +334,25 @@ def _pair_gemm_kernel(
     INTERLEAVED: tl.constexpr, ACT: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, FIRST: tl.constexpr,
     COMBINE: tl.constexpr, GUARD: tl.constexpr, PAIRS_PAD: tl.constexpr, COUNTS_PAD: tl.constexpr,
-    K_PAD: tl.constexpr,
+    K_PAD: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """``_moe_gemm_kernel`` at decode: program (p, n) computes pair p's output channels of tile n with expert
-    ids[p]'s weights (row 0 of a BLOCK_M tile); a pair whose id is outside [0, num_experts) computes nothing.
+    """``_moe_gemm_kernel`` at decode: program (p, n, s) computes pair p's output channels of tile n with expert
+    ids[p]'s weights (row 0 of a BLOCK_M tile) over the s-th of SPLIT runs of whole K steps (SPLIT > 1: the
+    down launch only); a pair whose id is outside [0, num_experts) computes nothing.
 
     FIRST (the gate_up launch): program (0, 0) also does the align launch's other work: it zeroes the down
     launch's n_counts counters and, with GUARD, checks every pair and records faults (selector.guard).
     COMBINE (the down launch; out is the layer's [T, N] output): each program writes its fp32 row to part
-    [pairs, N] and counts itself in count[token, n]; the last of the token's slots to arrive (every slot
-    counts, computed or not) adds the computed slots' rows in one fixed-shape sum, the same bits whichever
-    arrives last, writes out[token] and sets the counter back to 0. The rows are added unrounded (the sorted path
-    rounds each slot's row to the input dtype first), so a token's bits differ from the sorted path's by that
-    rounding. With GUARD a token with a bad slot gets a NaN row, as ``combine`` gives.
+    [pairs * SPLIT, N] (the bias on split 0 only) and counts itself in count[token, n]; the last of the token's
+    k * SPLIT programs to arrive (every slot counts, computed or not) adds the computed rows in one fixed-shape
+    sum, the same bits whichever arrives last, writes out[token] and sets the counter back to 0. The rows are
+    added unrounded (the sorted path rounds each slot's row to the input dtype first), so a token's bits differ
+    from the sorted path's by that rounding. With GUARD a token with a bad slot gets a NaN row, as ``combine``
+    gives.
     """
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     if FIRST:
         if (pair == 0) & (pid_n == 0):
             zero = tl.arange(0, COUNTS_PAD)
@@ -359,48 +362,69 @@ def _pair_gemm_kernel(
     expert = tl.load(ids_ptr + pair)
     valid = (expert >= 0) & (expert < num_experts)
     rows = tl.where(tl.arange(0, BLOCK_M) == 0, pair, num_valid)
+    # this program's run of K steps: whole steps, so EVEN_K holds for every run (a run may be empty)
+    run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k0 = pid_s * run
+    k_len = tl.maximum(tl.minimum(K - k0, run), 0)
     res = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if valid:
-        res = _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_ptr, a_ptr, expert.to(tl.int32), 0, rows, pid_n,
-                         num_valid, N, K, a_div, up_offset, 0, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-                         stride_be, stride_bn, gate_alpha, gate_limit, BLOCK_M, BLOCK_N, BLOCK_K, GATED,
-                         INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, False,
-                         False)  # fmt: skip
+        res = _gemm_tile(a_ptr + k0 * stride_ak, w_ptr + k0 * stride_wk, bias_ptr, topk_w_ptr, a_ptr, a_ptr,
+                         expert.to(tl.int32), 0, rows, pid_n, num_valid, N, k_len, a_div, up_offset, 0, stride_am,
+                         stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, gate_alpha, gate_limit,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS and SPLIT == 1, MUL_W,
+                         EVEN_K, EVEN_N, DOT_PREC, False, False)  # fmt: skip
+        if HAS_BIAS and SPLIT > 1:
+            res = _first_split_bias(res, pid_s, pid_n, expert, pair, bias_ptr, topk_w_ptr, N, stride_be, stride_bn,
+                                    BLOCK_N)  # fmt: skip
     if COMBINE:
-        _combine_pair(res, pair, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr, num_experts, top_k,
-                      limit, N, stride_om, stride_on, BLOCK_M, BLOCK_N, K_PAD, GUARD)  # fmt: skip
+        _combine_pair(res, pair, pid_s, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr,
+                      num_experts, top_k, limit, N, stride_om, stride_on, BLOCK_M, BLOCK_N, K_PAD, SPLIT,
+                      GUARD)  # fmt: skip
     elif valid:
         _store_tile(out_ptr, res, rows, 0, pid_n, num_valid, N, stride_om, stride_on, BLOCK_M, BLOCK_N, False)
 
 
 @triton.jit
-def _combine_pair(res, pair, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr, num_experts, top_k,
-                  limit, N, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
-                  GUARD: tl.constexpr):  # fmt: skip
-    """``_pair_gemm_kernel``'s COMBINE epilogue for pair `pair` (its result in row 0 of `res`)."""
+def _first_split_bias(res, pid_s, pid_n, expert, pair, bias_ptr, topk_w_ptr, N, stride_be, stride_bn,
+                      BLOCK_N: tl.constexpr):  # fmt: skip
+    """A down split's tile (already scaled by the routing weight) with the weighted bias added on split 0 only."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_lim = tl.where(pid_s == 0, N, 0)
+    b = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n * stride_bn, mask=offs_n < n_lim, other=0.0)
+    return res + (tl.load(topk_w_ptr + pair).to(tl.float32) * b.to(tl.float32))[None, :]
+
+
+@triton.jit
+def _combine_pair(res, pair, pid_s, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr, num_experts,
+                  top_k, limit, N, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  K_PAD: tl.constexpr, SPLIT: tl.constexpr, GUARD: tl.constexpr):  # fmt: skip
+    """``_pair_gemm_kernel``'s COMBINE epilogue for split `pid_s` of pair `pair` (its result in row 0 of `res`)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if valid:
-        row_ptrs = part_ptr + pair.to(tl.int64) * N + offs_m[:, None] * 0 + offs_n[None, :]
+        row_ptrs = part_ptr + (pair * SPLIT + pid_s).to(tl.int64) * N + offs_m[:, None] * 0 + offs_n[None, :]
         tl.store(row_ptrs, res, mask=(offs_m == 0)[:, None] & n_ok[None, :])
     # every warp's stores first, then the counter (acq_rel): the last to count sees every slot's row
     tl.debug_barrier()
     token = pair // top_k
     counter = count_ptr + token * tl.cdiv(N, BLOCK_N) + pid_n
     # a scalar atomic: one thread runs it and Triton hands the old value to the others through shared memory
-    if tl.atomic_add(counter, 1) == top_k - 1:
-        tl.store(counter, 0)  # every slot has counted: the counter is free again (a relaunch needs no zeroing)
-        j = tl.arange(0, K_PAD)
-        j_ok = j < top_k
-        slots = token * top_k + j
-        e = tl.load(ids_ptr + slots, mask=j_ok, other=-1)
-        ok = j_ok & (e >= 0) & (e < num_experts)
-        v = tl.load(part_ptr + slots.to(tl.int64)[:, None] * N + offs_n[None, :], mask=ok[:, None] & n_ok[None, :],
-                    other=0.0, cache_modifier=".cg")  # fmt: skip  # other SMs wrote them: past this SM's L1
+    if tl.atomic_add(counter, 1) == top_k * SPLIT - 1:
+        tl.store(counter, 0)  # every program has counted: the counter is free again (a relaunch needs no zeroing)
+        r = tl.arange(0, K_PAD * SPLIT)  # the token's rows: slot r // SPLIT, split r % SPLIT
+        r_ok = r < top_k * SPLIT
+        e = tl.load(ids_ptr + token * top_k + r // SPLIT, mask=r_ok, other=-1)
+        ok = r_ok & (e >= 0) & (e < num_experts)
+        v = tl.load(part_ptr + (token * top_k * SPLIT + r).to(tl.int64)[:, None] * N + offs_n[None, :],
+                    mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip  # past the L1
         acc = tl.sum(v, axis=0)
         if GUARD:
-            bad_id, bad_w = check_slots(e, tl.load(topk_w_ptr + slots, mask=j_ok, other=0.0), j_ok, limit)
+            j = tl.arange(0, K_PAD)
+            j_ok = j < top_k
+            slots = token * top_k + j
+            e_j = tl.load(ids_ptr + slots, mask=j_ok, other=-1)
+            bad_id, bad_w = check_slots(e_j, tl.load(topk_w_ptr + slots, mask=j_ok, other=0.0), j_ok, limit)
             acc = tl.where(tl.max((bad_id | bad_w).to(tl.int32), axis=0) > 0, float("nan"), acc)
         tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty),
                  mask=n_ok)  # fmt: skip
@@ -486,14 +510,15 @@ def _launch_pair_gemm(a, w, bias, out, ids, topk_w, part, counts, guard, *, num_
                       a_div, stride_wn, stride_wk, up_offset, gated, interleaved, act, cfg, dot_prec, gate=0,
                       gate_alpha=1.0, gate_limit=0.0, first, combine_out, mul_w=False):  # fmt: skip
     """One ``_pair_gemm_kernel`` launch: `first` for gate_up (zeroes `counts`; with a RoutingGuard `guard` checks
-    the routing), `combine_out` for down (out is the layer's output, `part` its fp32 rows per pair); `mul_w`:
-    scale the rows by their routing weights (gate_up ahead of ``_token_down_kernel``)."""
+    the routing), `combine_out` for down (out is the layer's output, `part` its fp32 rows per pair and K split:
+    cfg's SPLIT_K); `mul_w`: scale the rows by their routing weights (gate_up ahead of ``_token_down_kernel``)."""
     n_pairs = ids.numel()
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split = cfg.get("SPLIT_K", 1) if combine_out else 1
     has_bias = bias is not None
     _, flag, host, limit, tag = guard_args(guard, topk_w, ids)
     launch(
-        _pair_gemm_kernel, (n_pairs, cdiv(n_out, bn)),
+        _pair_gemm_kernel, (n_pairs, cdiv(n_out, bn), split),
         (a, w, bias if has_bias else w, out, ids, topk_w, part, counts, flag, host,
          n_pairs, num_experts, top_k, limit, tag, counts.numel(), n_out, k_dim, a_div, up_offset,
          a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
@@ -503,7 +528,7 @@ def _launch_pair_gemm(a, w, bias, out, ids, topk_w, part, counts, guard, *, num_
              GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=combine_out or mul_w, EVEN_K=(k_dim % bk == 0),
              EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, FIRST=first, COMBINE=combine_out, GUARD=guard is not None,
              PAIRS_PAD=max(16, next_pow2(n_pairs)), COUNTS_PAD=max(16, next_pow2(counts.numel())),
-             K_PAD=max(2, next_pow2(top_k))),
+             K_PAD=max(2, next_pow2(top_k)), SPLIT=split),
         cfg["num_warps"], cfg["num_stages"],
     )  # fmt: skip
 
@@ -732,7 +757,7 @@ def fused_experts_impl(
         by_token = token_down(i_dim, s2k)  # down by output tile (no counters, no fp32 rows), else by pair
         n_counts = 0 if by_token else t * cdiv(h, cfg["down"]["BLOCK_N"])
         counts = empty(n_counts, torch.int32, dev, 1 << 20)  # zeroed by gate_up
-        part = empty((0 if by_token else n_pairs, h), torch.float32, dev, float("nan"))
+        part = empty((0 if by_token else n_pairs * cfg["down"]["SPLIT_K"], h), torch.float32, dev, float("nan"))
         inter = empty((n_pairs, i_dim), hidden_states.dtype, dev, float("nan"))
         both = dict(num_experts=num_experts, top_k=top_k, dot_prec=dot_prec)
         _launch_pair_gemm(

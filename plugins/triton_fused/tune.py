@@ -90,6 +90,7 @@ def gemm_candidates(block_m: int, n_out: int, gated: bool, elem: int = 2) -> lis
                 "GROUP_M": 1 if block_m <= 32 else 8,
                 "num_warps": warps,
                 "num_stages": stages,
+                "SPLIT_K": 1,
             }
         )
     return out
@@ -100,12 +101,23 @@ def gemm_candidates(block_m: int, n_out: int, gated: bool, elem: int = 2) -> lis
 _TOKEN_DOWN = [(32, 256, 4, 4), (32, 256, 4, 8), (16, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 8)]
 
 
+# One token's down projection as pair blocks: each (pair, tile) split over this many programs along K. On the
+# H200 two led by 4-8% at Qwen1.5-MoE and GPT-OSS-20B (Qwen3-30B level), four lost (docs/design/triton_fused.md).
+PAIR_DOWN_SPLITS = (1, 2)
+
+
+def with_down_splits(cands: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Pair-block down tiles, each at every split of PAIR_DOWN_SPLITS (unsplit first)."""
+    return [dict(c, SPLIT_K=s) for s in PAIR_DOWN_SPLITS for c in cands]
+
+
 def token_down_candidates(elem: int = 2) -> list[dict[str, int]]:
     out = []
     for bn, bk, warps, stages in _TOKEN_DOWN:
         if (16 * bk + bn * bk) * elem * stages > 225 * 1024:
             continue
-        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": warps, "num_stages": stages})
+        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": warps, "num_stages": stages,
+                    "SPLIT_K": 1})  # fmt: skip
     return out
 
 
@@ -224,6 +236,8 @@ def _tune_pair_cell(bench: LayerBench, num_tokens: int, log=print) -> dict[str, 
             cands = token_down_candidates(bench.w1.element_size())
         else:
             cands = gemm_candidates(bm, n_out, part == "gate_up", bench.w1.element_size())
+            if part == "down":
+                cands = with_down_splits(cands)
         for cfg in cands:
             task = Task(num_tokens, bm, part, _cfg_items(cfg))
             _keep_fastest(best, part, cfg, lambda task=task: bench(task), log, "pair blocks")
@@ -314,7 +328,7 @@ def token_weight(num_tokens: int) -> float:
 
 
 def _cfg_items(cfg: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    return tuple((k, int(cfg[k])) for k in _configs._GEMM_KEYS)
+    return tuple((k, int(cfg.get(k, _configs.DEFAULT_GEMM[k]))) for k in _configs._GEMM_KEYS)
 
 
 def prior_winners(table: Mapping[str, Mapping[int, Mapping[str, Any]]], block_m: int, part: str) -> list[dict]:
@@ -352,6 +366,8 @@ def candidate_plan(
             first = [default[part]] if bm == default["BLOCK_M"] else []
             ranked = prior_winners(prior or {}, bm, part)
             rest = gemm_candidates(bm, n_out, part == "gate_up", elem)
+            if part == "down" and num_tokens <= PAIR_BLOCK_MAX_TOKENS:  # pair blocks: down may split K
+                rest = with_down_splits(rest)
             if part == "down" and token_cell:  # the layer may run _token_down_kernel (K-contiguous weights)
                 rest = token_down_candidates(elem) + rest
             allowed = {_cfg_items(c) for c in rest}
@@ -639,7 +655,8 @@ class LayerBench:
         if "counts" not in c:  # enough counters for any BLOCK_N of the down GEMM
             c["counts"] = torch.zeros(c["pairs"] // self.top_k * k.cdiv(self.h, 16), dtype=torch.int32,
                                       device=self.device)  # fmt: skip
-            c["part"] = torch.empty(c["pairs"], self.h, dtype=torch.float32, device=self.device)
+            c["part"] = torch.empty(c["pairs"] * max(PAIR_DOWN_SPLITS), self.h, dtype=torch.float32,
+                                    device=self.device)  # fmt: skip
             c["out"] = torch.empty(c["pairs"] // self.top_k, self.h, dtype=self.dtype, device=self.device)
         args = self._part_args(part, c, False)
         first = part == "gate_up"
