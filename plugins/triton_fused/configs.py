@@ -72,7 +72,7 @@ def normalize(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"triton_fused: config must be a dict, got {type(config).__name__}")
     flat = {k: config[k] for k in _GEMM_KEYS if k in config}
-    out: dict[str, Any] = {"BLOCK_M": int(config.get("BLOCK_M", 64))}
+    out: dict[str, Any] = {"BLOCK_M": int(config.get("BLOCK_M", 64)), "PERSISTENT": int(config.get("PERSISTENT", 0))}
     for part in ("gate_up", "down"):
         sub = dict(DEFAULT_GEMM)
         sub.update(flat)
@@ -91,10 +91,18 @@ def normalize(config: dict[str, Any]) -> dict[str, Any]:
         bad_pipe = out[p]["num_warps"] not in (1, 2, 4, 8, 16) or out[p]["num_stages"] < 1
         if bad_pipe or out[p]["GROUP_M"] < 1:
             raise ValueError(f"triton_fused: bad config {p}={out[p]}")
+    if out["PERSISTENT"] not in (0, 1) or (out["PERSISTENT"] and out["BLOCK_M"] != PERSISTENT_BLOCK_M):
+        raise ValueError(f"triton_fused: config PERSISTENT={out['PERSISTENT']} is 0 or 1, with BLOCK_M "
+                         f"{PERSISTENT_BLOCK_M} (got {out['BLOCK_M']})")  # fmt: skip
     return out
 
 
 DEFAULT_GEMM = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1}
+
+# PERSISTENT: 1 runs a layer's sorted-block GEMMs through plugins/triton_fused/hopper_gemm.py (Gluon, sm_90) where
+# it can (``kernels.persistent_fits``), else the Triton kernel. Its consumers are one warpgroup each, wgmma's M is
+# 64 rows: whole blocks of 128 rows, half blocks of 64.
+PERSISTENT_BLOCK_M = 128
 
 # TMA (kernels.part_layout). Measured on the H200 (docs/design/triton_fused.md): blocks of 128 rows ran 7-13%
 # faster through TMA, blocks of 64 (Qwen at T=512) 20-30% slower, so smaller blocks keep pointer loads. A box has
@@ -126,18 +134,19 @@ def tma_tiles(block_m: int, block_k: int, tile_c: int, elem: int) -> bool:
 
 def encode_config(config: dict[str, Any]) -> list[int]:
     c = normalize(config)
-    return [c["BLOCK_M"]] + [c[p][k] for p in ("gate_up", "down") for k in _GEMM_KEYS]
+    return [c["BLOCK_M"]] + [c[p][k] for p in ("gate_up", "down") for k in _GEMM_KEYS] + [c["PERSISTENT"]]
 
 
 def decode_config(values: list[int]) -> dict[str, Any]:
     v = [int(x) for x in values]
-    if len(v) != 1 + 2 * len(_GEMM_KEYS):
-        raise ValueError(f"triton_fused: encoded config has {len(v)} values, expected {1 + 2 * len(_GEMM_KEYS)}")
     n = len(_GEMM_KEYS)
+    if len(v) != 2 + 2 * n:
+        raise ValueError(f"triton_fused: encoded config has {len(v)} values, expected {2 + 2 * n}")
     return {
         "BLOCK_M": v[0],
         "gate_up": dict(zip(_GEMM_KEYS, v[1 : 1 + n])),
         "down": dict(zip(_GEMM_KEYS, v[1 + n : 1 + 2 * n])),
+        "PERSISTENT": v[1 + 2 * n],
     }
 
 

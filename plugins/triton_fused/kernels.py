@@ -35,6 +35,9 @@ Blocks of ``configs.TMA_MIN_BLOCK_M`` rows or more on sm_90+ (large T) read the 
 descriptors; the gate_up GEMM then writes the intermediate in block order (padding slots too) and the down GEMM
 reads it through a descriptor, without a gather; from SORTED_X_MIN_I up, x is first copied into block order and
 read the same way (``part_layout``). Same tiles, same K order: the bits are those of the pointer path.
+Where the tile table sets PERSISTENT (``persistent_fits``: sm_90, 16-bit, weights by TMA, concatenated gate/up), the
+two GEMMs run ``hopper_gemm``'s persistent warp-specialised kernel (Gluon) on x copied into block order instead;
+it falls back to ``_moe_gemm_kernel``, GEMM by GEMM, where the installed Triton does not build it.
 Blocks of ``configs.HALF_TAIL_MIN_BLOCK_M`` rows or more that are at most half full (an expert's last) run as
 half-height tiles: half the FLOPs for the padding an expert's tail leaves, the same bits.
 
@@ -64,6 +67,7 @@ from selector.plugins.triton_common.launch import tma_device as _tma_device
 from selector.guard import resolve as resolve_guard
 
 from . import configs as _configs
+from . import hopper_gemm
 
 __all__ = [
     "SUPPORTED_ACTIVATIONS",
@@ -630,6 +634,19 @@ def part_layout(part: str, w: torch.Tensor, block_m: int, cfg: dict, *, i_dim: i
     return {"w_tma": True, "a_tma": x_sorted, "out_blocked": True}
 
 
+def persistent_fits(hidden_states: torch.Tensor, cfg: dict, *, gated: bool, interleaved: bool, gate: int,
+                    tma: bool) -> bool:  # fmt: skip
+    """Whether a layer's sorted-block GEMMs run through ``hopper_gemm`` (cfg's PERSISTENT asks for it, with
+    blocks of ``configs.PERSISTENT_BLOCK_M`` rows): Gluon importable, an sm_90 device (wgmma; Blackwell has
+    none), 16-bit inputs, weights through TMA (`tma`, ``part_layout``), gate and up concatenated with the act_mul
+    gate (`gate` 0; `gated` False runs the activation alone)."""
+    if not (cfg["PERSISTENT"] and tma and hopper_gemm.AVAILABLE and gate == 0 and not (gated and interleaved)):
+        return False
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16) or hidden_states.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(hidden_states.device)[0] == 9
+
+
 def _dims(hidden_states, gate_up_proj, down_proj, gated, transposed):
     """(I, gate_up output channels, strides) from the stored layouts."""
     if transposed:  # gate_up [E, H, C], down [E, I, H]
@@ -785,23 +802,34 @@ def fused_experts_impl(
     dn = part_layout("down", down_proj, bm, cfg["down"], i_dim=i_dim, transposed=transposed)
     if not (gu["w_tma"] and dn["w_tma"]):
         gu = dn = NO_TMA
+    persistent = persistent_fits(hidden_states, cfg, gated=gated, interleaved=interleaved and gated,
+                                 gate=gate_code, tma=gu["w_tma"])  # fmt: skip
     inter_rows = sorted_rows.numel() if gu["out_blocked"] else n_pairs
     inter = empty((inter_rows, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
-    x_sorted = gu["a_tma"]
+    x_sorted = gu["a_tma"] or persistent  # the persistent kernel reads A by TMA only
     a1 = rows_in_block_order(hidden_states, sorted_rows, n_pairs, top_k) if x_sorted else hidden_states
-    _launch_gemm(
-        a1, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
-        num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=1 if x_sorted else top_k, block_m=bm, stride_wn=s1n,
-        stride_wk=s1k, up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code, mul_w=False,
-        cfg=cfg["gate_up"], dot_prec=dot_prec, **gate_args, **gu,
-    )  # fmt: skip
     y = empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
-    _launch_gemm(
-        inter, down_proj, down_bias, y, sorted_rows, block_expert, tw,
-        num_valid=n_pairs, n_out=h, k_dim=i_dim, a_div=1, block_m=bm, stride_wn=s2n, stride_wk=s2k,
-        up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=cfg["down"], dot_prec=dot_prec,
-        **dn,
-    )  # fmt: skip
+    both = dict(sorted_rows=sorted_rows, block_expert=block_expert, num_valid=n_pairs, block_m=bm)
+    # each GEMM through hopper_gemm where it compiles (it writes and reads the intermediate in block order, as
+    # the TMA path does, so either GEMM may fall back to the Triton kernel alone)
+    if not (persistent and hopper_gemm.launch_grouped_gemm(
+            a1, gate_up_proj, gate_up_bias, inter, topk_w=None, n_out=i_dim, gated=gated, act=act_code,
+            up_offset=i_dim, out_blocked=True, **both)):  # fmt: skip
+        _launch_gemm(
+            a1, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
+            num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=1 if x_sorted else top_k, block_m=bm, stride_wn=s1n,
+            stride_wk=s1k, up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code,
+            mul_w=False, cfg=cfg["gate_up"], dot_prec=dot_prec, **gate_args, **dict(gu, a_tma=x_sorted),
+        )  # fmt: skip
+    if not (persistent and hopper_gemm.launch_grouped_gemm(
+            inter, down_proj, down_bias, y, topk_w=tw, n_out=h, gated=False, act=0, up_offset=0, out_blocked=False,
+            **both)):  # fmt: skip
+        _launch_gemm(
+            inter, down_proj, down_bias, y, sorted_rows, block_expert, tw,
+            num_valid=n_pairs, n_out=h, k_dim=i_dim, a_div=1, block_m=bm, stride_wn=s2n, stride_wk=s2k,
+            up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=cfg["down"], dot_prec=dot_prec,
+            **dn,
+        )  # fmt: skip
     combine(y, ids, out, top_k, num_experts, guard=checks, weights=tw)
     return out
 
