@@ -29,6 +29,13 @@ def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device
     return t
 
 
+def repoison(t: torch.Tensor, poison: Any) -> None:
+    """Fill `t` with `poison` while POISON is set: a buffer that takes over another's memory starts as garbage
+    too."""
+    if POISON:
+        t.fill_(poison)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

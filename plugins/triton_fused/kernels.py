@@ -36,14 +36,15 @@ descriptors; the gate_up GEMM then writes the intermediate in block order (paddi
 reads it through a descriptor, without a gather; from SORTED_X_MIN_I up, x is first copied into block order and
 read the same way (``part_layout``). Same tiles, same K order: the bits are those of the pointer path.
 Where the tile table sets PERSISTENT (``persistent_fits``: sm_90, 16-bit, weights by TMA, concatenated gate/up), the
-two GEMMs run ``hopper_gemm``'s persistent warp-specialised kernel (Gluon) on x copied into block order instead;
-it falls back to ``_moe_gemm_kernel``, GEMM by GEMM, where the installed Triton does not build it.
+two GEMMs run ``hopper_gemm``'s persistent warp-specialised kernel (Gluon) on x copied into block order instead,
+where that copy keeps the call within its temporaries bound (``x_copy_fits``); it falls back to
+``_moe_gemm_kernel``, GEMM by GEMM, where the installed Triton does not build it.
 Blocks of ``configs.HALF_TAIL_MIN_BLOCK_M`` rows or more that are at most half full (an expert's last) run as
 half-height tiles: half the FLOPs for the padding an expert's tail leaves, the same bits.
 
 Temporaries: intermediate (T*k*I; in block order up to min(T*k, E) * (BLOCK_M - 1) + BLOCK_M - 1 rows more),
-y (T*k*H) in the input dtype, x in block order where copied, plus int32 routing buffers (the align's count
-table, (T*k / 64 + 1) * E_PAD entries, is under 2% of y's bytes at H >= 2048): within
+y (T*k*H) in the input dtype (in the memory of x's copy in block order, where x is copied), plus int32 routing
+buffers (the align's count table, (T*k / 64 + 1) * E_PAD entries, is under 2% of y's bytes at H >= 2048): within
 2 * T*k * max(2I, H) * 2 bytes for the tiles the tables and heuristics pick (BLOCK_M 128 only where experts see
 about 100 rows or more).
 """
@@ -61,7 +62,15 @@ from selector.plugins.triton_common.activation import gate as _gate
 from selector.plugins.triton_common.align import align, guard_args, max_blocks_for
 from selector.plugins.triton_common.combine import combine
 from selector.plugins.triton_common.guard import check_pairs, check_slots
-from selector.plugins.triton_common.launch import TensorDescriptor, cdiv, empty, launch, next_pow2, tma_weights
+from selector.plugins.triton_common.launch import (
+    TensorDescriptor,
+    cdiv,
+    empty,
+    launch,
+    next_pow2,
+    repoison,
+    tma_weights,
+)
 from selector.plugins.triton_common.launch import tma_device as _tma_device
 
 from selector.guard import resolve as resolve_guard
@@ -647,6 +656,14 @@ def persistent_fits(hidden_states: torch.Tensor, cfg: dict, *, gated: bool, inte
     return torch.cuda.get_device_capability(hidden_states.device)[0] == 9
 
 
+def x_copy_fits(num_tokens: int, top_k: int, hidden: int, intermediate: int, block_rows: int) -> bool:
+    """Whether a call that copies x into block order stays within the temporaries every backend auto may pick
+    keeps to, 2 * T*k * max(2I, H) elements: the copy (y then takes its memory) and the intermediate, both
+    `block_rows` long (padding included), and the output."""
+    need = block_rows * (hidden + intermediate) + num_tokens * hidden
+    return need <= 2 * num_tokens * top_k * max(2 * intermediate, hidden)
+
+
 def _dims(hidden_states, gate_up_proj, down_proj, gated, transposed):
     """(I, gate_up output channels, strides) from the stored layouts."""
     if transposed:  # gate_up [E, H, C], down [E, I, H]
@@ -803,12 +820,15 @@ def fused_experts_impl(
     if not (gu["w_tma"] and dn["w_tma"]):
         gu = dn = NO_TMA
     persistent = persistent_fits(hidden_states, cfg, gated=gated, interleaved=interleaved and gated,
-                                 gate=gate_code, tma=gu["w_tma"])  # fmt: skip
+                                 gate=gate_code, tma=gu["w_tma"]) and x_copy_fits(t, top_k, h, i_dim,
+                                                                                  sorted_rows.numel())  # fmt: skip
     inter_rows = sorted_rows.numel() if gu["out_blocked"] else n_pairs
     inter = empty((inter_rows, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
     x_sorted = gu["a_tma"] or persistent  # the persistent kernel reads A by TMA only
     a1 = rows_in_block_order(hidden_states, sorted_rows, n_pairs, top_k) if x_sorted else hidden_states
-    y = empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
+    # y takes the copy's memory once gate_up has read it (a launch later on the same stream): the copy costs
+    # T*k*H once, not twice
+    y = a1[:n_pairs] if x_sorted else empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
     both = dict(sorted_rows=sorted_rows, block_expert=block_expert, num_valid=n_pairs, block_m=bm)
     # each GEMM through hopper_gemm where it compiles (it writes and reads the intermediate in block order, as
     # the TMA path does, so either GEMM may fall back to the Triton kernel alone)
@@ -821,6 +841,8 @@ def fused_experts_impl(
             stride_wk=s1k, up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code,
             mul_w=False, cfg=cfg["gate_up"], dot_prec=dot_prec, **gate_args, **dict(gu, a_tma=x_sorted),
         )  # fmt: skip
+    if x_sorted:
+        repoison(y, float("nan"))
     if not (persistent and hopper_gemm.launch_grouped_gemm(
             inter, down_proj, down_bias, y, topk_w=tw, n_out=h, gated=False, act=0, up_offset=0, out_blocked=False,
             **both)):  # fmt: skip
