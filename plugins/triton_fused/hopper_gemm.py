@@ -25,6 +25,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from selector.plugins.triton_common.activation import activation as _triton_activation
 
 try:
     from triton.experimental import gluon
@@ -48,21 +49,8 @@ if AVAILABLE:
     _LOADER_REGS = gl.constexpr(40)  # registers per thread of the loader warp (it holds only scalars)
     _CONSUMER_REGS = gl.constexpr(232)  # the second consumer's; the first (default partition) gets what is left
 
-    @gluon.jit
-    def _act(x, ACT: gl.constexpr):
-        """triton_common.activation.activation in Gluon (same codes, same formulas)."""
-        if ACT == 1:  # silu
-            y = x / (1.0 + gl.exp(-x))
-        elif ACT == 2:  # gelu (erf)
-            y = 0.5 * x * (1.0 + gl.erf(x * 0.7071067811865476))
-        elif ACT == 3:  # gelu, tanh approximation
-            z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            y = x / (1.0 + gl.exp(-2.0 * z))
-        elif ACT == 4:  # relu
-            y = gl.maximum(x, 0.0)
-        else:
-            y = x
-        return y
+    # the epilogue activations of triton_common.activation, compiled as Gluon (same codes, same formulas)
+    _act = gluon.jit(_triton_activation.fn)
 
     @gluon.jit
     def _used_blocks(block_expert_ptr, max_blocks, WARPS: gl.constexpr):
