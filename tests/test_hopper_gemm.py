@@ -117,7 +117,6 @@ def fake_kernel(monkeypatch):
         pytest.skip("this Triton has no Gluon Hopper API")
     fake = _FakeKernel()
     monkeypatch.setattr(HG, "_grouped_gemm_kernel", fake)
-    monkeypatch.setattr(HG, "_num_sms", lambda device: 132)
     monkeypatch.setattr(HG, "_COMPILED", set())
     monkeypatch.setattr(HG, "_FAILED", set())
     return fake

@@ -27,6 +27,8 @@ import warnings
 import torch
 from selector.plugins.triton_common.activation import activation as _triton_activation
 
+from . import configs as _configs
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -272,8 +274,6 @@ def tiles(part: str, gated: bool) -> dict[str, int]:
     return _TILES["down" if part == "down" or not gated else "gate_up"]
 
 
-_GL_DTYPES: dict = {}
-_NUM_SMS: dict[int, int] = {}
 # compile keys (the kernel's constexprs and dtypes) that compiled here, and those that failed: a failure is a
 # Triton whose Gluon differs from the one this kernel was written for, and the caller runs the Triton kernel
 _COMPILED: set[tuple] = set()
@@ -281,16 +281,7 @@ _FAILED: set[tuple] = set()
 
 
 def _smem_layout(block: list[int], dtype: torch.dtype):
-    if not _GL_DTYPES:
-        _GL_DTYPES.update({torch.bfloat16: gl.bfloat16, torch.float16: gl.float16})
-    return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
-
-
-def _num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -318,7 +309,7 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     a_half_desc = TensorDescriptor.from_tensor(a, [block_m // 2, bk], _smem_layout([block_m // 2, bk], a.dtype))
     w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [bn, bk], _smem_layout([bn, bk], w.dtype))
     max_blocks = block_expert.numel()
-    grid = (max(1, min(_num_sms(a.device), max_blocks * -(-n_out // bn))),)
+    grid = (max(1, min(_configs._num_sms(a.device.index), max_blocks * -(-n_out // bn))),)
     args = (a_desc, a_half_desc, w_desc, out, bias if has_bias else w, sorted_rows, block_expert,
             topk_w if topk_w is not None else a, num_valid, max_blocks, n_out, a.shape[1], up_offset, w.shape[1],
             out.stride(0), bias.stride(0) if has_bias else 0)  # fmt: skip
