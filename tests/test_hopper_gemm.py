@@ -73,15 +73,18 @@ def test_persistent_runs_only_where_asked_on_sm90_with_16_bit_inputs(monkeypatch
     assert not any(declined.values()), [name for name, v in declined.items() if v]
 
 
-@pytest.mark.parametrize("E,H,I,k,T,fits", [
-    (128, 2048, 768, 8, 4096, False),  # 128 experts' padding: the copy and the intermediate are 1.5x the pairs
+@pytest.mark.parametrize("E,H,I,k,T,whole_blocks_fit", [
+    (128, 2048, 768, 8, 4096, False),  # 128 experts: padded to whole blocks, the copies are 1.5x the pairs
     (128, 2048, 768, 8, 16384, True),
     (60, 2048, 1408, 4, 4096, True),
     (60, 2048, 1408, 4, 16384, True),
 ])  # fmt: skip
-def test_x_is_copied_into_block_order_only_within_the_temporaries_bound(E, H, I, k, T, fits):
-    rows = K.max_blocks_for(T * k, E, 128) * 128
-    assert K.x_copy_fits(T, k, H, I, rows) is fits
+def test_the_copies_pad_experts_to_half_blocks_which_keeps_the_grid_within_the_bound(E, H, I, k, T,
+                                                                                      whole_blocks_fit):  # fmt: skip
+    assert K.x_copy_fits(T, k, H, I, HG.compact_rows(T * k, E))
+    assert K.x_copy_fits(T, k, H, I, K.max_blocks_for(T * k, E, 128) * 128) is whole_blocks_fit
+    assert HG.compact_rows(T * k, E) == T * k + E * (HG.ROW_GRAIN - 1) and HG.ROW_GRAIN == C.PERSISTENT_BLOCK_M // 2
+    assert not K.x_copy_fits(16, 1, 64, 32, HG.compact_rows(16, 16)), "16 experts' padding over 16 pairs"
 
 
 def test_tiles_hold_a_128_by_128_accumulator_per_consumer():
@@ -96,16 +99,16 @@ def test_tiles_hold_a_128_by_128_accumulator_per_consumer():
 
 
 class _FakeKernel:
-    """Stands in for the Gluon kernel: counts launches, raises while `broken`."""
+    """Stands in for the Gluon kernel: counts launches, raises where `broken(constexprs)` says so."""
 
     def __init__(self):
         self.calls = 0
-        self.broken = True
+        self.broken = lambda consts: True
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
+        def launch(*args, **consts):
             self.calls += 1
-            if self.broken:
+            if self.broken(consts):
                 raise RuntimeError("PassManager::run failed")
 
         return launch
@@ -126,9 +129,9 @@ def _launch(gated=True):
     a = torch.zeros(256, 64, dtype=torch.bfloat16)
     w = torch.zeros(2, 128 if gated else 64, 64, dtype=torch.bfloat16)
     out = torch.zeros(256, 64, dtype=torch.bfloat16)
-    rows, experts = torch.zeros(256, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
-    return HG.launch_grouped_gemm(a, w, None, out, rows, experts, None, num_valid=200, n_out=64, block_m=128,
-                                  gated=gated, act=1, up_offset=64, out_blocked=True)  # fmt: skip
+    rows = (torch.zeros(256, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    return HG._launch("gate_up", a, w, None, out, rows, None, num_valid=200, n_out=64, gated=gated, act=1,
+                      up_offset=64)  # fmt: skip
 
 
 def test_a_kernel_that_does_not_compile_is_warned_once_then_skipped(fake_kernel):
@@ -138,33 +141,80 @@ def test_a_kernel_that_does_not_compile_is_warned_once_then_skipped(fake_kernel)
         warnings.simplefilter("error")
         assert _launch() is False  # remembered: no second try, no second warning
     assert fake_kernel.calls == 1
-    fake_kernel.broken = False
+    fake_kernel.broken = lambda consts: False
     assert _launch(gated=False) is True  # another compile key is tried on its own
 
 
 def test_a_kernel_that_compiled_raises_as_usual(fake_kernel):
-    fake_kernel.broken = False
+    fake_kernel.broken = lambda consts: False
     assert _launch() is True
-    fake_kernel.broken = True
+    fake_kernel.broken = lambda consts: True
     with pytest.raises(RuntimeError, match="PassManager"):
         _launch()
 
 
+def test_a_down_gemm_that_does_not_compile_sends_later_calls_to_the_triton_kernel_at_once(fake_kernel,
+                                                                                          monkeypatch):  # fmt: skip
+    """The first call's gate_up compiled and its down did not: that call returns None after one launch each; the
+    next returns None before launching anything (the copies are this kernel's layout, the Triton kernel cannot
+    take over one GEMM)."""
+    fake_kernel.broken = lambda consts: consts["MUL_W"]  # the down GEMM scales by the routing weights
+    monkeypatch.setattr(HG, "rows_in_compact_order", lambda x, rows, **kw: torch.zeros(300, 64, dtype=x.dtype))
+    x = torch.zeros(100, 64, dtype=torch.bfloat16)
+    rows = (torch.zeros(256, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    args = (x, torch.zeros(2, 128, 64, dtype=torch.bfloat16), None, torch.zeros(2, 64, 64, dtype=torch.bfloat16),
+            None, rows, torch.ones(200))  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        assert HG.layer_gemms(*args, num_experts=2, top_k=2, gated=True, act=1) is None
+    assert fake_kernel.calls == 2
+    assert HG.layer_gemms(*args, num_experts=2, top_k=2, gated=True, act=1) is None
+    assert fake_kernel.calls == 2, "nothing launched once a GEMM of the layer is known not to compile"
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(CUDA, reason="the interpreter's TMA path; on a GPU the real kernel runs (tests below)")
-def test_the_layer_falls_back_per_gemm_to_the_triton_kernel_on_rows_in_block_order(monkeypatch):
-    """persistent_fits said yes but neither GEMM compiled: x goes into block order (the persistent kernel's
-    input) and both Triton GEMMs read it, and the intermediate, by descriptor."""
-    attempts = []
+def test_the_layer_runs_the_triton_kernel_where_the_persistent_one_does_not_compile(monkeypatch):
+    """persistent_fits said yes, so the align also gave the copies' block rows; the Gluon GEMMs did not compile
+    (layer_gemms None): the Triton GEMMs run on the same blocks, x and the intermediate in whole-block order."""
+    calls = []
     monkeypatch.setattr(K, "persistent_fits", lambda *a, **kw: True)
     monkeypatch.setattr(K, "x_copy_fits", lambda *a: True)  # tiny experts: the padding would exceed the bound
-    monkeypatch.setattr(K.hopper_gemm, "launch_grouped_gemm", lambda *a, **kw: attempts.append(kw["out_blocked"]))
+    monkeypatch.setattr(K.hopper_gemm, "layer_gemms", lambda *a, **kw: calls.append(a[5][2]))
     case = make_case(150, 32, 24, 3, 2, routing="skewed")
     cfg = {**PERSISTENT, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 32}, "down": {"BLOCK_N": 32, "BLOCK_K": 32}}
     out = K.fused_experts(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], num_experts=3, config=cfg)
     ref = reference(case["x"], case["w1"], case["w2"], case["ids"], case["wts"], 3)
-    assert attempts == [True, False], "gate_up (block order out), then down (pair rows out)"
+    assert len(calls) == 1 and int(calls[0][0]) == 0, "asked once, with the align's block rows"
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,E,k", [(150, 3, 2), (300, 40, 4)])
+def test_x_is_copied_into_blocks_that_pad_each_expert_to_half_a_block(T, E, k):
+    """Block b's slots from row block_row[b] of the copy: a whole block's 128, or 64 where its second half is
+    padding alone; a padding slot holds row 0. Skewed routing, and experts with no pairs."""
+    from selector.plugins.triton_common import align as A
+
+    case = make_case(T, 64, 32, E, k, routing="skewed")
+    x, ids = case["x"], case["ids"].reshape(-1)
+    plan = A.plan_align(ids, E, 128, row_grain=HG.ROW_GRAIN)
+    A.run_align(plan)
+    rows = (plan.sorted_rows, plan.block_expert, plan.block_row)
+    copy = HG.rows_in_compact_order(x, rows, num_experts=E, top_k=k)
+    assert copy.shape == (HG.compact_rows(T * k, E), 64)
+    n = T * k
+    slots, blocks, first = (t.cpu().tolist() for t in rows)
+    end = 0
+    for b, e in enumerate(blocks):
+        if e < 0:
+            continue
+        height = 64 if slots[b * 128 + 64] >= n else 128
+        assert first[b] == end, "blocks back to back, an expert's padding at most half a block"
+        for m in range(height):
+            src = slots[b * 128 + m]
+            assert torch.equal(copy[first[b] + m], x[src // k if src < n else 0]), (b, m)
+        end += height
+    assert end <= copy.shape[0]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -183,7 +233,8 @@ def _compile_sm90(gated: bool, out_blocked: bool):
         return f"tensordesc<bf16[{rows}, {bk}],{HG.gl.NVMMASharedLayout.get_default_for([rows, bk], HG.gl.bfloat16)!r}>"
 
     sig = {"a_desc": desc(bm), "a_half_desc": desc(bm // 2), "w_desc": desc(bn), "out_ptr": "*bf16",
-           "bias_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32",
+           "bias_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "block_row_ptr": "*i32",
+           "topk_w_ptr": "*fp32",
            "num_valid": "i32", "max_blocks": "i32", "N": "i32", "K": "i32", "up_offset": "i32", "w_rows": "i32",
            "stride_om": "i32", "stride_be": "i32"}  # fmt: skip
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=t["num_stages"], GROUP_M=t["GROUP_M"], GATED=gated,
@@ -248,13 +299,13 @@ def _spy(monkeypatch):
     """Records what each persistent launch returned; the small test shapes' padding is let past the bound."""
     monkeypatch.setattr(K, "x_copy_fits", lambda *a: True)
     ran = []
-    real = HG.launch_grouped_gemm
+    real = HG._launch
 
     def spy(*args, **kwargs):
         ran.append(real(*args, **kwargs))
         return ran[-1]
 
-    monkeypatch.setattr(K.hopper_gemm, "launch_grouped_gemm", spy)
+    monkeypatch.setattr(HG, "_launch", spy)
     return ran
 
 

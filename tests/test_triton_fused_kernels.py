@@ -14,6 +14,8 @@ cases are fp32 and tiny. Every buffer is poisoned (NaN / out-of-range ids) befor
 
 from __future__ import annotations
 
+import collections
+
 import json
 import math
 
@@ -430,11 +432,42 @@ def test_align_prefix_pass_over_several_steps(n, E, bm, monkeypatch):
     _check_align(torch.randint(0, E + 1, (n,), generator=g).to(DEV), E, bm)
 
 
+def _check_block_rows(ids_flat, E, bm):
+    """With a row grain of half a block the align gives each block its first row in a copy that pads each expert
+    to the grain only: experts in order, their blocks bm rows apart; the blocks themselves as without it."""
+    plan = A.plan_align(ids_flat, E, bm, row_grain=bm // 2)
+    A.run_align(plan)
+    sorted_rows, block_expert = A.align(ids_flat, E, bm)
+    used = int((block_expert >= 0).sum())
+    assert torch.equal(plan.block_expert, block_expert)
+    assert torch.equal(plan.sorted_rows[: used * bm], sorted_rows[: used * bm])
+    flat, blocks, rows = ids_flat.cpu().tolist(), block_expert.cpu().tolist(), plan.block_row.cpu().tolist()
+    counts = collections.Counter(flat)
+    expected, start = [], 0
+    for e in range(E):
+        expected += [start + j * bm for j in range(-(-counts[e] // bm))]
+        start += -(-counts[e] // (bm // 2)) * (bm // 2)
+    assert rows[:used] == expected and all(r == -1 for r in rows[used:])
+    assert start <= ids_flat.numel() + min(ids_flat.numel(), E) * (bm // 2 - 1)
+
+
+@pytest.mark.parametrize("n,E,bm", [(700, 60, 64), (2500, 8, 128), (1100, 128, 32)])
+def test_align_block_rows_pad_each_expert_to_half_a_block(n, E, bm):
+    g = torch.Generator().manual_seed(n + 2)
+    _check_block_rows(torch.randint(0, E + 1, (n,), generator=g).to(DEV), E, bm)
+
+
+def test_align_row_grain_is_half_a_block():
+    with pytest.raises(ValueError, match="row_grain"):
+        A.plan_align(torch.zeros(4, dtype=torch.int32), 2, 64, row_grain=16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,E,bm", [(70000, 256, 64), (131072, 128, 128), (5000, 60, 16)])
 def test_gpu_align_large(n, E, bm):
     g = torch.Generator().manual_seed(n)
     _check_align(torch.randint(0, E + 1, (n,), generator=g).to("cuda"), E, bm)
+    _check_block_rows(torch.randint(0, E + 1, (n,), generator=g).to("cuda"), E, bm)
 
 
 def test_validation_errors():

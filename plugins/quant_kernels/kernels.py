@@ -574,8 +574,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, blo
             tl.store(count_ptr + offs_c, tl.zeros([1024], tl.int32), mask=offs_c < num_counts)
     if ALIGN:
         if (tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == 0):
-            align_program(ids_ptr, sorted_ptr, sorted_ptr, block_expert_ptr, num_valid, num_experts, 1, max_blocks,
-                          0, 1, BLOCK_M, CHUNK, SUB, E_PAD, B_TILE, True)  # fmt: skip
+            align_program(ids_ptr, sorted_ptr, sorted_ptr, block_expert_ptr, block_expert_ptr, num_valid, num_experts,
+                          1, max_blocks, 0, 1, BLOCK_M, CHUNK, SUB, E_PAD, B_TILE, True, 0)  # fmt: skip
 
 
 @triton.jit

@@ -88,6 +88,7 @@ def _align_kernel(
     partial_ptr,
     sorted_ptr,
     block_expert_ptr,
+    block_row_ptr,
     num_pairs,
     num_experts,
     num_chunks,
@@ -104,6 +105,7 @@ def _align_kernel(
     B_TILE: tl.constexpr,
     SINGLE: tl.constexpr,
     GUARD: tl.constexpr,
+    ROW_GRAIN: tl.constexpr,
 ):
     """Scatter pair indices into expert-sorted, BLOCK_M-padded order; write per-block experts and padding.
 
@@ -114,18 +116,21 @@ def _align_kernel(
     """
     if GUARD and SINGLE:
         check_pairs(ids_ptr, wts_ptr, num_pairs, flag_ptr, host_ptr, limit, tag, CHUNK)
-    align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
-                  max_blocks, tl.program_id(0), tl.num_programs(0), BLOCK_M, CHUNK, SUB, E_PAD, B_TILE,
-                  SINGLE)  # fmt: skip
+    align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, num_pairs, num_experts,
+                  num_chunks, max_blocks, tl.program_id(0), tl.num_programs(0), BLOCK_M, CHUNK, SUB, E_PAD, B_TILE,
+                  SINGLE, ROW_GRAIN)  # fmt: skip
 
 
 @triton.jit
-def align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks, max_blocks,
-                  pid, nprog, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
-                  B_TILE: tl.constexpr, SINGLE: tl.constexpr):  # fmt: skip
+def align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, num_pairs, num_experts,
+                  num_chunks, max_blocks, pid, nprog, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                  E_PAD: tl.constexpr, B_TILE: tl.constexpr, SINGLE: tl.constexpr,
+                  ROW_GRAIN: tl.constexpr):  # fmt: skip
     """The work of ``_align_kernel``'s program `pid` of `nprog`; with SINGLE (pid 0 of 1) also callable from
     another kernel's program, so that the routing rides on a launch the layer makes anyway (the quantised
-    experts' x quantisation)."""
+    experts' x quantisation). ROW_GRAIN > 0: block_row[b] gets block b's first row in a copy of the blocks that
+    pads each expert's rows to a multiple of ROW_GRAIN only (a half of BLOCK_M: an expert's last block then
+    takes half a block's rows when its second half is all padding), -1 for blocks past the end."""
     e_range = tl.arange(0, E_PAD)
     e_ok = e_range < num_experts
 
@@ -168,6 +173,9 @@ def align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs,
     # Per-block expert ids and padding slots, spread over the programs (disjoint from the scatter above).
     total_padded = tl.sum(padded, axis=0)
     vend = pstart + total
+    if ROW_GRAIN > 0:
+        grained = tl.where(e_ok, (total + ROW_GRAIN - 1) // ROW_GRAIN * ROW_GRAIN, 0)
+        gstart = tl.cumsum(grained, axis=0) - grained
     m_range = tl.arange(0, BLOCK_M)
     for b0 in range(pid * B_TILE, max_blocks, nprog * B_TILE):
         b = b0 + tl.arange(0, B_TILE)
@@ -177,6 +185,10 @@ def align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_pairs,
         eb = tl.sum(((pend[None, :] <= bstart[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, tl.where(used, eb, -1), mask=b_ok)
         ve = tl.gather(vend, tl.minimum(eb, E_PAD - 1), 0)
+        if ROW_GRAIN > 0:
+            eb_c = tl.minimum(eb, E_PAD - 1)
+            first_row = tl.gather(gstart, eb_c, 0) + bstart - tl.gather(pstart, eb_c, 0)
+            tl.store(block_row_ptr + b, tl.where(used, first_row, -1), mask=b_ok)
         r = bstart[:, None] + m_range[None, :]
         pad_val = tl.zeros([B_TILE, BLOCK_M], dtype=tl.int32) + num_pairs
         tl.store(sorted_ptr + r, pad_val, mask=(used & b_ok)[:, None] & (r >= ve[:, None]))
@@ -193,7 +205,8 @@ class AlignPlan(NamedTuple):
     many pairs, the count table `partial` ([chunks + 1, E_PAD] int32): ``_align_count_kernel`` fills the chunks'
     rows, ``_align_prefix_kernel`` turns them into prefix counts in place and fills the last row with the
     totals. Without it (`single`) one program does it all, and a caller may run that program inside a kernel of
-    its own (``align_program``)."""
+    its own (``align_program``). `block_row` (planned with a row grain): each block's first row in a copy of the
+    blocks that pads each expert to that grain only (``align_program``'s ROW_GRAIN)."""
 
     ids: torch.Tensor
     num_experts: int
@@ -204,6 +217,7 @@ class AlignPlan(NamedTuple):
     partial: torch.Tensor | None
     guard: RoutingGuard | None = None
     weights: torch.Tensor | None = None  # flat, contiguous: what the guard checks beside the ids
+    block_row: torch.Tensor | None = None
 
     @property
     def single(self) -> bool:
@@ -215,27 +229,34 @@ class AlignPlan(NamedTuple):
 
 
 def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int, guard: RoutingGuard | None = None,
-               weights: torch.Tensor | None = None) -> AlignPlan:  # fmt: skip
+               weights: torch.Tensor | None = None, row_grain: int = 0) -> AlignPlan:  # fmt: skip
     """``align``'s buffers (allocated) and launch parameters, nothing launched. `guard` (with the flat, contiguous
-    `weights`): the first launch checks the pairs and records faults (selector.guard)."""
+    `weights`): the first launch checks the pairs and records faults (selector.guard). `row_grain` (0: none;
+    else block_m // 2): also fill `block_row` (see ``AlignPlan``)."""
     if guard is not None and weights is None:
         raise ValueError("plan_align: a routing guard checks the weights too: pass weights")
+    if row_grain not in (0, block_m // 2):
+        raise ValueError(f"plan_align: row_grain is 0 or block_m // 2 ({block_m // 2}), got {row_grain}")
     n = top_k_ids_flat.numel()
     dev = top_k_ids_flat.device
     mb = max_blocks_for(n, num_experts, block_m)
     sorted_rows = empty(mb * block_m, torch.int32, dev, 1 << 30)
     block_expert = empty(mb, torch.int32, dev, -1)
+    block_row = empty(mb, torch.int32, dev, 1 << 30) if row_grain else None
     e_pad = max(16, next_pow2(num_experts))
-    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, B_TILE=16 if block_m >= 64 else 32, GUARD=guard is not None)
+    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, B_TILE=16 if block_m >= 64 else 32, GUARD=guard is not None,
+                  ROW_GRAIN=row_grain)
     warps = 8 if e_pad >= 128 else 4
     if n <= SINGLE_ALIGN_MAX:
         chunk = max(16, next_pow2(n))
         consts.update(CHUNK=chunk, SUB=min(64, chunk), SINGLE=True)
-        return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, None, guard, weights)
+        return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, None, guard, weights,
+                         block_row)
     # one scatter step per chunk; the count table gets a row of totals after the chunks' rows
     consts.update(CHUNK=ALIGN_CHUNK, SUB=ALIGN_CHUNK, SINGLE=False)
     partial = empty((cdiv(n, ALIGN_CHUNK) + 1) * e_pad, torch.int32, dev, 1 << 20)
-    return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, partial, guard, weights)
+    return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, partial, guard, weights,
+                     block_row)
 
 
 def guard_args(guard: RoutingGuard | None, weights: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
@@ -260,7 +281,8 @@ def run_align(plan: AlignPlan) -> None:
     partial = plan.sorted_rows if plan.single else plan.partial  # unused by the one-program path
     launch(
         _align_kernel, (chunks,),
-        (plan.ids, partial, plan.sorted_rows, plan.block_expert, n, plan.num_experts, chunks,
+        (plan.ids, partial, plan.sorted_rows, plan.block_expert,
+         plan.block_expert if plan.block_row is None else plan.block_row, n, plan.num_experts, chunks,
          plan.block_expert.numel(), *checks),
         plan.consts, plan.num_warps,
     )  # fmt: skip

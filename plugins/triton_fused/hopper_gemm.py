@@ -25,7 +25,10 @@ from __future__ import annotations
 import warnings
 
 import torch
+import triton
+import triton.language as tl
 from selector.plugins.triton_common.activation import activation as _triton_activation
+from selector.plugins.triton_common.launch import cdiv, empty, launch, repoison
 
 from . import configs as _configs
 
@@ -39,7 +42,7 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon's Hopper API
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "launch_grouped_gemm", "tiles"]
+__all__ = ["AVAILABLE", "ROW_GRAIN", "compact_rows", "layer_gemms", "rows_in_compact_order", "tiles"]
 
 CONSUMER_WARPS = 4  # one warpgroup per consumer: wgmma's unit
 
@@ -84,8 +87,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _loader(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, ready, empty, sorted_ptr, block_expert_ptr,
-                num_valid, max_blocks, N, K, up_offset, w_rows, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
+                block_row_ptr, num_valid, max_blocks, N, K, up_offset, w_rows, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                GATED: gl.constexpr):  # fmt: skip
         """The loader warp: every K step of every tile of this program, in order, into ring stage p % STAGES."""
         num_blocks = _used_blocks(block_expert_ptr, max_blocks, 1)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -94,8 +98,8 @@ if AVAILABLE:
         p = 0
         for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_blocks, num_pid_n, GROUP_M)
-            row0 = pid_m * BLOCK_M
-            half = _is_half(sorted_ptr, row0, num_valid, BLOCK_M)
+            half = _is_half(sorted_ptr, pid_m * BLOCK_M, num_valid, BLOCK_M)
+            a_row = gl.load(block_row_ptr + pid_m)  # the block's first row in A (experts padded to half blocks)
             w_row = gl.load(block_expert_ptr + pid_m) * w_rows + pid_n * BLOCK_N
             for kk in range(num_k):
                 s = p % STAGES
@@ -104,10 +108,10 @@ if AVAILABLE:
                 k = kk * BLOCK_K
                 if half:
                     mbarrier.expect(bar, a_half_desc.block_type.nbytes + w_bytes)
-                    _tma_load(a_half_desc, [row0, k], bar, a_bufs.index(s).slice(0, BLOCK_M // 2))
+                    _tma_load(a_half_desc, [a_row, k], bar, a_bufs.index(s).slice(0, BLOCK_M // 2))
                 else:
                     mbarrier.expect(bar, a_desc.block_type.nbytes + w_bytes)
-                    _tma_load(a_desc, [row0, k], bar, a_bufs.index(s))
+                    _tma_load(a_desc, [a_row, k], bar, a_bufs.index(s))
                 w_buf = w_bufs.index(s)
                 _tma_load(w_desc, [w_row, k], bar, w_buf.slice(0, BLOCK_N))
                 if GATED:
@@ -138,13 +142,13 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
-    def _epilogue(acc, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr, expert, row0, pid_n, num_valid, N,
+    def _epilogue(acc, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr, expert, row0, a_row, pid_n, num_valid, N,
                   up_offset, stride_om, stride_be, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.constexpr,
                   ACT: gl.constexpr, HAS_BIAS: gl.constexpr, MUL_W: gl.constexpr,
                   OUT_BLOCKED: gl.constexpr):  # fmt: skip
         """Bias, activation (act(gate) * up when gated: the accumulator's first BLOCK_N columns are gate's, the
-        next up's), routing weight; stores the tile at the block's slots (OUT_BLOCKED, padding slots too) or at
-        the pairs' own rows."""
+        next up's), routing weight; stores the tile at A's rows of the block (OUT_BLOCKED, padding slots too: the
+        next GEMM reads it as its A) or at the pairs' own rows. row0: the block's first slot in sorted_ptr."""
         if GATED:  # column c and c + BLOCK_N sit in the same thread of the wgmma layout: a split in registers
             acc, acc_u = acc.reshape([TILE_M, 2, BLOCK_N]).permute((0, 2, 1)).split()
         else:
@@ -174,7 +178,7 @@ if AVAILABLE:
         offs_m = gl.arange(0, TILE_M, gl.SliceLayout(1, store_layout))
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, store_layout))
         if OUT_BLOCKED:
-            out_rows = (row0 + offs_m).to(gl.int64)
+            out_rows = (a_row + offs_m).to(gl.int64)
             row_ok = offs_m >= 0
         else:
             rows = gl.load(sorted_ptr + row0 + offs_m)
@@ -186,18 +190,18 @@ if AVAILABLE:
 
     @gluon.jit
     def _tile(a_bufs, w_bufs, ready, empty, turn, p, num_k, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr, expert, row0,
-              pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE: gl.constexpr, TILE_M: gl.constexpr,
+              a_row, pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE: gl.constexpr, TILE_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
               HAS_BIAS: gl.constexpr, MUL_W: gl.constexpr, OUT_BLOCKED: gl.constexpr):  # fmt: skip
         """One tile of TILE_M rows (a whole block, or the first half of an expert's last block)."""
         W_TILE: gl.constexpr = BLOCK_N * (2 if GATED else 1)
         acc = _k_loop(a_bufs, w_bufs, ready, empty, turn, p, num_k, ROLE, TILE_M, W_TILE, STAGES)
-        _epilogue(acc, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr, expert, row0, pid_n, num_valid, N, up_offset,
+        _epilogue(acc, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr, expert, row0, a_row, pid_n, num_valid, N, up_offset,
                   stride_om, stride_be, TILE_M, BLOCK_N, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)  # fmt: skip
 
     @gluon.jit
-    def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
-                  num_valid, max_blocks, N, K, up_offset, stride_om, stride_be, ROLE: gl.constexpr,
+    def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr, block_row_ptr,
+                  topk_w_ptr, num_valid, max_blocks, N, K, up_offset, stride_om, stride_be, ROLE: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                   GROUP_M: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                   MUL_W: gl.constexpr, OUT_BLOCKED: gl.constexpr):  # fmt: skip
@@ -214,22 +218,23 @@ if AVAILABLE:
                 pid_m, pid_n = _tile_coords(tile, num_blocks, num_pid_n, GROUP_M)
                 row0 = pid_m * BLOCK_M
                 expert = gl.load(block_expert_ptr + pid_m)
+                a_row = gl.load(block_row_ptr + pid_m)
                 mbarrier.wait(turn.index(ROLE), (((j + 1) // 2) - 1) & 1, pred=j > 0)
                 p = j * num_k
                 if _is_half(sorted_ptr, row0, num_valid, BLOCK_M):
                     _tile(a_bufs, w_bufs, ready, empty, turn, p, num_k, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr,
-                          expert, row0, pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE, HALF_M, BLOCK_N,
-                          STAGES, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)  # fmt: skip
+                          expert, row0, a_row, pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE, HALF_M,
+                          BLOCK_N, STAGES, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)  # fmt: skip
                 else:
                     _tile(a_bufs, w_bufs, ready, empty, turn, p, num_k, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr,
-                          expert, row0, pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE, BLOCK_M, BLOCK_N,
-                          STAGES, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)  # fmt: skip
+                          expert, row0, a_row, pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE, BLOCK_M,
+                          BLOCK_N, STAGES, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)  # fmt: skip
             j += 1
 
     @gluon.jit
     def _grouped_gemm_kernel(a_desc, a_half_desc, w_desc, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                             topk_w_ptr, num_valid, max_blocks, N, K, up_offset, w_rows, stride_om, stride_be,
-                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                             block_row_ptr, topk_w_ptr, num_valid, max_blocks, N, K, up_offset, w_rows, stride_om,
+                             stride_be, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                              STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
                              HAS_BIAS: gl.constexpr, MUL_W: gl.constexpr, OUT_BLOCKED: gl.constexpr):  # fmt: skip
         """out = epilogue(A[block rows] @ W[expert]^T) for every (block, output tile); see the module docstring.
@@ -248,14 +253,14 @@ if AVAILABLE:
         gl.warp_specialize(
             [
                 (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                             topk_w_ptr, num_valid, max_blocks, N, K, up_offset, stride_om, stride_be, 0, BLOCK_M,
-                             BLOCK_N, BLOCK_K, STAGES, GROUP_M, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)),
+                             block_row_ptr, topk_w_ptr, num_valid, max_blocks, N, K, up_offset, stride_om, stride_be,
+                             0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)),
                 (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                             topk_w_ptr, num_valid, max_blocks, N, K, up_offset, stride_om, stride_be, 1, BLOCK_M,
-                             BLOCK_N, BLOCK_K, STAGES, GROUP_M, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)),
+                             block_row_ptr, topk_w_ptr, num_valid, max_blocks, N, K, up_offset, stride_om, stride_be,
+                             1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)),
                 (_loader, (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, ready, empty, sorted_ptr, block_expert_ptr,
-                           num_valid, max_blocks, N, K, up_offset, w_rows, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                           GROUP_M, GATED)),
+                           block_row_ptr, num_valid, max_blocks, N, K, up_offset, w_rows, BLOCK_M, BLOCK_N, BLOCK_K,
+                           STAGES, GROUP_M, GATED)),
             ],
             [_CONSUMER_WARPS, 1],
             [_CONSUMER_REGS, _LOADER_REGS],  # the first consumer (the default partition) gets what is left
@@ -283,36 +288,87 @@ _FAILED: set[tuple] = set()
 def _smem_layout(block: list[int], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
+# The copies this kernel reads as A (x's rows, then the intermediate) pad each expert's rows to half a block, not to
+# a whole one: an expert's last block whose second half is padding alone runs as a half-height tile anyway, so its
+# second half need not exist in memory. Per expert up to ROW_GRAIN - 1 rows of padding instead of BLOCK_M - 1: at
+# 128 experts and 256 pairs each, 1.22x the pairs' rows instead of 1.48x.
+ROW_GRAIN = _configs.PERSISTENT_BLOCK_M // 2
+_COPY_COLUMNS = 128  # columns of x per program of the copy
 
-def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                        sorted_rows: torch.Tensor, block_expert: torch.Tensor, topk_w: torch.Tensor | None, *,
-                        num_valid: int, n_out: int, block_m: int, gated: bool, act: int, up_offset: int,
-                        out_blocked: bool) -> bool:  # fmt: skip
-    """One grouped GEMM: `a` [rows in block order, K] (16-bit, K-contiguous), `w` [E, channels, K] contiguous;
-    gated: gate channels n and up channels n + up_offset, `out` gets act(gate) * up; `topk_w` given: rows scaled
-    by their routing weights (the down projection). `out_blocked`: `out` has a row per block slot, else per
-    pair (rows t*k+j). Blocks of `block_m` rows (``configs.PERSISTENT_BLOCK_M``).
 
-    Returns False, having launched nothing, when this kernel does not compile with the installed Triton (warned
-    once per compile key); the caller then runs the Triton kernel. A key that compiled before raises as usual."""
-    cfg = tiles("gate_up" if out_blocked else "down", gated)
-    bn, bk, stages = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"]
-    has_bias = bias is not None
-    if has_bias and bias.stride(1) != 1:  # the epilogue reads a bias row as contiguous channels
+def compact_rows(num_pairs: int, num_experts: int) -> int:
+    """Rows of the copies (x's, the intermediate's) for `num_pairs` (token, slot) pairs over `num_experts`: every
+    pair and at most ROW_GRAIN - 1 rows of padding per expert that has any."""
+    return num_pairs + min(num_pairs, num_experts) * (ROW_GRAIN - 1)
+
+
+@triton.jit
+def _copy_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, num_valid, top_k, H, stride_x,
+                      stride_o, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """out[block_row[b] + m] = x[sorted[b * BLOCK_M + m] // top_k] for the slots of block b that have rows in the
+    copy (the first half only where the second holds padding alone); a padding slot copies row 0, blocks past the
+    end nothing. Program (b, j): columns [j * BLOCK_H, (j + 1) * BLOCK_H)."""
+    b = tl.program_id(0)
+    if tl.load(block_expert_ptr + b) >= 0:
+        m = tl.arange(0, BLOCK_M)
+        src = tl.load(sorted_ptr + b * BLOCK_M + m)
+        half = tl.load(sorted_ptr + b * BLOCK_M + BLOCK_M // 2) >= num_valid
+        m_ok = m < tl.where(half, BLOCK_M // 2, BLOCK_M)
+        rows = (tl.where(src < num_valid, src, 0) // top_k).to(tl.int64)
+        dst = (tl.load(block_row_ptr + b) + m).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = m_ok[:, None] & (h < H)[None, :]
+        v = tl.load(x_ptr + rows[:, None] * stride_x + h[None, :], mask=mask)
+        tl.store(out_ptr + dst[:, None] * stride_o + h[None, :], v, mask=mask)
+
+
+def rows_in_compact_order(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
+                          num_experts: int, top_k: int) -> torch.Tensor:  # fmt: skip
+    """x's row of each slot of the sorted blocks, block b from row block_row[b] on; `rows`: (sorted_rows,
+    block_expert, block_row) of ``triton_common.align`` with a row grain of ROW_GRAIN. Returns
+    [compact_rows(T*k, E), H]; rows past the last block's are not written."""
+    sorted_rows, block_expert, block_row = rows
+    num_pairs = x.shape[0] * top_k
+    out = empty((compact_rows(num_pairs, num_experts), x.shape[1]), x.dtype, x.device, float("nan"))
+    grid = (block_expert.numel(), cdiv(x.shape[1], _COPY_COLUMNS))
+    launch(_copy_rows_kernel, grid,
+           (x, out, sorted_rows, block_expert, block_row, num_pairs, top_k, x.shape[1], x.stride(0), out.stride(0)),
+           dict(BLOCK_M=sorted_rows.numel() // block_expert.numel(), BLOCK_H=_COPY_COLUMNS), 4)  # fmt: skip
+    return out
+
+
+def _compile_key(part: str, block_m: int, gated: bool, act: int, has_bias: bool, dtype: torch.dtype) -> tuple:
+    """(constexprs, key) of one GEMM's kernel: "gate_up" writes the intermediate, "down" scales by the routing
+    weights and writes the pairs' rows."""
+    cfg = tiles(part, gated)
+    down = part == "down"
+    consts = dict(BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"],
+                  GROUP_M=cfg["GROUP_M"], GATED=gated and not down, ACT=0 if down else act, HAS_BIAS=has_bias,
+                  MUL_W=down, OUT_BLOCKED=not down)  # fmt: skip
+    return consts, (*consts.values(), dtype)
+
+
+def _launch(part: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], topk_w: torch.Tensor | None, *, num_valid: int,
+            n_out: int, gated: bool, act: int, up_offset: int) -> bool:  # fmt: skip
+    """One GEMM (see ``layer_gemms``); False, having launched nothing, when its kernel does not compile here
+    (warned once per compile key). A key that compiled before raises as usual."""
+    sorted_rows, block_expert, block_row = rows
+    block_m = sorted_rows.numel() // block_expert.numel()
+    if bias is not None and bias.stride(1) != 1:  # the epilogue reads a bias row as contiguous channels
         bias = bias.contiguous()
-    consts = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, GROUP_M=cfg["GROUP_M"], GATED=gated,
-                  ACT=act, HAS_BIAS=has_bias, MUL_W=topk_w is not None, OUT_BLOCKED=out_blocked)  # fmt: skip
-    key = (*consts.values(), a.dtype, out.dtype)
+    consts, key = _compile_key(part, block_m, gated, act, bias is not None, a.dtype)
     if key in _FAILED:
         return False
+    bn, bk = consts["BLOCK_N"], consts["BLOCK_K"]
     a_desc = TensorDescriptor.from_tensor(a, [block_m, bk], _smem_layout([block_m, bk], a.dtype))
     a_half_desc = TensorDescriptor.from_tensor(a, [block_m // 2, bk], _smem_layout([block_m // 2, bk], a.dtype))
     w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [bn, bk], _smem_layout([bn, bk], w.dtype))
     max_blocks = block_expert.numel()
     grid = (max(1, min(_configs._num_sms(a.device.index), max_blocks * -(-n_out // bn))),)
-    args = (a_desc, a_half_desc, w_desc, out, bias if has_bias else w, sorted_rows, block_expert,
+    args = (a_desc, a_half_desc, w_desc, out, bias if bias is not None else w, sorted_rows, block_expert, block_row,
             topk_w if topk_w is not None else a, num_valid, max_blocks, n_out, a.shape[1], up_offset, w.shape[1],
-            out.stride(0), bias.stride(0) if has_bias else 0)  # fmt: skip
+            out.stride(0), bias.stride(0) if bias is not None else 0)  # fmt: skip
     try:
         _grouped_gemm_kernel[grid](*args, **consts, num_warps=CONSUMER_WARPS)
     except Exception as exc:  # compile errors come as several types (CompilationError, RuntimeError, ...)
@@ -321,7 +377,41 @@ def launch_grouped_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
         _FAILED.add(key)
         warnings.warn(f"triton_fused: the persistent Hopper GEMM did not compile with this Triton "
                       f"({type(exc).__name__}: {str(exc)[:200]}); running the Triton kernel instead",
-                      RuntimeWarning, stacklevel=2)  # fmt: skip
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
         return False
     _COMPILED.add(key)
     return True
+
+
+def layer_gemms(x: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                down_proj: torch.Tensor, down_bias: torch.Tensor | None,
+                rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], topk_w: torch.Tensor, *, num_experts: int,
+                top_k: int, gated: bool, act: int) -> torch.Tensor | None:  # fmt: skip
+    """Both GEMMs of a layer: y [T*k, H], row t*k+j holding pair (t, j)'s down row times its routing weight (rows
+    of dropped pairs unwritten), for ``triton_common.combine``. Weights [E, channels, K] contiguous (gate_up_proj
+    [E, 2I, H] concatenated when `gated`, else [E, I, H]); `rows`: (sorted_rows, block_expert, block_row) of
+    ``triton_common.align`` over blocks of ``configs.PERSISTENT_BLOCK_M`` rows with a row grain of ROW_GRAIN.
+
+    x's rows are copied into the blocks' order first (``rows_in_compact_order``; y then takes that copy's memory),
+    the intermediate is written and read in the same order. Returns None when either GEMM's kernel does not
+    compile with the installed Triton: nothing is launched then, except on the down GEMM's first failure, whose
+    gate_up work is thrown away; the caller runs the Triton kernel instead."""
+    sorted_rows, block_expert, _ = rows
+    block_m = sorted_rows.numel() // block_expert.numel()
+    failed = (_compile_key("gate_up", block_m, gated, act, gate_up_bias is not None, x.dtype)[1] in _FAILED
+              or _compile_key("down", block_m, gated, act, down_bias is not None, x.dtype)[1] in _FAILED)  # fmt: skip
+    if failed:
+        return None
+    n_pairs = topk_w.numel()
+    i_dim = down_proj.shape[2]
+    a = rows_in_compact_order(x, rows, num_experts=num_experts, top_k=top_k)
+    inter = empty((a.shape[0], i_dim), x.dtype, x.device, float("nan"))
+    if not _launch("gate_up", a, gate_up_proj, gate_up_bias, inter, rows, None, num_valid=n_pairs, n_out=i_dim,
+                   gated=gated, act=act, up_offset=i_dim):  # fmt: skip
+        return None
+    y = a[:n_pairs]  # gate_up has read the copy (a launch earlier on the same stream)
+    repoison(y, float("nan"))
+    if not _launch("down", inter, down_proj, down_bias, y, rows, topk_w, num_valid=n_pairs,
+                   n_out=down_proj.shape[1], gated=False, act=0, up_offset=0):  # fmt: skip
+        return None
+    return y

@@ -36,9 +36,10 @@ descriptors; the gate_up GEMM then writes the intermediate in block order (paddi
 reads it through a descriptor, without a gather; from SORTED_X_MIN_I up, x is first copied into block order and
 read the same way (``part_layout``). Same tiles, same K order: the bits are those of the pointer path.
 Where the tile table sets PERSISTENT (``persistent_fits``: sm_90, 16-bit, weights by TMA, concatenated gate/up), the
-two GEMMs run ``hopper_gemm``'s persistent warp-specialised kernel (Gluon) on x copied into block order instead,
-where that copy keeps the call within its temporaries bound (``x_copy_fits``); it falls back to
-``_moe_gemm_kernel``, GEMM by GEMM, where the installed Triton does not build it.
+two GEMMs run ``hopper_gemm``'s persistent warp-specialised kernel (Gluon) instead, on x copied into block order
+with each expert padded to half a block only (the align's row grain), where that copy keeps the call within its
+temporaries bound (``x_copy_fits``); where the installed Triton does not build that kernel the layer runs
+``_moe_gemm_kernel``.
 Blocks of ``configs.HALF_TAIL_MIN_BLOCK_M`` rows or more that are at most half full (an expert's last) run as
 half-height tiles: half the FLOPs for the padding an expert's tail leaves, the same bits.
 
@@ -59,7 +60,7 @@ import triton.language as tl
 from selector.plugins.triton_common.activation import ACT_CODE, GATE_CODE
 from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.activation import gate as _gate
-from selector.plugins.triton_common.align import align, guard_args, max_blocks_for
+from selector.plugins.triton_common.align import align, guard_args, max_blocks_for, plan_align, run_align
 from selector.plugins.triton_common.combine import combine
 from selector.plugins.triton_common.guard import check_pairs, check_slots
 from selector.plugins.triton_common.launch import (
@@ -656,11 +657,11 @@ def persistent_fits(hidden_states: torch.Tensor, cfg: dict, *, gated: bool, inte
     return torch.cuda.get_device_capability(hidden_states.device)[0] == 9
 
 
-def x_copy_fits(num_tokens: int, top_k: int, hidden: int, intermediate: int, block_rows: int) -> bool:
+def x_copy_fits(num_tokens: int, top_k: int, hidden: int, intermediate: int, rows: int) -> bool:
     """Whether a call that copies x into block order stays within the temporaries every backend auto may pick
-    keeps to, 2 * T*k * max(2I, H) elements: the copy (y then takes its memory) and the intermediate, both
-    `block_rows` long (padding included), and the output."""
-    need = block_rows * (hidden + intermediate) + num_tokens * hidden
+    keeps to, 2 * T*k * max(2I, H) elements: the copy (y then takes its memory) and the intermediate, both `rows`
+    long (padding included), and the output."""
+    need = rows * (hidden + intermediate) + num_tokens * hidden
     return need <= 2 * num_tokens * top_k * max(2 * intermediate, hidden)
 
 
@@ -811,8 +812,6 @@ def fused_experts_impl(
             first=False, combine_out=True, **both,
         )  # fmt: skip
         return out
-    sorted_rows, block_expert = align(ids, num_experts, bm, checks, tw)
-
     # through TMA the intermediate is written in block order (padding rows too) and read back by descriptor
     gu = part_layout("gate_up", gate_up_proj, bm, cfg["gate_up"], i_dim=i_dim, gated=gated,
                      interleaved=interleaved and gated, transposed=transposed)  # fmt: skip
@@ -820,38 +819,41 @@ def fused_experts_impl(
     if not (gu["w_tma"] and dn["w_tma"]):
         gu = dn = NO_TMA
     persistent = persistent_fits(hidden_states, cfg, gated=gated, interleaved=interleaved and gated,
-                                 gate=gate_code, tma=gu["w_tma"]) and x_copy_fits(t, top_k, h, i_dim,
-                                                                                  sorted_rows.numel())  # fmt: skip
+                                 gate=gate_code, tma=gu["w_tma"]) and x_copy_fits(
+        t, top_k, h, i_dim, hopper_gemm.compact_rows(n_pairs, num_experts))  # fmt: skip
+    routing = plan_align(ids, num_experts, bm, checks, tw, row_grain=hopper_gemm.ROW_GRAIN if persistent else 0)
+    run_align(routing)
+    sorted_rows, block_expert = routing.sorted_rows, routing.block_expert
+    if persistent:  # None where the installed Triton does not build the Gluon kernel: the Triton kernel below
+        y = hopper_gemm.layer_gemms(
+            hidden_states, gate_up_proj, gate_up_bias, down_proj, down_bias, (sorted_rows, block_expert,
+            routing.block_row), tw, num_experts=num_experts, top_k=top_k, gated=gated, act=act_code,
+        )  # fmt: skip
+        if y is not None:
+            combine(y, ids, out, top_k, num_experts, guard=checks, weights=tw)
+            return out
+
     inter_rows = sorted_rows.numel() if gu["out_blocked"] else n_pairs
     inter = empty((inter_rows, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
-    x_sorted = gu["a_tma"] or persistent  # the persistent kernel reads A by TMA only
+    x_sorted = gu["a_tma"]
     a1 = rows_in_block_order(hidden_states, sorted_rows, n_pairs, top_k) if x_sorted else hidden_states
     # y takes the copy's memory once gate_up has read it (a launch later on the same stream): the copy costs
     # T*k*H once, not twice
     y = a1[:n_pairs] if x_sorted else empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
-    both = dict(sorted_rows=sorted_rows, block_expert=block_expert, num_valid=n_pairs, block_m=bm)
-    # each GEMM through hopper_gemm where it compiles (it writes and reads the intermediate in block order, as
-    # the TMA path does, so either GEMM may fall back to the Triton kernel alone)
-    if not (persistent and hopper_gemm.launch_grouped_gemm(
-            a1, gate_up_proj, gate_up_bias, inter, topk_w=None, n_out=i_dim, gated=gated, act=act_code,
-            up_offset=i_dim, out_blocked=True, **both)):  # fmt: skip
-        _launch_gemm(
-            a1, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
-            num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=1 if x_sorted else top_k, block_m=bm, stride_wn=s1n,
-            stride_wk=s1k, up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code,
-            mul_w=False, cfg=cfg["gate_up"], dot_prec=dot_prec, **gate_args, **dict(gu, a_tma=x_sorted),
-        )  # fmt: skip
+    _launch_gemm(
+        a1, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
+        num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=1 if x_sorted else top_k, block_m=bm, stride_wn=s1n,
+        stride_wk=s1k, up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code,
+        mul_w=False, cfg=cfg["gate_up"], dot_prec=dot_prec, **gate_args, **gu,
+    )  # fmt: skip
     if x_sorted:
         repoison(y, float("nan"))
-    if not (persistent and hopper_gemm.launch_grouped_gemm(
-            inter, down_proj, down_bias, y, topk_w=tw, n_out=h, gated=False, act=0, up_offset=0, out_blocked=False,
-            **both)):  # fmt: skip
-        _launch_gemm(
-            inter, down_proj, down_bias, y, sorted_rows, block_expert, tw,
-            num_valid=n_pairs, n_out=h, k_dim=i_dim, a_div=1, block_m=bm, stride_wn=s2n, stride_wk=s2k,
-            up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=cfg["down"], dot_prec=dot_prec,
-            **dn,
-        )  # fmt: skip
+    _launch_gemm(
+        inter, down_proj, down_bias, y, sorted_rows, block_expert, tw,
+        num_valid=n_pairs, n_out=h, k_dim=i_dim, a_div=1, block_m=bm, stride_wn=s2n, stride_wk=s2k,
+        up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=cfg["down"], dot_prec=dot_prec,
+        **dn,
+    )  # fmt: skip
     combine(y, ids, out, top_k, num_experts, guard=checks, weights=tw)
     return out
 
