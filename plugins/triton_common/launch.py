@@ -58,6 +58,8 @@ def _spec(a: Any) -> Any:
         return a.dtype, a.data_ptr() & 15 == 0
     if TensorDescriptor is not None and isinstance(a, TensorDescriptor):  # what Triton specialises a TMA one on
         return "desc", a.base.dtype, tuple(a.block_shape), a.padding
+    if hasattr(a, "layout") and hasattr(a, "block_shape"):  # a Gluon descriptor: its shared-memory layout too
+        return "gluon desc", a.base.dtype, tuple(a.block_shape), a.padding, a.layout
     return a
 
 
@@ -94,7 +96,7 @@ def launch(fn: Callable, grid: tuple, args: tuple, consts: dict, num_warps: int,
     if INTERPRET or torch.compiler.is_compiling():  # Dynamo cannot trace data_ptr()
         fn[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
         return
-    dev = args[0].device
+    dev = args[0].device if isinstance(args[0], torch.Tensor) else args[0].base.device  # a tensor or a descriptor
     key = (fn, dev.index, num_warps, num_stages, *consts.values(), *map(_spec, args))
     kernel = _LAUNCH_CACHE.get(key)
     if kernel is None:

@@ -22,6 +22,7 @@ kernel (``kernels.fused_experts_impl``).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -285,8 +286,10 @@ _COMPILED: set[tuple] = set()
 _FAILED: set[tuple] = set()
 
 
-def _smem_layout(block: list[int], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
+    """The descriptors' swizzled layout (cached: building one costs about 10 us of host time per call)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 # The copies this kernel reads as A (x's rows, then the intermediate) pad each expert's rows to half a block, not to
 # a whole one: an expert's last block whose second half is padding alone runs as a half-height tile anyway, so its
@@ -361,16 +364,16 @@ def _launch(part: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     if key in _FAILED:
         return False
     bn, bk = consts["BLOCK_N"], consts["BLOCK_K"]
-    a_desc = TensorDescriptor.from_tensor(a, [block_m, bk], _smem_layout([block_m, bk], a.dtype))
-    a_half_desc = TensorDescriptor.from_tensor(a, [block_m // 2, bk], _smem_layout([block_m // 2, bk], a.dtype))
-    w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [bn, bk], _smem_layout([bn, bk], w.dtype))
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, bk], _smem_layout((block_m, bk), a.dtype))
+    a_half_desc = TensorDescriptor.from_tensor(a, [block_m // 2, bk], _smem_layout((block_m // 2, bk), a.dtype))
+    w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [bn, bk], _smem_layout((bn, bk), w.dtype))
     max_blocks = block_expert.numel()
     grid = (max(1, min(_configs._num_sms(a.device.index), max_blocks * -(-n_out // bn))),)
     args = (a_desc, a_half_desc, w_desc, out, bias if bias is not None else w, sorted_rows, block_expert, block_row,
             topk_w if topk_w is not None else a, num_valid, max_blocks, n_out, a.shape[1], up_offset, w.shape[1],
             out.stride(0), bias.stride(0) if bias is not None else 0)  # fmt: skip
-    try:
-        _grouped_gemm_kernel[grid](*args, **consts, num_warps=CONSUMER_WARPS)
+    try:  # through triton_common's launch cache: the JIT's own dispatch costs about 100 us of host time
+        launch(_grouped_gemm_kernel, grid, args, consts, CONSUMER_WARPS)
     except Exception as exc:  # compile errors come as several types (CompilationError, RuntimeError, ...)
         if key in _COMPILED:
             raise
