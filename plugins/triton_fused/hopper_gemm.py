@@ -1,8 +1,9 @@
 """The grouped GEMM over expert blocks for Hopper, written in Gluon: persistent and warp-specialised.
 
-Same contract as ``kernels._moe_gemm_kernel`` on its TMA path (A's rows in block order, weights K-contiguous,
-one expert per BLOCK_M-row block from ``triton_common.align``), for the large-T calls where that kernel's tiles
-pay their prologue and epilogue on every tile. Here one program per SM walks its share of the tiles:
+The blocks are ``triton_common.align``'s (one expert per BLOCK_M-row block, weights K-contiguous), for the
+large-T calls where ``kernels._moe_gemm_kernel``'s tiles pay their prologue and epilogue on every tile. A is read
+by TMA from a copy in block order that pads each expert to half a block only (``layer_gemms``: x's rows, then the
+intermediate; block b from the align's block_row[b]). Here one program per SM walks its share of the tiles:
 
 - a loader warp streams A's and the weights' K steps through a ring of STAGES shared-memory stages by TMA,
   running ahead across tiles (the next tile's loads overlap this tile's epilogue);
@@ -16,8 +17,8 @@ case checked gave its bits exactly. The layer takes this kernel where its tile t
 (``kernels.persistent_fits``); what it gained and where it lost: docs/design/triton_fused.md.
 
 Gluon is Triton's experimental tile language (``triton.experimental.gluon``); its API moves between Triton
-releases, so ``AVAILABLE`` is False where it cannot be imported, and a compile failure falls back to the Triton
-kernel (``kernels.fused_experts_impl``).
+releases, so ``AVAILABLE`` is False where it cannot be imported, and where either GEMM does not compile the layer
+runs the Triton kernel (``kernels.fused_experts_impl``).
 """
 
 from __future__ import annotations
