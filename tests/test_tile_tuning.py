@@ -501,3 +501,99 @@ def test_malformed_quantised_user_table_is_ignored_with_a_warning(quant):
     path.write_text("{broken")
     with pytest.warns(RuntimeWarning, match="ignoring the tuned tile table"):
         assert QC.tuned(FAKE_GPU, QC.shape_key(False, 8, 64, 32, 2), 64) is None
+
+
+# --- the persistent Hopper GEMM: a whole-layer choice after the tiles ------------------------------------------
+
+
+def _layer_seconds(persistent_s: float, plain_s: float = 500e-6, best_bm_128: bool = True):
+    """Fake kernel times: the GEMMs as fake_kernel_seconds (BLOCK_M 128 fastest) or with 64 fastest, the whole
+    layer plain_s without the persistent GEMM and persistent_s with it."""
+
+    def seconds(task: TU.Task) -> float:
+        if task.part in TU.LAYER_PARTS:
+            return persistent_s if task.part == "layer_persistent" else plain_s
+        s = fake_kernel_seconds(task)
+        return s if best_bm_128 or task.part == "align" else s * (task.block_m / 64) ** 0.5
+
+    return seconds
+
+
+def _search(persistent: bool, seconds) -> tuple[TU.CellSearch, FakeGpu]:
+    clock = FakeClock()
+    gpu = FakeGpu(clock, seconds=seconds)
+    e, h, i, k = SHAPE
+    cell = TU.CellSearch(4096, TU.candidate_plan(e, h, i, k, 4096, prior=TU._prior()), 1.0, persistent=persistent)
+    TU.run_search([cell], gpu, 10_000.0, clock=clock)
+    return cell, gpu
+
+
+def test_the_layer_is_timed_with_and_without_the_persistent_gemm_after_its_tiles_and_kept_where_faster():
+    cell, gpu = _search(True, _layer_seconds(450e-6))
+    layer = [t for t in gpu.tasks if t.part in TU.LAYER_PARTS]
+    assert [t.part for t in layer] == list(TU.LAYER_PARTS) and gpu.tasks[-2:] == layer, "once, last"
+    tiles, _ = cell._tiles()
+    assert tiles["BLOCK_M"] == 128 and C.decode_config(list(layer[0].layer)) == tiles
+    assert cell.done and cell.takes_persistent()
+    assert cell.result()[0] == C.normalize({**tiles, "PERSISTENT": 1})
+    # the persistent kernel is built once for every configuration; its first timing is budgeted as a build
+    assert TU.Task(4096, 128, "layer_persistent", layer=(1,)).kernel == TU.Task(512, 128, "layer_persistent").kernel
+    cost = TU.CostGuess()
+    assert cost.expect(layer[1]) == TU.PERSISTENT_BUILD_GUESS_S
+    cost.observe(layer[1], 40.0)
+    assert cost.expect(layer[1]) == cost.repeat and cost.new == TU.NEW_KERNEL_GUESS_S, "tile guesses unchanged"
+
+
+@pytest.mark.parametrize("persistent_s", [495e-6, 520e-6, math.inf], ids=["within 2%", "slower", "failed"])
+def test_the_persistent_gemm_is_not_kept_unless_clearly_faster(persistent_s):
+    cell, _ = _search(True, _layer_seconds(persistent_s))
+    assert not cell.takes_persistent() and cell.result()[0]["PERSISTENT"] == 0
+
+
+@pytest.mark.parametrize("persistent,best_bm_128", [(False, True), (True, False)],
+                         ids=["not a candidate", "best tiles with 64-row blocks"])  # fmt: skip
+def test_the_layer_is_not_timed_where_the_persistent_gemm_cannot_take_it(persistent, best_bm_128):
+    cell, gpu = _search(persistent, _layer_seconds(1e-6, best_bm_128=best_bm_128))
+    assert not [t for t in gpu.tasks if t.part in TU.LAYER_PARTS]
+    assert cell.result()[0]["PERSISTENT"] == 0 and (best_bm_128 or cell.result()[0]["BLOCK_M"] != 128)
+
+
+def test_tune_kernels_writes_the_persistent_flag_where_the_layer_timed_faster_with_it(monkeypatch):
+    clock = FakeClock()
+    gpu = FakeGpu(clock, compile_s=0.5, seconds=_layer_seconds(450e-6))
+    from selector.plugins.triton_fused import hopper_gemm
+
+    monkeypatch.setattr(hopper_gemm, "AVAILABLE", True)
+    summary = TU.tune_kernels(PROBLEM, (1, 4096), 10_000.0, measure=gpu, clock=clock, device_name=FAKE_GPU,
+                              capability=(9, 0))  # fmt: skip
+    assert summary["configs"][4096]["PERSISTENT"] == 1 and summary["configs"][1]["PERSISTENT"] == 0
+    assert summary["layer_us"] == {4096: {"layer": 500.0, "layer_persistent": 450.0}}
+    monkeypatch.setattr(C, "_device_name", lambda index: FAKE_GPU)
+    e, h, i, k = SHAPE
+    assert C.get_config(e, h, i, 4096, k, torch.bfloat16, device="cuda")["PERSISTENT"] == 1
+    elsewhere = TU.tune_kernels(PROBLEM, (4096,), 10_000.0, measure=FakeGpu(clock, seconds=_layer_seconds(450e-6)),
+                                clock=clock, device_name="Other GPU", capability=(10, 0))  # fmt: skip
+    assert elsewhere["configs"][4096]["PERSISTENT"] == 0 and not elsewhere["layer_us"]
+
+
+def test_persistent_candidates_are_the_layers_the_kernel_runs_within_the_temporaries_bound():
+    from dataclasses import replace
+
+    from selector.gates import clamped_swiglu
+
+    qwen3 = Problem(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8)
+    assert TU.persistent_candidate(qwen3, 4096, (9, 0), True)
+    assert TU.persistent_candidate(replace(qwen3, dtype="float16"), 16384, (9, 0), True)
+    declined = {
+        "one token (pair blocks)": TU.persistent_candidate(qwen3, 1, (9, 0), True),
+        "no Gluon": TU.persistent_candidate(qwen3, 4096, (9, 0), False),
+        "no GPU": TU.persistent_candidate(qwen3, 4096, None, True),
+        "Blackwell": TU.persistent_candidate(qwen3, 4096, (10, 0), True),
+        "Ampere": TU.persistent_candidate(qwen3, 4096, (8, 0), True),
+        "transposed": TU.persistent_candidate(replace(qwen3, is_transposed=True), 4096, (9, 0), True),
+        "interleaved": TU.persistent_candidate(replace(qwen3, interleaved=True), 4096, (9, 0), True),
+        "clamped SwiGLU": TU.persistent_candidate(replace(qwen3, gate=clamped_swiglu()), 4096, (9, 0), True),
+        "fp32": TU.persistent_candidate(replace(qwen3, dtype="float32"), 4096, (9, 0), True),
+        "padding over the bound": TU.persistent_candidate(replace(qwen3, num_experts=4096), 512, (9, 0), True),
+    }
+    assert not any(declined.values()), [name for name, v in declined.items() if v]

@@ -314,6 +314,12 @@ REPEAT_GUESS_S = 0.05  # what a timing of an already compiled one costs until on
 DROP_BLOCK_M_ABOVE = 1.2  # after two rounds a BLOCK_M this much slower than the best one gets no more timings
 LARGE_TOKENS = 512  # from here the GEMMs are compute bound and tiles matter most (the target is set from here)
 GEMM_PARTS = ("gate_up", "down")
+# The persistent Hopper GEMM (configs.PERSISTENT) is a choice for the whole layer: once a token count's tiles are
+# found with blocks of its 128 rows, the layer is timed with and without it (LAYER_PARTS), and it is kept only
+# where it is faster by this share or more (the two differ by a few per cent where the kernel does not help).
+LAYER_PARTS = ("layer", "layer_persistent")
+PERSISTENT_MIN_GAIN = 0.02
+PERSISTENT_BUILD_GUESS_S = 30.0  # the persistent kernel's first layer timing: both GEMMs built (Gluon), then timed
 
 
 def token_order(token_counts: Iterable[int]) -> list[int]:
@@ -382,12 +388,14 @@ def candidate_plan(
 
 @dataclass(frozen=True)
 class Task:
-    """One timing: the align for a BLOCK_M (part "align"), or one GEMM with one tile config."""
+    """One timing: the align for a BLOCK_M (part "align"), one GEMM with one tile config, or the whole layer with
+    the configuration `layer` (``configs.encode_config``), without or with the persistent GEMM (LAYER_PARTS)."""
 
     num_tokens: int
     block_m: int
     part: str
     tiles: tuple[tuple[str, int], ...] = ()
+    layer: tuple[int, ...] = ()
 
     @property
     def config(self) -> dict[str, int]:
@@ -395,8 +403,9 @@ class Task:
 
     @property
     def kernel(self) -> tuple:
-        """What Triton compiles once and reuses for every token count."""
-        return (self.block_m, self.part, self.tiles)
+        """What Triton compiles once and reuses for every token count (a layer timing: the persistent kernel,
+        built once for every configuration, or tiles the GEMM timings built already)."""
+        return (self.part,) if self.part in LAYER_PARTS else (self.block_m, self.part, self.tiles)
 
 
 class CostGuess:
@@ -410,9 +419,14 @@ class CostGuess:
         self.compiled: set[tuple] = set()
 
     def expect(self, task: Task) -> float:
-        return self.repeat if task.kernel in self.compiled else self.new
+        if task.kernel in self.compiled:
+            return self.repeat
+        return PERSISTENT_BUILD_GUESS_S if task.part == "layer_persistent" else self.new
 
     def observe(self, task: Task, seconds: float) -> None:
+        if task.part in LAYER_PARTS:  # a build of the persistent kernel says nothing about a tile config's
+            self.compiled.add(task.kernel)
+            return
         if task.kernel in self.compiled:
             self.repeat = max(seconds, self.repeat) if self._seen_repeat else seconds
             self._seen_repeat = True
@@ -431,13 +445,16 @@ class CellSearch:
     num_tokens: int
     plan: Mapping[int, Mapping[str, Sequence[Mapping[str, int]]]]
     weight: float = 1.0
+    persistent: bool = False  # the persistent GEMM can run this layer at this token count (persistent_candidate)
     align_s: dict[int, float] = field(default_factory=dict)
     best: dict[tuple[int, str], tuple[float, dict[str, int]]] = field(default_factory=dict)
     baseline_s: dict[str, float] = field(default_factory=dict)
+    layer_s: dict[str, float] = field(default_factory=dict)  # LAYER_PARTS' times of the best tiles
     measured: int = 0
     _round: int = 0
     _queue: list[Task] = field(default_factory=list)
     _dropped: set[int] = field(default_factory=set)
+    _layer_asked: bool = False
 
     def __post_init__(self) -> None:
         self._fill()
@@ -459,6 +476,7 @@ class CellSearch:
                     self._dropped |= {bm for bm, t in totals.items() if t is None or t > DROP_BLOCK_M_ABOVE * best}
             live = [bm for bm in self.plan if bm not in self._dropped]
             if not any(r < len(self.plan[bm][p]) for bm in live for p in GEMM_PARTS):
+                self._ask_layer()
                 return
             for bm in live:
                 if r == 0:
@@ -467,6 +485,16 @@ class CellSearch:
                     if r < len(self.plan[bm][p]):
                         self._queue.append(Task(self.num_tokens, bm, p, _cfg_items(self.plan[bm][p][r])))
             self._round += 1
+
+    def _ask_layer(self) -> None:
+        """The tiles are found: where the persistent GEMM may take them, the layer with and without it, once."""
+        if self._layer_asked or not self.persistent:
+            return
+        self._layer_asked = True
+        found = self._tiles()
+        if found is not None and found[0]["BLOCK_M"] == _configs.PERSISTENT_BLOCK_M:
+            layer = tuple(_configs.encode_config(found[0]))
+            self._queue += [Task(self.num_tokens, found[0]["BLOCK_M"], p, layer=layer) for p in LAYER_PARTS]
 
     def next_task(self) -> Task | None:
         return self._queue[0] if self._queue else None
@@ -481,6 +509,8 @@ class CellSearch:
             else:
                 self._dropped.add(task.block_m)
                 self._queue = [t for t in self._queue if t.block_m != task.block_m]
+        elif task.part in LAYER_PARTS:
+            self.layer_s[task.part] = seconds
         elif math.isfinite(seconds):
             key = (task.block_m, task.part)
             if key not in self.best or seconds < self.best[key][0]:
@@ -494,14 +524,26 @@ class CellSearch:
     def done(self) -> bool:
         return not self._queue
 
-    def result(self) -> tuple[dict[str, Any], float] | None:
-        """(best full config, its align + GEMM seconds), or None before one BLOCK_M is complete."""
+    def _tiles(self) -> tuple[dict[str, Any], float] | None:
         totals = {bm: t for bm in self.plan if (t := self._total(bm)) is not None}
         if not totals:
             return None
         bm = min(totals, key=totals.__getitem__)
         cfg = {"BLOCK_M": bm, **{p: dict(self.best[(bm, p)][1]) for p in GEMM_PARTS}}
         return _configs.normalize(cfg), totals[bm]
+
+    def takes_persistent(self) -> bool:
+        """Whether the layer timed faster, by PERSISTENT_MIN_GAIN or more, with the persistent GEMM."""
+        plain, persistent = (self.layer_s.get(p, math.inf) for p in LAYER_PARTS)
+        return math.isfinite(plain) and persistent <= (1 - PERSISTENT_MIN_GAIN) * plain
+
+    def result(self) -> tuple[dict[str, Any], float] | None:
+        """(best full config, its align + GEMM seconds), or None before one BLOCK_M is complete; PERSISTENT set
+        where ``takes_persistent``."""
+        found = self._tiles()
+        if found is None or not self.takes_persistent():
+            return found
+        return _configs.normalize({**found[0], "PERSISTENT": 1}), found[1]
 
     def default_s(self) -> float | None:
         """The heuristics' own configuration's time, when all of it was measured."""
@@ -604,6 +646,7 @@ class LayerBench:
         self.gate_args = {"gate": self.gate, "gate_alpha": problem.gate.alpha,
                           "gate_limit": problem.gate.limit} if self.gate else {}  # fmt: skip
         self.prec = _k._dot_precision(self.dtype)
+        self.activation = problem.activation
         self._cell: tuple[int, dict[str, Any]] | None = None
 
     def _inputs(self, num_tokens: int) -> dict[str, Any]:
@@ -627,6 +670,8 @@ class LayerBench:
         pair_blocks = task.num_tokens <= k.PAIR_BLOCK_MAX_TOKENS  # the layer runs _pair_gemm_kernel, no align
         if task.part == "align":
             return 0.0 if pair_blocks else self.timer(lambda: k.align(c["ids"], self.e, bm))
+        if task.part in LAYER_PARTS:
+            return self._time_layer(task, c)
         cfg = task.config
         if pair_blocks:
             return self._time_pair_blocks(task.part, cfg, c)
@@ -645,6 +690,17 @@ class LayerBench:
             stride_wk=args["stride_wk"], up_offset=args["up_offset"], gated=args["gated"],
             interleaved=args["interleaved"], act=args["act"], mul_w=args["mul_w"], cfg=cfg, dot_prec=self.prec,
             **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args}, **tma,
+        ))  # fmt: skip
+
+    def _time_layer(self, task: Task, c: dict[str, Any]) -> float:
+        """The whole layer (align, copies, GEMMs, combine) with the task's configuration, the persistent GEMM
+        asked for or not (LAYER_PARTS). Only for layers ``persistent_candidate`` lets through: act_mul gates."""
+        cfg = {**_configs.decode_config(list(task.layer)), "PERSISTENT": int(task.part == "layer_persistent")}
+        ids, tw = c["ids"].view(-1, self.top_k), c["tw"].view(-1, self.top_k)
+        return self.timer(lambda: self._k.fused_experts(
+            c["x"], self.w1, self.w2, ids, tw, num_experts=self.e, activation=self.activation,
+            interleaved=self.interleaved, transposed=self.transposed, gate_up_bias=self.b1, down_bias=self.b2,
+            config=cfg,
         ))  # fmt: skip
 
     def _time_pair_blocks(self, part: str, cfg: dict[str, int], c: dict[str, Any]) -> float:
@@ -713,6 +769,25 @@ def _not_tunable(problem: Problem) -> str | None:
     return None
 
 
+def persistent_candidate(problem: Problem, num_tokens: int, capability: tuple[int, int] | None,
+                         gluon: bool) -> bool:  # fmt: skip
+    """Whether the tuner times the layer with the persistent Hopper GEMM at this token count: what
+    ``kernels.persistent_fits`` asks of a layer (Gluon built, an sm_90 GPU of `capability`, 16-bit, weights as
+    stored read by TMA, concatenated gate and up with the act_mul gate), above the one-token path, and its copies
+    within the temporaries bound (``kernels.x_copy_fits``). None `capability`: no GPU."""
+    from . import hopper_gemm
+    from . import kernels as _k
+
+    if not gluon or capability is None or capability[0] != 9 or num_tokens <= _k.PAIR_BLOCK_MAX_TOKENS:
+        return False
+    if problem.is_transposed or problem.interleaved or not problem.gate.is_default:
+        return False
+    if problem.dtype not in ("bfloat16", "float16") or problem.custom_gate or problem.post_expert_norm:
+        return False
+    e, h, i_dim, k = problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k
+    return _k.x_copy_fits(num_tokens, k, h, i_dim, hopper_gemm.compact_rows(num_tokens * k, e))
+
+
 def _prior() -> dict[str, dict[int, dict[str, Any]]]:
     from selector.plugins.tile_tables import read_table
 
@@ -733,6 +808,7 @@ def tune_kernels(
     clock: Callable[[], float] = time.perf_counter,
     device_name: str | None = None,
     directory: str | Path | None = None,
+    capability: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Tune the tiles of one layer at these token counts on this GPU within `budget_s` seconds (compiles
     included) and merge them into the user tile table, where `configs.get_config` finds them first.
@@ -742,10 +818,13 @@ def tune_kernels(
     user table already holds measured tiles for are skipped, unless `force`. Largest token counts first, each
     with its share of the budget; a budget cut keeps the best tiles measured so far ("tokens_partial": tuned
     again next time) and writes the tiles that would run anyway for the token counts it never reached
-    ("tokens_default"). `measure`, `clock`, `device_name` and `directory` replace the GPU timing, the clock,
-    the GPU's name and the user table's folder (tests). Returns a summary: tokens tuned and left on defaults,
-    the configs chosen with their times and the defaults' times, seconds spent, whether the budget cut it
-    short, and where it was written.
+    ("tokens_default"). Where the persistent Hopper GEMM can run the layer (``persistent_candidate``), each
+    token count's best tiles with 128-row blocks are timed as a whole layer with and without it, and
+    PERSISTENT is set where it is faster (``CellSearch.takes_persistent``). `measure`, `clock`, `device_name`,
+    `directory` and `capability` replace the GPU timing, the clock, the GPU's name, the user table's folder and
+    the GPU's compute capability (tests). Returns a summary: tokens tuned and left on defaults, the configs
+    chosen with their times and the defaults' times, the whole-layer times without and with the persistent
+    GEMM where they were taken, seconds spent, whether the budget cut it short, and where it was written.
     """
     start = clock()
     key = _configs.layout_key(
@@ -755,7 +834,8 @@ def tune_kernels(
     summary: dict[str, Any] = {
         "backend": "triton_fused", "shape": key, "device": device_name, "budget_s": float(budget_s),
         "tokens_tuned": [], "tokens_partial": [], "tokens_default": [], "configs": {}, "time_us": {},
-        "default_us": {}, "seconds": 0.0, "cut_short": False, "written_to": None, "skipped": _not_tunable(problem),
+        "default_us": {}, "layer_us": {}, "seconds": 0.0, "cut_short": False, "written_to": None,
+        "skipped": _not_tunable(problem),
     }  # fmt: skip
     if summary["skipped"]:
         return summary
@@ -778,10 +858,15 @@ def tune_kernels(
         return summary
     elem = 2
     num_sms = _configs._num_sms(problem.device_index) if measure is None else 132
+    if measure is None:
+        capability = torch.cuda.get_device_capability(device)
+    from . import hopper_gemm
+
     prior = _prior()
     cells = [
         CellSearch(t, candidate_plan(problem.num_experts, problem.hidden_size, problem.intermediate_size,
-                                     problem.top_k, t, elem=elem, prior=prior, num_sms=num_sms), token_weight(t))
+                                     problem.top_k, t, elem=elem, prior=prior, num_sms=num_sms), token_weight(t),
+                   persistent=persistent_candidate(problem, t, capability, hopper_gemm.AVAILABLE))
         for t in todo
     ]  # fmt: skip
     if measure is None:
@@ -800,6 +885,8 @@ def tune_kernels(
             summary["time_us"][t] = round(found[1] * 1e6, 2)
             if (base := cell.default_s()) is not None:
                 summary["default_us"][t] = round(base * 1e6, 2)
+            if all(math.isfinite(cell.layer_s.get(p, math.inf)) for p in LAYER_PARTS):
+                summary["layer_us"][t] = {p: round(cell.layer_s[p] * 1e6, 2) for p in LAYER_PARTS}
         else:
             summary["tokens_default"].append(t)
             if t not in existing:  # what would run without the user table (a token count tuned before stays)
