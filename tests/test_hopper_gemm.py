@@ -130,8 +130,8 @@ def _launch(gated=True):
     w = torch.zeros(2, 128 if gated else 64, 64, dtype=torch.bfloat16)
     out = torch.zeros(256, 64, dtype=torch.bfloat16)
     rows = (torch.zeros(256, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
-    return HG._launch("gate_up", a, w, None, out, rows, None, num_valid=200, n_out=64, gated=gated, act=1,
-                      up_offset=64)  # fmt: skip
+    return HG._launch(HG._compile_key("gate_up", 128, gated, 1, False, a.dtype), a, w, None, out, rows, None,
+                      num_valid=200, n_out=64, up_offset=64)  # fmt: skip
 
 
 def test_a_kernel_that_does_not_compile_is_warned_once_then_skipped(fake_kernel):

@@ -292,6 +292,7 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
     """The descriptors' swizzled layout (cached: building one costs about 10 us of host time per call)."""
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
+
 # The copies this kernel reads as A (x's rows, then the intermediate) pad each expert's rows to half a block, not to
 # a whole one: an expert's last block whose second half is padding alone runs as a half-height tile anyway, so its
 # second half need not exist in memory. Per expert up to ROW_GRAIN - 1 rows of padding instead of BLOCK_M - 1: at
@@ -352,19 +353,19 @@ def _compile_key(part: str, block_m: int, gated: bool, act: int, has_bias: bool,
     return consts, (*consts.values(), dtype)
 
 
-def _launch(part: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], topk_w: torch.Tensor | None, *, num_valid: int,
-            n_out: int, gated: bool, act: int, up_offset: int) -> bool:  # fmt: skip
-    """One GEMM (see ``layer_gemms``); False, having launched nothing, when its kernel does not compile here
-    (warned once per compile key). A key that compiled before raises as usual."""
-    sorted_rows, block_expert, block_row = rows
-    block_m = sorted_rows.numel() // block_expert.numel()
-    if bias is not None and bias.stride(1) != 1:  # the epilogue reads a bias row as contiguous channels
-        bias = bias.contiguous()
-    consts, key = _compile_key(part, block_m, gated, act, bias is not None, a.dtype)
+def _launch(compiled: tuple[dict, tuple], a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], topk_w: torch.Tensor | None, *,
+            num_valid: int, n_out: int, up_offset: int) -> bool:  # fmt: skip
+    """One GEMM (see ``layer_gemms``) with the kernel of `compiled` (``_compile_key``); False, having launched
+    nothing, when it does not compile here (warned once per compile key). A key that compiled before raises as
+    usual."""
+    consts, key = compiled
     if key in _FAILED:
         return False
-    bn, bk = consts["BLOCK_N"], consts["BLOCK_K"]
+    sorted_rows, block_expert, block_row = rows
+    if bias is not None and bias.stride(1) != 1:  # the epilogue reads a bias row as contiguous channels
+        bias = bias.contiguous()
+    block_m, bn, bk = consts["BLOCK_M"], consts["BLOCK_N"], consts["BLOCK_K"]
     a_desc = TensorDescriptor.from_tensor(a, [block_m, bk], _smem_layout((block_m, bk), a.dtype))
     a_half_desc = TensorDescriptor.from_tensor(a, [block_m // 2, bk], _smem_layout((block_m // 2, bk), a.dtype))
     w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [bn, bk], _smem_layout((bn, bk), w.dtype))
@@ -402,20 +403,20 @@ def layer_gemms(x: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_bias: torch
     gate_up work is thrown away; the caller runs the Triton kernel instead."""
     sorted_rows, block_expert, _ = rows
     block_m = sorted_rows.numel() // block_expert.numel()
-    failed = (_compile_key("gate_up", block_m, gated, act, gate_up_bias is not None, x.dtype)[1] in _FAILED
-              or _compile_key("down", block_m, gated, act, down_bias is not None, x.dtype)[1] in _FAILED)  # fmt: skip
-    if failed:
+    gate_up = _compile_key("gate_up", block_m, gated, act, gate_up_bias is not None, x.dtype)
+    down = _compile_key("down", block_m, gated, act, down_bias is not None, x.dtype)
+    if gate_up[1] in _FAILED or down[1] in _FAILED:
         return None
     n_pairs = topk_w.numel()
     i_dim = down_proj.shape[2]
     a = rows_in_compact_order(x, rows, num_experts=num_experts, top_k=top_k)
     inter = empty((a.shape[0], i_dim), x.dtype, x.device, float("nan"))
-    if not _launch("gate_up", a, gate_up_proj, gate_up_bias, inter, rows, None, num_valid=n_pairs, n_out=i_dim,
-                   gated=gated, act=act, up_offset=i_dim):  # fmt: skip
+    if not _launch(gate_up, a, gate_up_proj, gate_up_bias, inter, rows, None, num_valid=n_pairs, n_out=i_dim,
+                   up_offset=i_dim):  # fmt: skip
         return None
     y = a[:n_pairs]  # gate_up has read the copy (a launch earlier on the same stream)
     repoison(y, float("nan"))
-    if not _launch("down", inter, down_proj, down_bias, y, rows, topk_w, num_valid=n_pairs,
-                   n_out=down_proj.shape[1], gated=False, act=0, up_offset=0):  # fmt: skip
+    if not _launch(down, inter, down_proj, down_bias, y, rows, topk_w, num_valid=n_pairs, n_out=down_proj.shape[1],
+                   up_offset=0):  # fmt: skip
         return None
     return y
