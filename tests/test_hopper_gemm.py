@@ -349,3 +349,47 @@ def test_gpu_persistent_leaves_sentinels_out_and_replays_in_a_cuda_graph(monkeyp
     torch.cuda.synchronize()
     assert torch.equal(replayed, eager)
     assert ran == [True] * 4, "both GEMMs through the persistent kernel, eager and captured"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="the persistent kernel is for sm_90")
+@pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
+def test_gpu_persistent_layer_treats_dropped_and_bad_slots_as_the_triton_layer_does(guarded, monkeypatch):
+    """Against the Triton layer and the float64 reference: tokens whose slots all route elsewhere get zeros, a bad
+    slot (guarded) a NaN row for its token alone, every other row its k slots added up; the same bits on a second
+    call, with skewed routing's half-height tiles."""
+    from selector import guard
+
+    ran = _spy(monkeypatch)
+    E, k = 32, 4
+    case = make_case(1500, 512, 256, E, k, dtype=torch.bfloat16, routing="skewed")
+    ids, wts = case["ids"].clone(), case["wts"].clone()
+    g = torch.Generator().manual_seed(3)
+    ids[(torch.rand(ids.shape, generator=g) < 0.1).to(ids.device)] = E  # the expert-parallel drop id
+    ids[10:20] = E  # tokens with no slot on this rank
+    code = 0
+    if guarded:
+        code = 2 * (1 << 30) + 1  # a tag no module holds, expert-parallel (E is the sentinel, E + 1 a fault)
+        ids[30, 1] = E + 1
+        wts[40, 2] = float("nan")
+    args = (case["x"], case["w1"], case["w2"], ids, wts)
+    out = K.fused_experts(*args, num_experts=E, config=PERSISTENT, guard=code)
+    again = K.fused_experts(*args, num_experts=E, config=PERSISTENT, guard=code)
+    triton = K.fused_experts(*args, num_experts=E, config={"BLOCK_M": 128}, guard=code)
+    if guarded:
+        assert guard.pending_faults(ids.device)["bad_ids"] > 0
+        guard.clear()
+    assert ran == [True] * 4, "both GEMMs through the persistent kernel, both calls"
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16)), "deterministic: the same bits every call"
+    nan_rows = out.isnan().any(1).cpu()
+    expected = torch.zeros(1500, dtype=torch.bool)
+    if guarded:
+        expected[[30, 40]] = True
+        assert out[[30, 40]].isnan().all()
+    assert torch.equal(nan_rows, expected), "NaN rows for the bad tokens only"
+    assert torch.equal(out[10:20], torch.zeros_like(out[10:20])), "no slot here: zeros"
+    good = ~expected.to(out.device)
+    assert torch.allclose(out[good].float(), triton[good].float(), rtol=1e-2, atol=1e-2)
+    ref = reference(case["x"], case["w1"], case["w2"], torch.where(ids < E, ids, -1), wts, E)[~expected]
+    err = ((out[good].double().cpu() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err
