@@ -7,6 +7,7 @@ this node (`selector tune`) add {"tuned": {shape_key: [token counts measured]}} 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -146,6 +147,12 @@ def user_table_dir(variable: str, backend: str) -> Path:
     chosen = settings.get(variable)
     if chosen:
         return Path(chosen)
+    # the layer asks on every call: platformdirs' answer is kept per value of the variables it reads
+    return _default_table_dir(os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"), backend)
+
+
+@functools.lru_cache(maxsize=16)
+def _default_table_dir(xdg_cache_home: str | None, home: str | None, backend: str) -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("selector")) / backend

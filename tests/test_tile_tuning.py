@@ -597,3 +597,21 @@ def test_persistent_candidates_are_the_layers_the_kernel_runs_within_the_tempora
         "padding over the bound": TU.persistent_candidate(replace(qwen3, num_experts=4096), 512, (9, 0), True),
     }
     assert not any(declined.values()), [name for name, v in declined.items() if v]
+
+
+def test_the_user_table_folder_follows_the_cache_variables_although_it_is_remembered(tmp_path, monkeypatch):
+    """The layer asks for the folder on every call, so platformdirs' answer is kept; a changed XDG_CACHE_HOME (or
+    the variable naming the folder) still moves it."""
+    from selector.plugins import tile_tables
+
+    for variable in ("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR", "SELECTOR_QUANT_USER_CONFIG_DIR"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a"))
+    assert C.user_config_dir() == tmp_path / "a" / "selector" / "triton_fused"
+    assert C.user_config_dir() is C.user_config_dir(), "remembered"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
+    assert C.user_config_dir() == tmp_path / "b" / "selector" / "triton_fused"
+    monkeypatch.setenv("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR", str(tmp_path / "mine"))
+    assert C.user_config_dir() == tmp_path / "mine"
+    quant = tile_tables.user_table_dir("SELECTOR_QUANT_USER_CONFIG_DIR", "quant_kernels")
+    assert quant == tmp_path / "b" / "selector" / "quant_kernels"

@@ -842,6 +842,36 @@ def test_gpu_repeated_calls_fast_launch(monkeypatch):
     assert torch.equal(fast, slow)
 
 
+def test_fast_launches_go_to_the_current_stream_of_the_tensors_device(monkeypatch):
+    """The cached launch path reads the raw handle of the current stream (Triton's own launcher does the same);
+    a device without an index means the current device."""
+    asked = []
+    monkeypatch.setattr(L, "_RAW_STREAM", lambda index: asked.append(index) or 1000 + index)
+    monkeypatch.setattr(L.torch.cuda, "current_device", lambda: 3)
+    assert L.current_stream(torch.device("cuda", 1)) == 1001
+    assert L.current_stream(torch.device("cuda")) == 1003
+    assert asked == [1, 3]
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_on_a_side_stream_run_there():
+    """A repeated call (the cached launch path) inside `torch.cuda.stream(side)` runs on that stream, after the
+    side stream's own earlier work: its input is written there behind a long sleep, so kernels sent to another
+    stream would read the NaN it held before."""
+    case = make_case(70, 512, 256, 16, 4, dtype=torch.bfloat16, device="cuda", seed=4)
+    args = (case["w1"], case["w2"], case["ids"], case["wts"])
+    expected = K.fused_experts(case["x"], *args, num_experts=16)
+    x = torch.full_like(case["x"], float("nan"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        x.copy_(case["x"])
+        out = K.fused_experts(x, *args, num_experts=16)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90+")
 @pytest.mark.parametrize("kw", [{}, dict(interleaved=True, bias=True)], ids=str)
