@@ -335,3 +335,70 @@ def test_interleaved_on_the_gpu_in_both_modes() -> None:
         assert set(timings) == {"small", "big"} and errors["broken"] == "RuntimeError: a kernel that fails"
         assert timings["big"].median_s > 4 * timings["small"].median_s  # 8x the FLOPs
         assert all(t.rounds == 3 and 0 <= t.spread < 1 for t in timings.values())
+
+
+def test_a_run_merged_into_an_older_result_replaces_its_rows_and_keeps_the_rest(tmp_path: Path) -> None:
+    older = _result()
+    newer = BenchResult(device="NVIDIA H200", ceilings={**CEILINGS, "bandwidth_Bps": 4.0e12},
+                        command="selector bench --tokens 1 --merge", cells=[
+        Cell("qwen3-30b-a3b", 1, "bfloat16", "triton_fused", "eager", time_s=20e-6, floor_s=18e-6),
+        Cell("qwen3-30b-a3b", 8, "bfloat16", "triton_fused", "eager", time_s=90e-6, floor_s=80e-6),
+    ])  # fmt: skip
+    merged = newer.merged_into(older)
+    eager_1 = [c for c in merged.cells if (c.tokens, c.mode) == (1, "eager")]
+    assert [c.time_s for c in eager_1] == [20e-6], "the whole row replaced: its backends come from one run"
+    assert {(c.tokens, c.mode) for c in merged.cells} == {(1, "eager"), (8, "eager"), (1, "graph")}
+    assert [r["command"] for r in merged.runs] == ["selector bench", "selector bench --tokens 1 --merge"]
+    again = BenchResult.from_dict(json.loads(json.dumps(merged.to_dict())))
+    assert again.cells == merged.cells and again.runs == merged.runs
+    table = markdown_table(merged)
+    assert table.startswith("Device: NVIDIA H200. Merged from 2 runs") and "4.00 TB/s" in table and "4.25 TB/s" in table
+    assert "Merged" not in markdown_table(older) and "runs" not in older.to_dict(), "a single run reads as before"
+    third = BenchResult(device="NVIDIA H200", ceilings=CEILINGS, command="selector bench --tokens 8 --merge")
+    assert len(third.merged_into(merged).runs) == 3
+
+
+def test_a_result_of_another_kind_is_refused_when_read_back() -> None:
+    for data in ({"schema": "selector.bench/1", "cells": []}, [1, 2]):
+        with pytest.raises(ValueError, match="not a selector.bench/2 result"):
+            BenchResult.from_dict(data)
+
+
+def test_measured_rows_are_those_held_in_every_asked_mode() -> None:
+    from selector.bench import measured_rows
+
+    result = _result()  # T=1: eager timed, graph recorded as skipped
+    assert measured_rows(result, "bfloat16", ["eager", "graph"]) == {("qwen3-30b-a3b", "dense", 1)}
+    assert measured_rows(result, "bfloat16", ["eager", "train"]) == set()
+    assert measured_rows(result, "float16", ["eager"]) == set()
+
+
+def test_a_resumed_run_skips_measured_rows_and_hands_over_each_finished_shape() -> None:
+    """On the CPU: the skipped shape builds nothing and is not handed over; the other is measured, then handed
+    over with what was measured so far."""
+    pytest.importorskip("torch")
+    from dataclasses import replace
+
+    tiny = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=64, intermediate_size=32, top_k=2)
+    handed: list[set] = []
+
+    def hand_over(partial: BenchResult) -> None:
+        handed.append({(c.shape, c.tokens) for c in partial.cells})
+
+    result = run_bench({"done": tiny, "todo": tiny}, [2, 3], dtype_name="float32", backends=["eager"],
+                       modes=["eager"], with_peers=False, device="cpu", ceilings=CEILINGS, rounds=1,
+                       skip={("done", "dense", 2), ("done", "dense", 3), ("todo", "dense", 3)},
+                       after_shape=hand_over)  # fmt: skip
+    assert {(c.shape, c.tokens) for c in result.cells} == {("todo", 2)}
+    assert handed == [{("todo", 2)}]
+
+
+def test_merging_needs_a_result_of_this_gpu(tmp_path: Path) -> None:
+    from selector.bench.cli import _previous_result
+
+    assert _previous_result(tmp_path, "NVIDIA H200") is None, "nothing there yet: a fresh result"
+    write_outputs(_result(), tmp_path)
+    assert isinstance(_previous_result(tmp_path, "NVIDIA H200"), BenchResult)
+    assert "measured on NVIDIA H200, this GPU is NVIDIA H100" in _previous_result(tmp_path, "NVIDIA H100")
+    (tmp_path / "bench.json").write_text("{not json")
+    assert "cannot be merged into" in _previous_result(tmp_path, "NVIDIA H200")

@@ -31,6 +31,7 @@ from selector.bench.cells import (
     BenchResult,
     Cell,
     choice_quality,
+    measured_rows,
 )
 from selector.bench.cli import register
 from selector.bench.grid import fill_peer_ratios, peer_functions, run_bench
@@ -82,6 +83,7 @@ __all__ = [
     "formats_table",
     "make_layer",
     "markdown_table",
+    "measured_rows",
     "measure_ceilings",
     "peer_functions",
     "plot",

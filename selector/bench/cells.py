@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 16384)
@@ -57,9 +58,12 @@ class BenchResult:
     command: str
     cells: list[Cell] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
+    # a result that merges several runs (`selector bench --merge / --resume`): each run's command and ceilings, in
+    # order; empty for a single run (command and ceilings above are then its own)
+    runs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "schema": SCHEMA,
             "device": self.device,
             "ceilings": self.ceilings,
@@ -68,6 +72,45 @@ class BenchResult:
             "environment": self.environment,
             "choice_quality": choice_quality(self.cells),
         }
+        if self.runs:
+            data["runs"] = self.runs
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
+        """A result as `to_dict` wrote it (keys a newer writer added are ignored); ValueError when it is not one."""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a {SCHEMA} result (schema {found!r})")
+        names = {f.name for f in fields(Cell)}
+        cells = [Cell(**{k: v for k, v in c.items() if k in names}) for c in data.get("cells", [])]
+        return cls(device=data["device"], ceilings=dict(data["ceilings"]), command=data.get("command", ""),
+                   cells=cells, environment=dict(data.get("environment") or {}),
+                   runs=list(data.get("runs") or []))  # fmt: skip
+
+    def merged_into(self, older: BenchResult) -> BenchResult:
+        """This run's rows (shape, T, dtype, mode, format) in place of the same rows of `older`, whose other rows
+        stay: each row's backends still come from one run, timed together."""
+        mine = {row_of(c) for c in self.cells}
+        cells = [c for c in older.cells if row_of(c) not in mine] + list(self.cells)
+        runs = (older.runs or [{"command": older.command, "ceilings": older.ceilings}]) + [
+            {"command": self.command, "ceilings": self.ceilings}]  # fmt: skip
+        return BenchResult(device=self.device, ceilings=self.ceilings, command=self.command, cells=cells,
+                           environment=self.environment, runs=runs)  # fmt: skip
+
+
+def row_of(cell: Cell) -> tuple[str, int, str, str, str]:
+    """The row of the table a cell belongs to: its backends are timed together in one run."""
+    return cell.shape, cell.tokens, cell.dtype, cell.mode, cell.format
+
+
+def measured_rows(result: BenchResult, dtype: str, modes: Iterable[str]) -> set[tuple[str, str, int]]:
+    """(shape, format, tokens) that `result` holds a row for in each of `modes` (a skipped row counts: graph mode
+    above its token limit is recorded as skipped), in `dtype`: what a resumed run need not measure again."""
+    have = {row_of(c) for c in result.cells}
+    wanted = tuple(modes)
+    return {(c.shape, c.format, c.tokens) for c in result.cells if c.dtype == dtype
+            and all((c.shape, c.tokens, dtype, m, c.format) in have for m in wanted)}  # fmt: skip
 
 
 def choice_quality(cells: list[Cell], within: float = WITHIN, worst: int = 10) -> dict[str, Any]:

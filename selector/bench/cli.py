@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, MODES
+from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, MODES, measured_rows
 
 DEFAULT_MODES = ["eager", "graph"]
 
@@ -117,10 +118,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"selector bench: needs a CUDA GPU and none is visible (torch {torch.__version__}, {build}); "
               "run it on a GPU node, `selector doctor` says what this machine lacks", file=sys.stderr)
         return 1
+    if args.compile and (args.merge or args.resume):
+        print("selector bench: --merge and --resume go with the grid, not --compile", file=sys.stderr)
+        return 2
     if args.compile:
         return _cmd_compiled(args)
     from selector.bench.grid import run_bench
     from selector.bench.render import markdown_table, write_outputs
+
+    out = Path(args.out)
+    previous = None
+    if args.merge or args.resume:
+        previous = _previous_result(out, torch.cuda.get_device_name())
+        if isinstance(previous, str):
+            print(f"selector bench: {previous}", file=sys.stderr)
+            return 2
+    skip = measured_rows(previous, args.dtype, args.modes) if args.resume and previous else set()
+
+    def whole(run: Any) -> Any:  # this run, merged into what --out held where asked
+        return run.merged_into(previous) if previous is not None else run
 
     result = run_bench(
         presets=args.preset or list(DEFAULT_PRESETS),
@@ -134,8 +150,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         progress=_progress(),
         formats=args.formats,
         rounds=args.rounds,
+        skip=skip,
+        after_shape=lambda partial: write_outputs(whole(partial), out),  # a stopped run keeps finished shapes
     )
-    paths = write_outputs(result, Path(args.out))
+    paths = write_outputs(whole(result), out)
     from selector.bench.grid import records_from_bench
     from selector.tuning_store import default_store, save_records, write_export
 
@@ -148,9 +166,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from selector.daemon.client import share_tuning_records
 
         share_tuning_records(records)  # with the other processes of this node at once, where a daemon runs
-    print(markdown_table(result))
+    print(markdown_table(whole(result)))
     print("wrote " + ", ".join(map(str, paths)))
     return 0
+
+
+def _previous_result(out: Path, device: str) -> Any:
+    """The result --out already holds for --merge / --resume: None when there is none, a message when it cannot
+    be merged with a run on `device`."""
+    from selector.bench.cells import BenchResult
+
+    path = out / "bench.json"
+    if not path.exists():
+        return None
+    try:
+        previous = BenchResult.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{path} cannot be merged into ({type(exc).__name__}: {exc}); pick another --out"
+    if previous.device != device:
+        return f"{path} was measured on {previous.device}, this GPU is {device}: pick another --out"
+    return previous
 
 
 def register(sub: Any) -> None:
@@ -174,6 +209,12 @@ def register(sub: Any) -> None:
                        help=f"comma list of weight formats to time side by side: {', '.join(FORMATS)}")  # fmt: skip
     bench.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png, tuning.json")
     bench.add_argument("--save-tuning", action="store_true", help="let auto use these timings on this machine")
+    bench.add_argument("--merge", action="store_true",
+                       help="keep the result --out holds: this run's rows replace the same rows there, the others "
+                       "stay (each row's backends still timed together in one run)")  # fmt: skip
+    bench.add_argument("--resume", action="store_true",
+                       help="as --merge, but rows --out already holds are not measured again: repeat the same "
+                       "command until the grid is done (the files are written after every shape)")  # fmt: skip
     bench.add_argument("--compile", type=_compile_modes, metavar="MODES",
                        help="instead of the grid: each backend compiled in these torch.compile modes (comma list, e.g. "
                        "default,reduce-overhead) against itself uncompiled; default presets qwen3-30b-a3b, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -64,6 +64,8 @@ def run_bench(
     ceilings: dict[str, float] | None = None,
     rounds: int = 5,
     sample_s: float = 0.02,
+    skip: Collection[tuple[str, str, int]] = (),
+    after_shape: Callable[[BenchResult], None] | None = None,
 ) -> BenchResult:
     """Time the grid, with the per-call value checks off (`SELECTOR_VALIDATE=shapes` unless set): the layer is
     timed, not them. `presets`: preset names, or shape names mapped to their `Problem`.
@@ -77,6 +79,10 @@ def run_bench(
 
     `device="cpu"` (with `ceilings` given) runs the same grid on the CPU to check the harness, e.g. the Triton
     kernels under the interpreter: one call per sample on the host clock, no graph mode; its times mean nothing.
+
+    `skip`: (shape, format, tokens) not to measure (a resumed run's rows already measured; `measured_rows`).
+    `after_shape`: called with the result so far after every shape, so that a run stopped by a job's time limit
+    keeps what it finished (the CLI writes its files there).
     Raises ValueError for an unknown format or mode or a CPU run without ceilings, RuntimeError without a CUDA
     GPU."""
     unknown = [f for f in formats if f not in FORMATS]
@@ -93,7 +99,9 @@ def run_bench(
         grid.rounds, grid.sample_s = max(1, rounds), sample_s
         shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
         for shape, problem in shapes.items():
-            grid.run_shape(shape, tokens, problem)
+            if grid.run_shape(shape, tokens, problem, skip) and after_shape is not None:
+                fill_peer_ratios(grid.result.cells)
+                after_shape(grid.result)
         fill_peer_ratios(grid.result.cells)
         return grid.result
     finally:
@@ -250,23 +258,29 @@ class _Grid:
         if self.cuda:
             self.torch.cuda.empty_cache()
 
-    def run_shape(self, shape: str, tokens: Sequence[int], problem: Any = None) -> None:
-        """Every format and token count of one shape (a preset's unless `problem` is given); one quantised copy
-        alive at a time."""
+    def run_shape(self, shape: str, tokens: Sequence[int], problem: Any = None,
+                  skip: Collection[tuple[str, str, int]] = ()) -> bool:  # fmt: skip
+        """Every format and token count of one shape (a preset's unless `problem` is given) but those in `skip`;
+        one quantised copy alive at a time. False when there was nothing left to measure (no layer was built)."""
         from selector.presets import preset
 
+        todo = {fmt: [t for t in tokens if (shape, fmt, t) not in skip] for fmt in self.formats}
+        if not any(todo.values()):
+            return False
         torch = self.torch
         base = replace(problem or preset(shape), dtype=self.dtype_name, device=self.device.type)
         # a plain layer as quantising expects; other layouts (GPT-OSS's) in their own layout, dense only
         dense = make_layer(torch, base, self.dtype, self.device, seed=0) if is_plain(base) else \
             make_problem_layer(torch, base, self.device, seed=0)
-        for fmt in self.formats:
+        for fmt, fmt_tokens in todo.items():
+            if not fmt_tokens:
+                continue
             try:
                 layer = format_layer(torch, dense, base, fmt)
             except Exception as exc:  # e.g. out of memory: the other formats still run
-                self.failed(shape, fmt, tokens, "failed to quantise", exc)
+                self.failed(shape, fmt, fmt_tokens, "failed to quantise", exc)
                 continue
-            for t in tokens:
+            for t in fmt_tokens:
                 try:
                     self.run_cells(self.inputs(shape, fmt, base, layer, t))
                 except Exception as exc:  # the reference or auto's own call failed: record it, go on
@@ -275,6 +289,7 @@ class _Grid:
             self.release()
         del dense
         self.release()
+        return True
 
     def inputs(self, shape: str, fmt: str, base: Any, layer: Any, t: int) -> _Inputs:
         """The same routing and hidden states for every format of a token count."""

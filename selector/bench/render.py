@@ -17,6 +17,18 @@ def fmt_time(s: float | None) -> str:
     return f"{s * 1e6:.0f}µs" if s < 1e-3 else f"{s * 1e3:.2f}ms"
 
 
+def _ceilings_text(result: BenchResult) -> str:
+    """The ceilings the floors were computed with: this run's, or each merged run's with its command."""
+    def one(c: dict[str, float]) -> str:
+        return f"copy {c['bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul {c['bf16_flops'] / 1e12:.0f} TFLOP/s"
+
+    if len(result.runs) < 2:
+        return f"Ceilings measured in this run: {one(result.ceilings)}."
+    runs = "; ".join(f"`{r['command'] or 'selector bench'}` ({one(r['ceilings'])})" for r in result.runs)
+    return (f"Merged from {len(result.runs)} runs, each row from one of them, each run measuring its own ceilings: "
+            f"{runs}.")  # fmt: skip
+
+
 def markdown_table(result: BenchResult) -> str:
     """One row per (shape, T, mode, format); per backend: time (time/floor); then the best and auto's standing.
     With quantised formats in the run, a second table sets each format's best beside the dense best."""
@@ -25,10 +37,8 @@ def markdown_table(result: BenchResult) -> str:
     rows = sorted({(c.shape, c.tokens, c.mode, c.format) for c in result.cells},
                   key=lambda r: (r[0], r[2], r[1], order.get(r[3], len(order))))  # fmt: skip
     by_key = {(c.shape, c.tokens, c.mode, c.format, c.backend): c for c in result.cells}
-    c = result.ceilings
     lines = [
-        f"Device: {result.device}. Ceilings measured in this run: copy {c['bandwidth_Bps'] / 1e12:.2f} TB/s, "
-        f"bf16 matmul {c['bf16_flops'] / 1e12:.0f} TFLOP/s. Cells: time (time / floor), the median of interleaved "
+        f"Device: {result.device}. {_ceilings_text(result)} Cells: time (time / floor), the median of interleaved "
         "rounds; `*` marks auto's pick, [name] what the auto row ran; spread: the largest (max - min) / median of "
         "the row's backends.",
         "",
