@@ -394,11 +394,11 @@ def test_a_resumed_run_skips_measured_rows_and_hands_over_each_finished_shape() 
 
 
 def test_merging_needs_a_result_of_this_gpu(tmp_path: Path) -> None:
-    from selector.bench.cli import _previous_result
+    from selector.bench.cli import previous_result
 
-    assert _previous_result(tmp_path, "NVIDIA H200") is None, "nothing there yet: a fresh result"
+    assert previous_result(tmp_path, "NVIDIA H200") is None, "nothing there yet: a fresh result"
     write_outputs(_result(), tmp_path)
-    assert isinstance(_previous_result(tmp_path, "NVIDIA H200"), BenchResult)
-    assert "measured on NVIDIA H200, this GPU is NVIDIA H100" in _previous_result(tmp_path, "NVIDIA H100")
+    assert isinstance(previous_result(tmp_path, "NVIDIA H200"), BenchResult)
+    assert "measured on NVIDIA H200, this GPU is NVIDIA H100" in previous_result(tmp_path, "NVIDIA H100")
     (tmp_path / "bench.json").write_text("{not json")
-    assert "cannot be merged into" in _previous_result(tmp_path, "NVIDIA H200")
+    assert "cannot be merged into" in previous_result(tmp_path, "NVIDIA H200")

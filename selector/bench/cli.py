@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, MODES, measured_rows
+from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, MODES, BenchResult, measured_rows
 
 DEFAULT_MODES = ["eager", "graph"]
 
@@ -129,13 +129,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     previous = None
     if args.merge or args.resume:
-        previous = _previous_result(out, torch.cuda.get_device_name())
+        previous = previous_result(out, torch.cuda.get_device_name())
         if isinstance(previous, str):
             print(f"selector bench: {previous}", file=sys.stderr)
             return 2
     skip = measured_rows(previous, args.dtype, args.modes) if args.resume and previous else set()
 
-    def whole(run: Any) -> Any:  # this run, merged into what --out held where asked
+    def whole(run: BenchResult) -> BenchResult:  # this run, merged into what --out held where asked
         return run.merged_into(previous) if previous is not None else run
 
     result = run_bench(
@@ -171,11 +171,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _previous_result(out: Path, device: str) -> Any:
+def previous_result(out: Path, device: str) -> BenchResult | str | None:
     """The result --out already holds for --merge / --resume: None when there is none, a message when it cannot
     be merged with a run on `device`."""
-    from selector.bench.cells import BenchResult
-
     path = out / "bench.json"
     if not path.exists():
         return None
