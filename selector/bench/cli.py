@@ -138,6 +138,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     def whole(run: BenchResult) -> BenchResult:  # this run, merged into what --out held where asked
         return run.merged_into(previous) if previous is not None else run
 
+    written: list[list[Path]] = []  # the files of each finished shape
+
     result = run_bench(
         presets=args.preset or list(DEFAULT_PRESETS),
         tokens=args.tokens or list(DEFAULT_TOKENS),
@@ -151,9 +153,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         formats=args.formats,
         rounds=args.rounds,
         skip=skip,
-        after_shape=lambda partial: write_outputs(whole(partial), out),  # a stopped run keeps finished shapes
+        after_shape=lambda partial: written.append(write_outputs(whole(partial), out)),  # a stopped run keeps them
     )
-    paths = write_outputs(whole(result), out)
+    # the last shape's files hold the whole run already; only a run that measured nothing new writes here
+    paths = written[-1] if written else write_outputs(whole(result), out)
     from selector.bench.grid import records_from_bench
     from selector.tuning_store import default_store, save_records, write_export
 

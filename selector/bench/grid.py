@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from selector.bench.cells import FORMATS, MODES, PEER_PREFIX, TRAIN, BenchResult, Cell
+from selector.bench.cells import FORMATS, MODES, PEER_PREFIX, TRAIN, BenchResult, Cell, row_of
 from selector.bench.layer import (
     bytes_moved,
     floor_seconds,
@@ -139,10 +139,9 @@ def fill_peer_ratios(cells: list[Cell]) -> None:
     best: dict[tuple[str, int, str, str, str], float] = {}
     for c in cells:
         if c.backend.startswith(PEER_PREFIX) and c.time_s:
-            key = (c.shape, c.tokens, c.dtype, c.mode, c.format)
-            best[key] = min(best.get(key, math.inf), c.time_s)
+            best[row_of(c)] = min(best.get(row_of(c), math.inf), c.time_s)
     for c in cells:
-        peer = best.get((c.shape, c.tokens, c.dtype, c.mode, c.format))
+        peer = best.get(row_of(c))
         if peer and c.time_s:
             c.vs_best_peer = peer / c.time_s
 
