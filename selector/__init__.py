@@ -1,6 +1,7 @@
 """selector: picks the fastest correct Mixture-of-Experts experts backend for this machine, and explains why.
 
-Public API: the types plugins declare (`BackendSpec`, `Requirements`, `ToolkitRule`, `hookimpl`, `Gate`), the model
+Public API: the types plugins declare (`BackendSpec`, `Requirements`, `ToolkitRule`, `hookimpl`, `Gate`, and the
+`ExpertsPlan` a backend prepares per layer, with `GraphPolicy`), the model
 API (`experts`, `set_experts_implementation`, `get_experts_implementation`, `explain_model`), the dispatch
 core's (`run_experts`, `last_backend`, `explain_module`, `reset_selection_caches`), `check` (raise what the
 device-side routing guard recorded), and the ranking (`rank`,
@@ -17,6 +18,9 @@ from selector.types import (
     Availability,
     BackendSpec,
     Candidate,
+    ExpertsPlan,
+    ForwardPlan,
+    GraphPolicy,
     Problem,
     Ranking,
     Requirements,
@@ -69,7 +73,10 @@ __all__ = [
     "Availability",
     "BackendSpec",
     "Candidate",
+    "ExpertsPlan",
+    "ForwardPlan",
     "Gate",
+    "GraphPolicy",
     "Problem",
     "Ranking",
     "Requirements",

@@ -6,6 +6,7 @@ None of these import torch: `selector doctor` must stay fast on a machine where 
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -183,6 +184,60 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class GraphPolicy:
+    """Calls a plan lets the dispatch core replay from recorded CUDA graphs (selector.graphs): up to `max_tokens`
+    tokens, outside autograd, torch.compile and a caller's own capture, unless the setting `variable` is 0."""
+
+    max_tokens: int
+    variable: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsPlan:
+    """What a backend read off one experts module for one kind of call, once: the weights in its kernel's layout,
+    the gate, the guard code, its tile choice, format records. `run` is all that happens per call.
+
+    A backend returns one from `BackendSpec.prepare(module, problem)`; the dispatch core keeps it per module under a
+    key that covers the weights (storage and in-place version), the layout and the call mode (`problem`: autograd,
+    CUDA-graph capture, torch.compile), so `run` asks none of those again. A plan that holds no module state of its
+    own (a subclass adds frozen fields) must not write to the module either: the core's cache is the only one.
+
+    `graphs`: where the core may replay `run` from recorded CUDA graphs (the plan's launches must not synchronise
+    the host, and `run` must depend on nothing but its arguments and the plan). `opaque_when_compiled`: under
+    torch.compile without autograd, the core runs the plan eagerly inside its opaque op rather than tracing it.
+    """
+
+    backend: str
+    graphs: GraphPolicy | None = None
+    opaque_when_compiled: bool = False
+
+    def run(
+        self,
+        hidden_states: torch.Tensor,  # [T, H]
+        top_k_index: torch.Tensor,  # [T, k]
+        top_k_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, H]
+        raise NotImplementedError(f"{type(self).__name__}.run")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardPlan(ExpertsPlan):
+    """The plan of a backend that declares only a forward (`BackendSpec.load`): its forward called on the module.
+
+    The module is held weakly: the plan lives in the module's own cache, and a strong reference would make a cycle.
+    """
+
+    forward: ExpertsForward
+    module: weakref.ref
+
+    def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        module = self.module()
+        if module is None:
+            raise RuntimeError(f"experts backend {self.backend!r}: the module this plan was prepared for is gone")
+        return self.forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     """What a plugin declares for one backend.
 
@@ -192,6 +247,9 @@ class BackendSpec:
     `format_loads` names the forward for each quantised weight format the backend runs with another function
     than its dense one (`requirements.weight_formats` lists which formats it runs at all): the dispatch core
     picks (backend, format) -> forward once per module, so no forward branches on the format per call.
+    `prepare(module, problem)` turns a module into an `ExpertsPlan` once per weights and call mode (the problem
+    says which format, layout, autograd, capture and compile); without it the plan calls the loaded forward
+    (`ForwardPlan`), so a backend that declares only `load` keeps working.
     """
 
     name: str
@@ -220,6 +278,7 @@ class BackendSpec:
     # tunes the backend's kernel parameters (tiles) for `problem` at these token counts on this GPU within a
     # budget of seconds, keeps them where the backend finds them, and returns a summary for `selector tune`
     tune_kernels: Callable[[Problem, Sequence[int], float], Mapping[str, Any]] | None = None
+    prepare: Callable[[torch.nn.Module, Problem], ExpertsPlan] | None = None
 
     def supported_compile_modes(self) -> frozenset[str]:
         """The torch.compile modes the backend declares, or those its older flags imply."""
