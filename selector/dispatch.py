@@ -2,8 +2,17 @@
 
 Everything that runs experts goes through here: the decorator API (`selector.model`), the Transformers
 adapter (`selector.hf`), `selector bench` and the tests. Its public functions are the only way in; the
-per-module state it keeps (the request, the choice per token bucket, the backend that ran last) lives in
-the module's `__dict__` under names nobody else reads.
+per-module state it keeps (the request, the backend that ran last, and the one cache: `ModuleCache`) lives in
+the module's `__dict__` under names nobody else reads, and nobody else writes there.
+
+An eager call is a pipeline with named stages, each decided once per key:
+1. **choose**: for the module, its call mode (autograd, capture, compile) and token bucket, which backend
+   (`choose_backend`: the module's request, or auto's ranking, measured else estimated);
+2. **prepare**: the backend turns the module into an `ExpertsPlan` (`BackendSpec.prepare`, or `ForwardPlan` around
+   its forward), once per key: the weights' fingerprint (storage and in-place version of every parameter and buffer),
+   the layout, the validation level and the call mode;
+3. **run**: `plan.run(hidden, ids, weights)`, or, where the plan's `GraphPolicy` allows, its replay from a CUDA graph
+   recorded here (selector.graphs): the core never calls back into a plugin.
 
 - `run_experts(module, hidden_states, top_k_index, top_k_weights)`: validate, choose, run. Under torch.compile
   "auto" without autograd runs as one opaque op, `selector::experts`, whose implementation is this eager path:
@@ -22,7 +31,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,8 +45,8 @@ from selector.registry import Registry, get_registry
 from selector.requirements import evaluate
 from selector.tuning import measured_for
 from selector.tuning_store import tuning_table
-from selector.types import ExpertsForward, Problem, Ranking
-from selector.validation import validate_inputs
+from selector.types import ExpertsForward, ExpertsPlan, ForwardPlan, GraphPolicy, Problem, Ranking
+from selector.validation import validate_inputs, validation_level
 
 AUTO = "auto"
 # A backend's forward with this attribute set to True runs, under torch.compile and without autograd, through the
@@ -51,15 +60,66 @@ _LAST = "_selector_last_backend"  # the backend that ran the last forward
 _TOP_K = "_selector_top_k"  # k of the last eager forward: what a choice made under torch.compile uses
 _UID = "_selector_uid"
 _OWNER = "_selector_uid_owner"  # id() of the module the uid was given to: a deep copy keeps the uid, not the id
-_PROBLEM = "_selector_problem"
-_FACTS = "_selector_facts"
-_CHOICES = "_selector_choices"
-_CHECKED = "_selector_checked"
-# caches keyed partly on the weights, forgotten when a module's weights change format (selector.quant)
-_WEIGHT_CACHES = (_PROBLEM, _CHOICES, _FACTS, "_selector_quant_plan")
-# A backend that caches what it read off a module (its gate, say) keeps it in the module's __dict__ under a name
-# with this prefix: forget_module drops those too, so a backend never runs a layout the problem no longer has.
+_CACHE = "_selector_cache"  # the one per-module cache (ModuleCache), written here alone
+# Older backends kept what they read off a module under this prefix; forget_module still drops such keys.
 MODULE_CACHE_PREFIX = "_selector_cached_"
+PLANS_PER_MODULE = 64  # (request, bucket, call mode) plans kept per set of weights; all dropped beyond
+
+
+class ModuleCache:
+    """What dispatch keeps per module, one object in its `__dict__`: the facts read off its weights, the input
+    signatures already validated, and the prepared plans.
+
+    `plans` maps (request, k, bucket, capture, expert-parallel, autograd, compiled, validation level, generation)
+    to `Prepared` for the weights whose fingerprint is `fingerprint`; other weights (a new storage, an in-place
+    update) empty it. A deep copy or an unpickled module starts with an empty cache: the plans hold the original's
+    weights (and may hold kernels and graphs that cannot be copied).
+    """
+
+    __slots__ = ("owner", "fingerprint", "facts", "problems", "checked", "plans")
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner  # id() of the module: a deep copy keeps the __dict__ entry, not the id
+        self.fingerprint: tuple | None = None
+        self.facts: tuple | None = None  # (weight key, E, H, weight format)
+        self.problems: dict[tuple, Problem] = {}  # (weight key, k, expert-parallel) -> the layer as ranked
+        self.checked: set[tuple[object, ...]] = set()  # validate_inputs' memo
+        self.plans: dict[tuple, Prepared] = {}
+
+    def __deepcopy__(self, memo: dict) -> ModuleCache:
+        return ModuleCache(-1)
+
+    def __reduce__(self) -> tuple:
+        return (ModuleCache, (-1,))
+
+
+class Prepared(NamedTuple):
+    """One key's choice: the backend, its plan, and a serial that names the plan in recorded graphs' keys."""
+
+    name: str
+    plan: ExpertsPlan
+    serial: int
+    graphs: GraphPolicy | None  # the plan's policy, None while autograd records (a replay records nothing)
+
+
+_SERIALS = itertools.count(1)
+
+
+def module_cache(module: torch.nn.Module) -> ModuleCache:
+    """The module's cache, made on first use (and anew for a copy that carried its original's)."""
+    cache = module.__dict__.get(_CACHE)
+    if cache is None or cache.owner != id(module):
+        cache = module.__dict__[_CACHE] = ModuleCache(id(module))
+    return cache
+
+
+def weights_fingerprint(module: torch.nn.Module) -> tuple:
+    """What tells the module's weights apart without reading them: each parameter's and buffer's storage, in-place
+    version, shape and dtype (an optimizer step or a `copy_` bumps the version)."""
+    return tuple(
+        [(t.data_ptr(), t._version, t.shape, t.dtype) for t in module._parameters.values() if t is not None]
+        + [(t.data_ptr(), t._version, t.shape, t.dtype) for t in module._buffers.values() if t is not None]
+    )
 
 
 class _Resolver:
@@ -138,11 +198,13 @@ def problem_of(module: torch.nn.Module, top_k: int) -> Problem:
     """The module as the ranking sees it (token count unknown), cached per weight layout and k."""
     weight = layers.up_weight(module)
     key = (weight.dtype, weight.device, tuple(weight.shape), top_k, layers.is_expert_parallel(module))
-    cached = module.__dict__.get(_PROBLEM)
-    if cached is None or cached[0] != key:
-        cached = (key, problem_from_module(module, top_k=top_k))
-        module.__dict__[_PROBLEM] = cached
-    return cached[1]
+    problems = module_cache(module).problems
+    problem = problems.get(key)
+    if problem is None:
+        if len(problems) > 8:
+            problems.clear()
+        problem = problems[key] = problem_from_module(module, top_k=top_k)
+    return problem
 
 
 def rank_problem(problem: Problem) -> Ranking:
@@ -201,11 +263,12 @@ def clear_last_backend(module: torch.nn.Module) -> None:
 
 
 def forget_module(module: torch.nn.Module) -> None:
-    """Drop what the core cached about the module's weights (after they change format or layout)."""
-    for key in _WEIGHT_CACHES:
-        module.__dict__.pop(key, None)
+    """Drop what the core cached about the module (after its weights change format or layout): its problem, its
+    plans and their recorded graphs."""
+    module.__dict__.pop(_CACHE, None)
     for key in [k for k in module.__dict__ if k.startswith(MODULE_CACHE_PREFIX)]:
         del module.__dict__[key]
+    graphs.forget(module)
 
 
 def grad_inputs(
@@ -221,6 +284,25 @@ def grad_inputs(
         ("expert_weights", any(w is not None and w.requires_grad for w in weights)),
     )
     return tuple(name for name, on in wanted if on)
+
+
+def call_problem(
+    module: torch.nn.Module,
+    top_k: int,
+    capturing: bool = False,
+    needs_grad: tuple[str, ...] | None = None,
+    compiled: bool = False,
+) -> Problem:
+    """The module's problem with how this call runs: traced by torch.compile, captured in a CUDA graph,
+    differentiated (`needs_grad`: `grad_inputs`; None: the module's weights under the current grad mode)."""
+    if needs_grad is None:
+        needs_grad = grad_inputs(module)
+    return replace(
+        problem_of(module, top_k),
+        compile=compiled or torch.compiler.is_compiling(),
+        cuda_graph=capturing,
+        grad_inputs=needs_grad,
+    )
 
 
 def choose_backend(
@@ -240,16 +322,11 @@ def choose_backend(
     """
     if requested is None:
         requested = requested_implementation(module)
-    if needs_grad is None:
-        needs_grad = grad_inputs(module)
-    # how the call runs is part of the problem: traced by torch.compile, captured in a CUDA graph, differentiated
-    problem = replace(
-        problem_of(module, top_k),
-        compile=compiled or torch.compiler.is_compiling(),
-        cuda_graph=capturing,
-        grad_inputs=needs_grad,
-    )
-    bucket = None if num_tokens is None else token_bucket(num_tokens)
+    problem = call_problem(module, top_k, capturing, needs_grad, compiled)
+    return _choose(problem, requested, None if num_tokens is None else token_bucket(num_tokens))
+
+
+def _choose(problem: Problem, requested: str, bucket: int | None) -> str:
     if requested == AUTO:
         name = _auto_pick(problem, bucket)
         _RESOLVER.ran.add((name, problem.with_tokens(bucket)))
@@ -265,6 +342,20 @@ def choose_backend(
         raise unavailable_error(requested, verdict)
     _RESOLVER.ran.add((requested, problem.with_tokens(bucket)))  # its first-call cost for this shape is paid
     return requested
+
+
+def prepare_plan(name: str, module: torch.nn.Module, problem: Problem) -> ExpertsPlan:
+    """Backend `name`'s plan for the module and this kind of call: its `prepare`, else its forward on the module."""
+    spec = _RESOLVER.get_registry().get(name)
+    if spec.prepare is not None:
+        return spec.prepare(module, problem)
+    forward = _RESOLVER.forward_of(name, problem.weight_format)
+    return ForwardPlan(
+        backend=name,
+        forward=forward,
+        module=weakref.ref(module),
+        opaque_when_compiled=bool(getattr(forward, OPAQUE_WHEN_COMPILED, False)),
+    )
 
 
 def _auto_pick(problem: Problem, bucket: int | None) -> str:
@@ -381,28 +472,33 @@ def _run_eager(
     """run_experts outside tracing; `compiled`: called by the opaque op of a compiled model (see choose_backend).
 
     This runs on every call of every layer, and at decode its Python is a good part of the step: it reads its
-    state from the module's __dict__ directly, allocates nothing on a repeat call, and leaves the checks a call
-    signature already passed to validate_inputs' memo.
+    state from the module's cache directly, allocates nothing on a repeat call but the key, and leaves the checks a
+    call signature already passed to validate_inputs' memo.
     """
     state = module.__dict__
-    weight = layers.up_weight(module)
-    weight_key = (weight.dtype, weight.device, weight.shape)
-    facts = state.get(_FACTS)
-    if facts is None or facts[0] != weight_key:  # (E, H, format) read off the weights once per weight layout
-        _pin_defaults(module)
-        facts = state[_FACTS] = (weight_key, *layers.dims(module)[:2], weight_format(module))
+    cache = state.get(_CACHE)
+    if cache is None or cache.owner != id(module):
+        cache = module_cache(module)
+    fingerprint = weights_fingerprint(module)
+    if fingerprint != cache.fingerprint:  # new weights, or updated in place: every plan is prepared again
+        if cache.plans:
+            cache.plans.clear()
+            graphs.forget(module)
+        cache.fingerprint = fingerprint
+        _pin_defaults(module)  # (E, H, format) read off the weights once per set of weights
+        cache.facts = (*layers.dims(module)[:2], weight_format(module))
+    facts = cache.facts
     expert_parallel = layers.is_expert_parallel(module)
-    seen = state.get(_CHECKED)
-    if seen is None:
-        seen = state[_CHECKED] = set()
+    level = validation_level(on_gpu=hidden_states.device.type != "cpu")
     validate_inputs(
         hidden_states,
         top_k_index,
         top_k_weights,
-        num_experts=facts[1],
-        hidden_size=facts[2],
+        num_experts=facts[0],
+        hidden_size=facts[1],
         expert_parallel=expert_parallel,
-        seen=seen,
+        level=level,
+        seen=cache.checked,
     )
     guard.raise_pending(hidden_states.device)  # a fault the device guard recorded in an earlier call (no sync)
     top_k = top_k_index.shape[1]
@@ -413,20 +509,31 @@ def _run_eager(
     requested = implementation or state.get(_REQUEST, AUTO)
     bucket = token_bucket(hidden_states.shape[0]) if requested == AUTO else 0
     needs_grad = grad_inputs(module, hidden_states, top_k_weights)
-    key = (requested, top_k, bucket, capturing, expert_parallel, weight_key, needs_grad, compiled,
-           _RESOLVER.generation)  # fmt: skip
-    choices = state.get(_CHOICES)
-    if choices is None:
-        choices = state[_CHOICES] = {}
-    chosen = choices.get(key)
-    if chosen is None:  # decided once per key; a request that cannot run raises here every time
-        name = choose_backend(module, hidden_states.shape[0], top_k, implementation, capturing, needs_grad, compiled)
-        chosen = (name, _RESOLVER.forward_of(name, facts[3]))
-        if len(choices) > 64:
-            choices.clear()
-        choices[key] = chosen
-    state[_LAST] = chosen[0]
-    return chosen[1](module, hidden_states, top_k_index, top_k_weights)
+    key = (requested, top_k, bucket, capturing, expert_parallel, needs_grad, compiled, level, _RESOLVER.generation)
+    prepared = cache.plans.get(key)
+    if prepared is None:  # decided once per key; a request that cannot run raises here every time
+        prepared = _prepare(module, key, hidden_states.shape[0])
+        if len(cache.plans) >= PLANS_PER_MODULE:
+            cache.plans.clear()
+        cache.plans[key] = prepared
+    state[_LAST] = prepared.name
+    policy = prepared.graphs
+    if policy is not None and graphs.graphs_enabled(hidden_states, policy.max_tokens, policy.variable):
+        graph_key = (hidden_states.shape, hidden_states.dtype, top_k_index.shape, top_k_index.dtype,
+                     top_k_weights.dtype, hidden_states.device, prepared.serial)  # fmt: skip
+        inputs = (hidden_states, top_k_index, top_k_weights)
+        return graphs.replay(module, prepared.name, graph_key, prepared.plan.run, inputs)
+    return prepared.plan.run(hidden_states, top_k_index, top_k_weights)
+
+
+def _prepare(module: torch.nn.Module, key: tuple, num_tokens: int) -> Prepared:
+    """Choose and prepare for one cache key (see `_run_eager`)."""
+    requested, top_k, bucket, capturing, _, needs_grad, compiled = key[:7]
+    problem = call_problem(module, top_k, capturing, needs_grad, compiled)
+    name = _choose(problem, requested, token_bucket(num_tokens))
+    plan = prepare_plan(name, module, problem.with_tokens(bucket or None))
+    policy = plan.graphs if not needs_grad else None  # a replayed graph records nothing for autograd
+    return Prepared(name, plan, next(_SERIALS), policy)
 
 
 def _run_traced(
@@ -555,9 +662,11 @@ torch.library.register_fake("selector::experts", _experts_fake, lib=_LIBRARY)
 __all__ = [
     "AUTO",
     "MODULE_CACHE_PREFIX",
+    "ModuleCache",
     "OPAQUE_WHEN_COMPILED",
     "PINNED_DEFAULTS",
     "backend_forward",
+    "call_problem",
     "check_backend_name",
     "choose_backend",
     "clear_last_backend",
@@ -567,7 +676,9 @@ __all__ = [
     "get_backend_registry",
     "grad_inputs",
     "last_backend",
+    "module_cache",
     "note_backend",
+    "prepare_plan",
     "problem_of",
     "rank_problem",
     "requested_implementation",
@@ -576,6 +687,7 @@ __all__ = [
     "set_requested_implementation",
     "token_bucket",
     "traced_top_k",
+    "weights_fingerprint",
     "track",
     "tracked_id",
     "tracked_module",
