@@ -21,7 +21,8 @@ An eager call is a pipeline with named stages, each decided once per key:
 - `choose_backend(...)`: the backend for one call (a name the module asked for, or "auto"'s pick per
   token-count bucket). A named backend that cannot run raises ImportError / ValueError naming the fix.
 - `backend_forward(name, weight_format)`: the forward a backend declared for that weight format, loaded
-  once. The format is read off the module once per set of weights, so no backend branches on it per call.
+  once (what torch.compile traces). `backend_runner(name)`: a forward that runs the backend's prepared plan as
+  the core does (what bench and tune time).
 - `last_backend(module)`, `requested_implementation(module)`, `set_requested_implementation(...)`.
 - `problem_of(module, top_k)`, `rank_problem(problem)`, `explain_module(module, ...)`: what the choice saw.
 """
@@ -192,6 +193,18 @@ def check_backend_name(name: object) -> str:
 def backend_forward(name: str, weight_format: str = "dense") -> ExpertsForward:
     """The forward backend `name` declared for `weight_format`, imported on first use."""
     return _RESOLVER.forward_of(name, weight_format)
+
+
+def backend_runner(name: str) -> ExpertsForward:
+    """A forward that runs backend `name` on a module as the core runs it: the module's plan for `name` (prepared
+    once per key), replayed from recorded graphs where the plan allows. What `selector bench` and `selector tune`
+    time for a backend; it raises as an explicit request of `name` does where the backend cannot run."""
+    check_backend_name(name)
+
+    def run(module: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return run_experts(module, hidden, ids, weights, implementation=name)
+
+    return run
 
 
 def problem_of(module: torch.nn.Module, top_k: int) -> Problem:
@@ -519,9 +532,8 @@ def _run_eager(
     state[_LAST] = prepared.name
     policy = prepared.graphs
     if policy is not None and graphs.graphs_enabled(hidden_states, policy.max_tokens, policy.variable):
-        graph_key = (hidden_states.shape, hidden_states.dtype, top_k_index.shape, top_k_index.dtype,
-                     top_k_weights.dtype, hidden_states.device, prepared.serial)  # fmt: skip
         inputs = (hidden_states, top_k_index, top_k_weights)
+        graph_key = (*[(t.shape, t.dtype) for t in inputs], hidden_states.device, prepared.serial)
         return graphs.replay(module, prepared.name, graph_key, prepared.plan.run, inputs)
     return prepared.plan.run(hidden_states, top_k_index, top_k_weights)
 
@@ -666,6 +678,7 @@ __all__ = [
     "OPAQUE_WHEN_COMPILED",
     "PINNED_DEFAULTS",
     "backend_forward",
+    "backend_runner",
     "call_problem",
     "check_backend_name",
     "choose_backend",

@@ -317,13 +317,13 @@ class _Grid:
         """Every backend to time for this cell (None: excluded, its reason already recorded), the peers, and
         "auto" as a user runs it: the module's own forward (dispatch, shape checks, the picked backend)."""
         import selector
-        from selector.dispatch import AUTO, backend_forward
+        from selector.dispatch import AUTO, backend_runner
 
         found: dict[str, Forward | None] = {}
         ranking = selector.rank(cell.problem, self.env, self.registry)
         for name in self.backends or self.registry.names:
             verdict = ranking.excluded.get(name)
-            found[name] = None if verdict else backend_forward(name, cell.problem.weight_format)
+            found[name] = None if verdict else backend_runner(name)
             if verdict:
                 self.result.cells.extend(self.new_cell(cell, name, mode, skipped=verdict.reason) for mode in self.modes)
         if cell.fmt == "dense":  # Transformers' backends run dense weights only

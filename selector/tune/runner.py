@@ -383,7 +383,7 @@ class _Run:
         """One cell: each backend's first call (timed: JIT, autotuning) checked against the reference, then all
         of them in interleaved rounds; the records of those that finished."""
         from selector.bench.timing import time_interleaved
-        from selector.dispatch import backend_forward
+        from selector.dispatch import backend_runner
         from selector.tuning import problem_key
 
         torch = self.torch
@@ -392,7 +392,7 @@ class _Run:
         firsts = self.result.first_calls.setdefault(target.name, {})
         for name in cell.backends:
             try:
-                fn = backend_forward(name, cell.problem.weight_format)
+                fn = backend_runner(name)
                 runner = (lambda fn=fn: fn(layer, x, index, weights))
                 self.sync()
                 start = time.perf_counter()
