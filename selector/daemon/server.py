@@ -313,15 +313,13 @@ class DaemonServer:
         try:
             while not self._stopping.is_set():
                 for key, events in sel.select(self._timeout(poll_interval)):
-                    if key.data == "listen":
-                        self._accept()
-                    elif key.data == "wake":
-                        self._drain_wake()
-                        self._take_answers()
-                    elif events & selectors.EVENT_READ:
-                        self._on_read(key.data)
-                    elif events & selectors.EVENT_WRITE:
-                        self._on_write(key.data)
+                    try:
+                        self._on_event(key, events)
+                    except Exception:  # one connection's failure is its own: the loop serves the others
+                        log.exception("a connection failed; closed")
+                        if isinstance(key.data, _Conn):
+                            self.stats["bad_requests"] += 1
+                            self._close(key.data)
                 self._expire(time.monotonic())
         finally:
             for conn in list(self._conns.values()):
@@ -333,6 +331,17 @@ class DaemonServer:
                     pass
             self._serving.clear()
             self._done.set()
+
+    def _on_event(self, key: selectors.SelectorKey, events: int) -> None:
+        if key.data == "listen":
+            self._accept()
+        elif key.data == "wake":
+            self._drain_wake()
+            self._take_answers()
+        elif events & selectors.EVENT_READ:
+            self._on_read(key.data)
+        elif events & selectors.EVENT_WRITE:
+            self._on_write(key.data)
 
     def _timeout(self, poll_interval: float) -> float:
         """Seconds until the next deadline of a connection (at most `poll_interval`)."""

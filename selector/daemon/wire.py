@@ -65,18 +65,69 @@ def encode(message: Mapping[str, Any], limit: int = MAX_REPLY_BYTES) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+MAX_DEPTH = 32  # nesting of arrays and objects: a message of this protocol needs 4
+MAX_NUMBER_CHARS = 40  # digits of one number: ints and floats of this protocol need under 20
+
+
 def _no_constant(name: str) -> Any:
     raise WireError(f"{name} is not JSON")
 
 
+def _int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise WireError(f"a number of {len(text)} characters is over the limit of {MAX_NUMBER_CHARS}")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise WireError(f"a number of {len(text)} characters is over the limit of {MAX_NUMBER_CHARS}")
+    return float(text)
+
+
+def nesting_depth(text: str) -> int:
+    """How deep arrays and objects nest in JSON `text` (brackets inside strings do not count); a linear scan, so
+    a frame nested past MAX_DEPTH is refused before the recursive parser sees it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def decode(body: bytes) -> dict[str, Any]:
-    """The message in one frame's body: a JSON object of this protocol version, else WireError saying why."""
+    """The message in one frame's body: a JSON object of this protocol version, else WireError saying why.
+
+    Total: whatever the bytes, the result is a message or a WireError (depth and number sizes are bounded before
+    they can reach the parser's recursion or int's digit limit)."""
     try:
-        message = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+        text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise WireError(f"frame is not UTF-8: {exc.reason}") from None
+    depth = nesting_depth(text)
+    if depth > MAX_DEPTH:
+        raise WireError(f"frame nests {depth} deep, over the limit of {MAX_DEPTH}")
+    try:
+        message = json.loads(text, parse_constant=_no_constant, parse_int=_int, parse_float=_float)
     except json.JSONDecodeError as exc:
         raise WireError(f"frame is not JSON: {exc.msg}") from None
+    except WireError:  # from the number hooks
+        raise
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise WireError(f"frame is not usable JSON: {type(exc).__name__}") from None
     if not isinstance(message, dict):
         raise WireError(f"a message is a JSON object, got {type(message).__name__}")
     version = message.get("v")
