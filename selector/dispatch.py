@@ -30,6 +30,7 @@ An eager call is a pipeline with named stages, each decided once per key:
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -39,14 +40,23 @@ import torch
 from selector import graphs, guard, layers, settings
 from selector.config import SelectorConfig, load_config
 from selector.environment import current_environment
-from selector.errors import unavailable_error
+from selector.errors import ExpertsInputError, unavailable_error
 from selector.problem import problem_from_module
 from selector.ranking import rank
 from selector.registry import Registry, get_registry
 from selector.requirements import evaluate
 from selector.tuning import measured_for
 from selector.tuning_store import tuning_table
-from selector.types import ExpertsForward, ExpertsPlan, ForwardPlan, GraphPolicy, Problem, Ranking
+from selector.types import (
+    Availability,
+    ExpertsForward,
+    ExpertsPlan,
+    ForwardPlan,
+    GraphPolicy,
+    Problem,
+    Ranking,
+    Status,
+)
 from selector.validation import validate_inputs, validation_level
 
 AUTO = "auto"
@@ -137,6 +147,8 @@ class _Resolver:
         self.auto: dict[tuple[Problem, int | None], str] = {}
         self.verdicts: dict[tuple[str, Problem], Any] = {}
         self.ran: set[tuple[str, Problem]] = set()  # (backend, problem at its token bucket) run in this process
+        # (backend, layer) -> why the backend auto picked raised at a first forward of that layer in this process
+        self.failed: dict[tuple[str, Problem], str] = {}
         self.generation += 1  # invalidates the per-module choice caches
 
     def get_registry(self) -> Registry:
@@ -160,7 +172,37 @@ class _Resolver:
         measured = measured_for(problem, env, tuning_table())
         warm = {name for name, seen in self.ran if seen == problem}
         amortize = float(settings.get("SELECTOR_JIT_AMORTIZE_CALLS"))
-        return rank(problem, env, self.get_registry(), self.get_config(), measured, warm, amortize)
+        ranking = rank(problem, env, self.get_registry(), self.get_config(), measured, warm, amortize)
+        failed = {n: why for (n, layer), why in self.failed.items() if layer == failure_key(problem)}
+        if not failed:
+            return ranking
+        excluded = dict(ranking.excluded)
+        for name, why in failed.items():
+            excluded[name] = Availability(
+                Status.PLUGIN_ERROR,
+                f"raised at its first forward of this layer in this process ({why})",
+                "report it to the backend's authors; auto runs the next candidate",
+            )
+        kept = tuple(c for c in ranking.candidates if c.name not in failed)
+        return replace(ranking, candidates=kept, excluded=excluded)
+
+    def note_failure(self, name: str, problem: Problem, exc: BaseException) -> None:
+        """Auto's pick `name` raised at a first forward of this layer: warn once, rank it out for the layer."""
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        self.failed[(name, failure_key(problem))] = why
+        self.auto.clear()  # picks made before this failure are made again, without it
+        warnings.warn(
+            f"selector: experts backend {name!r}, auto's pick, raised at its first forward of a layer "
+            f"(E={problem.num_experts}, H={problem.hidden_size}, I={problem.intermediate_size}, k={problem.top_k}): "
+            f"{why}; auto runs the next candidate for this layer from now on",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def failure_key(problem: Problem) -> Problem:
+    """The layer a first-forward failure is remembered for: its shape and layout, whatever the call mode."""
+    return replace(problem, num_tokens=None, compile=False, cuda_graph=False, compile_mode=None, grad_inputs=())
 
 
 _RESOLVER = _Resolver()
@@ -525,11 +567,24 @@ def _run_eager(
     key = (requested, top_k, bucket, capturing, expert_parallel, needs_grad, compiled, level, _RESOLVER.generation)
     prepared = cache.plans.get(key)
     if prepared is None:  # decided once per key; a request that cannot run raises here every time
-        prepared = _prepare(module, key, hidden_states.shape[0])
+        prepared, out = _first_call(module, key, hidden_states, top_k_index, top_k_weights)
         if len(cache.plans) >= PLANS_PER_MODULE:
             cache.plans.clear()
         cache.plans[key] = prepared
+        state[_LAST] = prepared.name
+        return out
     state[_LAST] = prepared.name
+    return _run_plan(module, prepared, hidden_states, top_k_index, top_k_weights)
+
+
+def _run_plan(
+    module: torch.nn.Module,
+    prepared: Prepared,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The run stage: the plan, replayed from a graph recorded here where its policy allows."""
     policy = prepared.graphs
     if policy is not None and graphs.graphs_enabled(hidden_states, policy.max_tokens, policy.variable):
         inputs = (hidden_states, top_k_index, top_k_weights)
@@ -538,14 +593,30 @@ def _run_eager(
     return prepared.plan.run(hidden_states, top_k_index, top_k_weights)
 
 
-def _prepare(module: torch.nn.Module, key: tuple, num_tokens: int) -> Prepared:
-    """Choose and prepare for one cache key (see `_run_eager`)."""
+def _first_call(
+    module: torch.nn.Module,
+    key: tuple,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> tuple[Prepared, torch.Tensor]:
+    """Choose, prepare and run for a new cache key. Where auto's pick raises on this first forward (bad input
+    aside), the failure is recorded and warned about once and the next candidate runs; a named backend raises."""
     requested, top_k, bucket, capturing, _, needs_grad, compiled = key[:7]
     problem = call_problem(module, top_k, capturing, needs_grad, compiled)
-    name = _choose(problem, requested, token_bucket(num_tokens))
-    plan = prepare_plan(name, module, problem.with_tokens(bucket or None))
-    policy = plan.graphs if not needs_grad else None  # a replayed graph records nothing for autograd
-    return Prepared(name, plan, next(_SERIALS), policy)
+    while True:
+        name = _choose(problem, requested, token_bucket(hidden_states.shape[0]))
+        try:
+            plan = prepare_plan(name, module, problem.with_tokens(bucket or None))
+            policy = plan.graphs if not needs_grad else None  # a replayed graph records nothing for autograd
+            prepared = Prepared(name, plan, next(_SERIALS), policy)
+            return prepared, _run_plan(module, prepared, hidden_states, top_k_index, top_k_weights)
+        except ExpertsInputError:
+            raise
+        except Exception as exc:
+            if requested != AUTO:
+                raise
+            _RESOLVER.note_failure(name, problem, exc)
 
 
 def _run_traced(

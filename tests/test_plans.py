@@ -227,3 +227,66 @@ def test_only_dispatch_writes_the_modules_dict(name: str, preparing, monkeypatch
         module(x, idx, w)
     module(x, idx, w)
     assert len(watched) == 2 and (name == "auto" or set(watched) == {name})
+
+
+class RaisingPlugin:
+    """A fake third-party plugin ranked first whose forward raises (a kernel that fails on this machine)."""
+
+    calls = 0
+
+    @staticmethod
+    @hookimpl
+    def selector_backends():
+        def load():
+            def forward(module, hidden_states, top_k_index, top_k_weights):
+                RaisingPlugin.calls += 1
+                raise RuntimeError("no kernel image is available for execution on the device")
+
+            return forward
+
+        return [
+            BackendSpec(
+                name="fake_raising",
+                load=load,
+                requirements=Requirements(devices=frozenset({"cpu"})),
+                estimate=lambda problem, env: 1e-12,
+            )
+        ]
+
+
+@pytest.fixture
+def raising(fresh_registry):
+    RaisingPlugin.calls = 0
+    fresh_registry(fake_raising=RaisingPlugin)
+    return RaisingPlugin
+
+
+def test_auto_falls_back_when_its_pick_raises_at_the_first_forward(raising) -> None:
+    module = make_experts(4, 16, 8)
+    assert selector.explain_model(module)[""].best == "fake_raising"
+    x, idx, w = _inputs()
+    with pytest.warns(RuntimeWarning, match="'fake_raising', auto's pick, raised at its first forward.*no kernel image"):
+        out = module(x, idx, w)
+    assert selector.last_backend(module) not in (None, "fake_raising")
+    assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
+    ranking = selector.explain_model(module)[""]  # the ranking says so
+    assert ranking.best != "fake_raising" and "raised at its first forward" in ranking.excluded["fake_raising"].reason
+    other = make_experts(4, 16, 8)  # the same layer elsewhere: no second warning, no second try
+    other(x, idx, w)
+    assert raising.calls == 1
+
+
+def test_a_named_backend_that_raises_still_raises(raising) -> None:
+    module = make_experts(4, 16, 8)
+    selector.set_experts_implementation(module, "fake_raising")
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        module(*_inputs())
+
+
+def test_bad_input_is_never_taken_for_a_backend_failure(raising) -> None:
+    module = make_experts(4, 16, 8)
+    x, idx, w = _inputs()
+    idx[0, 0] = 7
+    with pytest.raises(selector.errors.ExpertsInputError):
+        module(x, idx, w)
+    assert raising.calls == 0
