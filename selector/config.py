@@ -78,6 +78,17 @@ class _BoundedLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        # YAML lets a later key silently replace an earlier one: a config with `pin` twice means two things
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise _Refused(problem=f"the key {key!r} is given twice, keep one", problem_mark=key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
 
 def _names(value: Any, key: str, path: Path) -> tuple[str, ...]:
     if isinstance(value, str):

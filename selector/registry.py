@@ -114,6 +114,18 @@ class _NoAnswer(Exception):
     """A plugin's import or hook that did not return in time (it keeps running in its daemon thread)."""
 
 
+class _NotSpecs(Exception):
+    """A hook returned something that is not a sequence of BackendSpec (None, a string, a number)."""
+
+
+def _spec_list(returned: object) -> list[object]:
+    """What a selector_backends hook returned, as a list; a hook that returns None or a non-sequence is broken
+    (reported as such, never as a plugin that loaded with no backends)."""
+    if returned is None or isinstance(returned, (str, bytes)) or not hasattr(returned, "__iter__"):
+        raise _NotSpecs(f"hook selector_backends returned {type(returned).__name__}, not a list of BackendSpec")
+    return list(returned)
+
+
 def _bounded(call: Callable[[], _T], timeout: float, what: str) -> _T:
     """`call()` in a daemon thread: its value, or what it raised (any BaseException but KeyboardInterrupt,
     re-raised here as is), or _NoAnswer after `timeout` seconds. A hung plugin is left running in its thread;
@@ -219,7 +231,9 @@ def _collect(
         impls = [impl for impl in pm.hook.selector_backends.get_hookimpls() if impl.plugin is obj]
         if not impls:
             return PluginInfo(name, target, dist, error="defines no selector_backends hook implementation")
-        specs = _bounded(lambda: [spec for impl in impls for spec in (impl.function() or ())], timeout, name)
+        specs = _bounded(lambda: [spec for impl in impls for spec in _spec_list(impl.function())], timeout, name)
+    except _NotSpecs as exc:
+        return PluginInfo(name, target, dist, error=str(exc))
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a hook can raise anything, SystemExit included

@@ -167,3 +167,10 @@ def test_a_pin_that_cannot_run_here_raises_at_the_first_forward(tmp_path, monkey
     with pytest.raises(ImportError, match="triton_fused") as info:
         module(torch.randn(3, 16), idx, w)
     assert "cuda" in str(info.value)
+
+
+def test_a_key_given_twice_is_refused_naming_the_line(tmp_path: Path) -> None:
+    """YAML would keep the last `pin` silently; the file means two things, so it is refused."""
+    with pytest.raises(ConfigError, match=r"selector\.yaml:3:1: malformed YAML: the key 'pin' is given twice"):
+        read_config_file(write(tmp_path, "pin: eager\nprefer: [grouped_mm]\npin: batched_mm\n"))
+    assert load_config(paths=[write(tmp_path, "pin: eager\nprefer: [grouped_mm]\n")], registered=NAMES).pin == "eager"

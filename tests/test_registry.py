@@ -99,3 +99,14 @@ def test_unknown_backend_lists_registered_names() -> None:
     registry = build_registry(environ={})
     with pytest.raises(ValueError, match="registered backends: .*eager.*grouped_mm"):
         registry.get("no_such_backend")
+
+
+@pytest.mark.parametrize("returned", ["None", "'eager'", "3"])
+def test_a_hook_that_returns_no_list_is_reported_broken(site: Path, returned: str) -> None:
+    source = f"from selector import hookimpl\n\n@hookimpl\ndef selector_backends():\n    return {returned}\n"
+    make_distribution(site, "fake-dup", "fake_plugin_dup", source, {"fake_none": "fake_plugin_dup"})
+    registry = build_registry(environ={})
+    info = next(p for p in registry.plugins if p.name == "fake_none")
+    kind = {"None": "NoneType", "'eager'": "str", "3": "int"}[returned]
+    assert info.error == f"hook selector_backends returned {kind}, not a list of BackendSpec" and not info.backends
+    assert "eager" in registry.names
