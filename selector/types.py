@@ -205,11 +205,15 @@ class ExpertsPlan:
     `graphs`: where the core may replay `run` from recorded CUDA graphs (the plan's launches must not synchronise
     the host, and `run` must depend on nothing but its arguments and the plan). `opaque_when_compiled`: under
     torch.compile without autograd, the core runs the plan eagerly inside its opaque op rather than tracing it.
+    `tiles`: where its kernel parameters come from, for a backend that has any: "table" (shipped for this GPU),
+    "tuned" (tuned on this node), "heuristic" (neither: the core tells the user once, with the command that tunes
+    the shape); "" for a backend without tunable kernels.
     """
 
     backend: str
     graphs: GraphPolicy | None = None
     opaque_when_compiled: bool = False
+    tiles: str = ""
 
     def run(
         self,
