@@ -30,6 +30,7 @@ An eager call is a pipeline with named stages, each decided once per key:
 from __future__ import annotations
 
 import itertools
+import logging
 import warnings
 import weakref
 from dataclasses import replace
@@ -610,13 +611,38 @@ def _first_call(
             plan = prepare_plan(name, module, problem.with_tokens(bucket or None))
             policy = plan.graphs if not needs_grad else None  # a replayed graph records nothing for autograd
             prepared = Prepared(name, plan, next(_SERIALS), policy)
-            return prepared, _run_plan(module, prepared, hidden_states, top_k_index, top_k_weights)
+            out = _run_plan(module, prepared, hidden_states, top_k_index, top_k_weights)
+            if plan.tiles == "heuristic":
+                note_untuned(name, problem)
+            return prepared, out
         except ExpertsInputError:
             raise
         except Exception as exc:
             if requested != AUTO:
                 raise
             _RESOLVER.note_failure(name, problem, exc)
+
+
+_log = logging.getLogger("selector")
+_TOLD: set[tuple] = set()  # shapes the user was told run on default tiles, once per process
+
+
+def untuned_message(name: str, problem: Problem) -> str:
+    """The one line that says a layer runs on default kernel parameters, and the command that tunes it."""
+    shape = f"E={problem.num_experts} H={problem.hidden_size} I={problem.intermediate_size} k={problem.top_k}"
+    command = (f"selector tune --experts {problem.num_experts} --hidden {problem.hidden_size} "
+               f"--intermediate {problem.intermediate_size} --top-k {problem.top_k} --dtype {problem.dtype}")
+    return (f"selector: experts layer {shape} ({problem.dtype}, {problem.weight_format}) runs {name} on default "
+            f"tiles: no shipped table for this GPU holds it and it was not tuned here; `{command}` tunes it, "
+            "or set SELECTOR_TUNE_ON_LOAD=<seconds> to tune a model's layers when it loads")
+
+
+def note_untuned(name: str, problem: Problem) -> None:
+    """Log `untuned_message` once per shape per process."""
+    key = (name, failure_key(problem))
+    if key not in _TOLD:
+        _TOLD.add(key)
+        _log.warning(untuned_message(name, problem))
 
 
 def _run_traced(
