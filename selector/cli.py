@@ -112,10 +112,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"--require {', '.join(unknown)}: no such backend; registered: {', '.join(registry.names)}")
     from selector import tuning_store
-    from selector.registry import plugin_versions
-    from selector.tuning import TuningTable, tuning_fingerprint
+    from selector.tuning import TuningTable
 
-    table = TuningTable.from_records(tuning_store.known_records(), tuning_fingerprint(env, plugin_versions(registry)))
+    table = TuningTable.from_records(tuning_store.known_records(), tuning_store.current_fingerprints(env, registry))
     parallel = None
     if args.ep_size is not None:  # judge the expert-parallel strategies for a group of that size
         from selector.doctor import default_problem

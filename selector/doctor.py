@@ -151,11 +151,21 @@ def _packages_check(env: Environment) -> Check:
 
 
 def _tuning_check(table: TuningTable, where: str) -> Check:
-    """How many measured times this environment has, and how many are stale (measured under another one)."""
-    detail = [f"store: {where}", f"fingerprint: {table.fingerprint}"]
+    """How many measured times this environment has, and how many are stale (measured under other facts than
+    their backend's now: each record carries its backend's fingerprint)."""
+    distinct = len(set(table.fingerprints.by_backend.values()))
+    detail = [f"store: {where}", f"fingerprints: one per backend ({distinct} distinct; `selector store show` "
+              "lists them)" if table.fingerprints.by_backend else f"fingerprint: {table.fingerprints.default}"]
     if table.stale:
-        detail.append(f"{table.stale} record(s) measured in another environment (GPU, driver, CUDA, torch, triton, "
-                      "selector or a plugin changed): not trusted; run `selector tune` again")
+        per_backend = ", ".join(f"{b} {n}" for b, n in sorted(table.stale_by_backend.items()))
+        detail.append(f"{table.stale} record(s) measured in another environment ({per_backend}: the GPU, driver, "
+                      "CUDA, torch, Triton or that backend's distribution changed): not trusted; run `selector "
+                      "tune` again")
+    if table.legacy:
+        detail.append(f"{table.legacy} record(s) of the older single-fingerprint format, proven current (measured "
+                      "here with these plugins)")
+    if table.unknown:
+        detail.append(f"{table.unknown} record(s) of backends not loaded here: unused")
     if table.invalid:
         detail.append(f"{table.invalid} record(s) that do not validate: skipped")
     if not len(table):

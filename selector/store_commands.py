@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from selector.tuning import Fingerprints
     from selector.tuning_store import TuningStore
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
@@ -18,19 +19,21 @@ def register(sub: Any) -> None:
     store = sub.add_parser(
         "store", help="the tuning store: show, export, import or clear measured times",
         description="The tuning store holds measured times (from `selector bench --save-tuning` and tuners) "
-        "that auto trusts for this environment fingerprint. Its file is $SELECTOR_TUNING_STORE, else "
-        "tuning.sqlite3 in the user cache dir.",
+        "that auto trusts where each record's backend fingerprint (GPU, driver, CUDA, torch, Triton and that "
+        "backend's own distribution) is current. Its file is $SELECTOR_TUNING_STORE, else tuning.sqlite3 in the "
+        "user cache dir.",
     )  # fmt: skip
     actions = store.add_subparsers(dest="action", required=True)
-    show = actions.add_parser("show", help="where the store is, this process's fingerprint, counts per problem")
+    show = actions.add_parser("show", help="where the store is, each backend's fingerprint, counts per problem")
     show.add_argument("--json", action="store_true", help="machine-readable summary")
     export = actions.add_parser("export", help="write the records to a file (schema selector.tuning/2)")
     export.add_argument("file", type=Path)
-    export.add_argument("--current", action="store_true", help="only the records of this fingerprint")
+    export.add_argument("--current", action="store_true", help="only the records trusted here")
     imp = actions.add_parser("import", help="store the records of an export file (a later record replaces)")
     imp.add_argument("file", type=Path)
     clear = actions.add_parser("clear", help="delete the records (all of them, or the stale ones)")
-    clear.add_argument("--stale", action="store_true", help="only records of other fingerprints")
+    clear.add_argument("--stale", action="store_true",
+                       help="only stale records (of backends loaded here, measured under other facts)")
     store.set_defaults(func=_handle)
 
 
@@ -38,14 +41,16 @@ def _handle(args: argparse.Namespace) -> int:
     from selector import tuning_store
 
     store = tuning_store.default_store()
-    if args.action == "show":
-        return _show(store, tuning_store.current_fingerprint(), args.json)
-    if args.action == "export":
-        return _export(store, args.file, tuning_store.current_fingerprint() if args.current else None)
     if args.action == "import":
         return _import(store, args.file)
+    fingerprints = tuning_store.current_fingerprints()
+    store.migrate(fingerprints)  # records of the older format proven current take their backend's fingerprint
+    if args.action == "show":
+        return _show(store, fingerprints, args.json)
+    if args.action == "export":
+        return _export(store, args.file, fingerprints if args.current else None)
     if args.stale:
-        removed = store.clear_stale(tuning_store.current_fingerprint())
+        removed = store.clear_stale(fingerprints)
     else:
         removed = store.clear()
     tuning_store.reload()
@@ -53,21 +58,24 @@ def _handle(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _show(store: TuningStore, fingerprint: str, as_json: bool) -> int:
-    summary = store.summary(fingerprint)
+def _show(store: TuningStore, fingerprints: Fingerprints, as_json: bool) -> int:
+    summary = store.summary(fingerprints)
     if as_json:
-        print(json.dumps({"schema": "selector.store/1", **summary.to_dict()}, indent=1))
+        print(json.dumps({"schema": "selector.store/2", **summary.to_dict()}, indent=1))
         return EXIT_OK if summary.problem is None else EXIT_BROKEN
     print(f"store:       {summary.path}")
-    print(f"fingerprint: {summary.fingerprint} (this process)")
+    print("fingerprints (this process, one per backend: GPU, driver, CUDA, torch, Triton, its distribution):")
+    for backend, fp in sorted(fingerprints.by_backend.items()):
+        print(f"  {backend:<20} {fp}")
     if summary.problem is not None:
         print(f"not usable:  {summary.problem}")
         return EXIT_BROKEN
-    others = len(summary.by_fingerprint) - (fingerprint in summary.by_fingerprint)
     line = f"records:     {summary.current} current, {summary.stale} stale"
     if summary.stale:
-        line += (f" (of {others} other fingerprint{'s' * (others != 1)}: never used; "
-                 "`selector store clear --stale` removes them)")
+        per_backend = ", ".join(f"{b} {n}" for b, n in summary.stale_by_backend.items())
+        line += f" ({per_backend}: never used; `selector store clear --stale` removes them)"
+    if summary.other:
+        line += f", {summary.other} of backends not loaded here (kept)"
     print(line)
     for p in summary.problems:
         tokens = ",".join(map(str, p.tokens))
@@ -75,7 +83,7 @@ def _show(store: TuningStore, fingerprint: str, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _export(store: TuningStore, file: Path, fingerprint: str | None) -> int:
+def _export(store: TuningStore, file: Path, fingerprints: Fingerprints | None) -> int:
     from selector.cli import UsageError
 
     if file.is_dir():
@@ -83,7 +91,7 @@ def _export(store: TuningStore, file: Path, fingerprint: str | None) -> int:
     if not file.parent.is_dir():
         raise UsageError(f"cannot write {file}: no folder {file.parent}; create it or pick another path")
     try:
-        written = store.export(file, fingerprint)
+        written = store.export(file, fingerprints)
     except OSError as exc:
         raise UsageError(f"cannot write {file}: {exc.strerror}; pick a writable folder") from None
     print(f"exported {written} record{'s' * (written != 1)} to {file}")

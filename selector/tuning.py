@@ -5,8 +5,12 @@ Pure: it is handed its records and reads no file, socket or environment variable
 keeps them on disk, the node daemon shares them, `selector tune` and `selector bench` make them).
 
 A record is one flat JSON object, schema `selector.tuning/2`:
-- `fingerprint`: `tuning_fingerprint(...)` of the environment it was measured in; a lookup trusts only
-  records of the current fingerprint, the others are stale (counted and reported, never used);
+- `fingerprint`: `backend_fingerprint(...)` of what its backend's speed depends on where it was measured (the
+  GPUs, driver, CUDA, torch, Triton, the backend's own distribution and the packages it declares); a lookup
+  trusts a record only under its backend's current fingerprint (`Fingerprints`), the others are stale (counted
+  and reported, never used). So installing or upgrading one plugin stales that plugin's records only. Records of
+  the older format carry `legacy_fingerprint(...)`, one hash of the whole environment and every plugin's version:
+  they are trusted only when it equals this process's (measured here, with these very plugins), else stale;
 - `gpu`: the name of the GPU it ran on (a node may mix GPUs);
 - `problem`: `problem_key(problem)`, the layer without its token count (shape, dtype, weight and scale format,
   layout, activation);
@@ -25,11 +29,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from selector.probes import Environment
+from selector.probes import Environment, normalize_package_name
 from selector.types import Problem
 
 SCHEMA = "selector.tuning/2"
@@ -90,17 +94,116 @@ def mode_of(problem: Problem) -> str:
     return "graph" if problem.cuda_graph else "eager"
 
 
-def tuning_fingerprint(env: Environment, versions: Mapping[str, str]) -> str:
-    """What measured times depend on, hashed: the environment's fingerprint facts (GPU names and compute
-    capabilities, driver, CUDA toolkit, package versions), each GPU's memory, and `versions` (selector's and
-    each backend plugin's distribution version)."""
-    facts = {
+def _hash(facts: Mapping[str, Any]) -> str:
+    canonical = json.dumps(facts, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def legacy_fingerprint(env: Environment, versions: Mapping[str, str]) -> str:
+    """The older single fingerprint of every record, kept to recognise records of that format: the environment's
+    fingerprint facts (GPU names and compute capabilities, driver, CUDA toolkit, every probed package's version),
+    each GPU's memory, and `versions` (selector's and every loaded plugin's distribution, `plugin_versions`)."""
+    return _hash({
         "environment": env.fingerprint_facts(),
         "gpu_memory": [d.memory_total_bytes for d in env.gpu.devices],
         "versions": dict(sorted(versions.items())),
+    })
+
+
+COMMON_PACKAGES = ("torch", "triton")  # what every backend's speed depends on besides the machine
+
+
+def backend_facts(env: Environment, distribution: str, packages: Iterable[str] = (),
+                  installed: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+    """What one backend's measured times depend on: the GPUs (name, compute capability, memory; each kind once,
+    so the order and count of visible GPUs do not matter), the driver and the CUDA it supports, nvcc, torch
+    (with its CUDA build) and Triton, `distribution` ("name version" of the backend's package: selector's for a
+    built-in) and the versions of `packages` (what its `Requirements.packages` declares). A package the probes
+    did not look at is read from `installed` (name -> version, None when not installed)."""
+    gpus = {(d.name, tuple(d.compute_capability), d.memory_total_bytes) for d in env.gpu.devices}
+    versions: dict[str, Any] = {}
+    for name in sorted({normalize_package_name(p) for p in (*COMMON_PACKAGES, *packages)}):
+        facts = env.package(name)
+        if facts is not None:
+            versions[name] = {"version": facts.version, "detail": dict(sorted(facts.detail.items()))}
+        else:
+            versions[name] = {"version": (installed or {}).get(name)}
+    tk = env.toolkit
+    return {
+        "gpus": [{"name": n, "compute_capability": list(cc), "memory_total_bytes": m}
+                 for n, cc, m in sorted(gpus, key=lambda g: (g[0], g[1], g[2] or 0))],
+        "driver_version": env.gpu.driver_version,
+        "driver_cuda_version": env.gpu.driver_cuda_version,
+        "nvcc_version": None if tk.nvcc_version is None else list(tk.nvcc_version),
+        "packages": versions,
+        "distribution": distribution,
     }
-    canonical = json.dumps(facts, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def backend_fingerprint(facts: Mapping[str, Any]) -> str:
+    """The fingerprint a record of a backend carries: `backend_facts(...)` hashed."""
+    return _hash({"record_fingerprint": 1, **facts})  # the tag keeps it apart from any legacy fingerprint
+
+
+@dataclass(frozen=True)
+class Fingerprints:
+    """The fingerprint a record of each backend must carry to be trusted here.
+
+    `by_backend`: backend name -> its current fingerprint (a backend not listed, e.g. a plugin not installed or
+    blocked here, has none: its records are neither used nor called stale). `legacy`: this process's
+    fingerprint in the older whole-environment format; a record carrying it was measured here with these very
+    plugins, so it is as good as a current one (and the store rewrites it to its backend's fingerprint).
+    `default`: one fingerprint for every backend not listed (`uniform`: a fixed fingerprint, e.g. in tests).
+    """
+
+    by_backend: Mapping[str, str] = field(default_factory=dict)
+    legacy: str | None = None
+    default: str | None = None
+
+    @classmethod
+    def uniform(cls, fingerprint: str) -> Fingerprints:
+        return cls(default=fingerprint)
+
+    def of(self, backend: str) -> str | None:
+        """The fingerprint a new record of `backend` carries here, None for a backend unknown here."""
+        return self.by_backend.get(backend, self.default)
+
+    def knows(self, backend: str) -> bool:
+        return self.of(backend) is not None
+
+    def trusts(self, backend: str, fingerprint: str) -> bool:
+        """Whether a record of `backend` carrying `fingerprint` was measured under what its speed depends on now."""
+        if not self.knows(backend):
+            return False
+        return fingerprint == self.of(backend) or (self.legacy is not None and fingerprint == self.legacy)
+
+    def is_stale(self, backend: str, fingerprint: str) -> bool:
+        """A record of a backend known here measured under other facts (never trusted, safe to delete)."""
+        return self.knows(backend) and not self.trusts(backend, fingerprint)
+
+    def accepted(self) -> list[str]:
+        """Every fingerprint a trusted record may carry (what to ask a store or the daemon for), sorted."""
+        found = {*self.by_backend.values(), self.legacy, self.default}
+        return sorted(f for f in found if f is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"by_backend": dict(sorted(self.by_backend.items())), "legacy": self.legacy, "default": self.default}
+
+
+def fingerprints_of(env: Environment, origins: Mapping[str, tuple[str, Sequence[str]]], versions: Mapping[str, str],
+                    installed: Mapping[str, str | None] | None = None) -> Fingerprints:
+    """Each backend's current fingerprint in `env`, and the legacy one. `origins`: backend name -> (its
+    distribution, "name version": selector's own for a built-in; the packages its requirements declare);
+    `versions`: selector's and every loaded plugin's distribution (`plugin_versions`, for the legacy one);
+    `installed`: versions of declared packages the probes did not look at."""
+    by_backend = {name: backend_fingerprint(backend_facts(env, distribution, packages, installed))
+                  for name, (distribution, packages) in origins.items()}
+    return Fingerprints(by_backend, legacy=legacy_fingerprint(env, versions))
+
+
+def as_fingerprints(fingerprints: Fingerprints | str) -> Fingerprints:
+    """`fingerprints` as a Fingerprints (a plain string: one fingerprint for every backend)."""
+    return fingerprints if isinstance(fingerprints, Fingerprints) else Fingerprints.uniform(fingerprints)
 
 
 def record_key(r: Record) -> tuple[Any, ...]:
@@ -155,27 +258,37 @@ def _nearest(tokens: Iterable[int], target: int) -> int:
 
 
 class TuningTable:
-    """Records of one fingerprint indexed for lookup: {(gpu, problem key, mode): {tokens: {backend: Measurement}}}.
+    """Trusted records indexed for lookup: {(gpu, problem key, mode): {tokens: {backend: Measurement}}}.
 
-    Records of another fingerprint are counted as stale and kept out of every lookup.
+    A record is trusted under its backend's current fingerprint (`Fingerprints.trusts`); the others are counted
+    (stale: its backend's facts changed; `unknown`: its backend is not loaded here) and kept out of every lookup.
     """
 
-    def __init__(self, fingerprint: str) -> None:
-        self.fingerprint = fingerprint
-        self.stale = 0  # records of another environment: reported, never trusted
+    def __init__(self, fingerprints: Fingerprints | str) -> None:
+        self.fingerprints = as_fingerprints(fingerprints)
+        self.stale = 0  # records measured under other facts than their backend's now: reported, never trusted
+        self.stale_by_backend: dict[str, int] = {}
+        self.unknown = 0  # records of backends not loaded here
+        self.legacy = 0  # trusted records of the older whole-environment format (proven current)
         self.invalid = 0
         self._times: dict[tuple[str, str, str], dict[int, dict[str, Measurement]]] = {}
 
     @classmethod
-    def from_records(cls, records: Iterable[Record], fingerprint: str) -> TuningTable:
-        """A table of `records` measured under `fingerprint`, later ones overriding earlier ones."""
-        table = cls(fingerprint)
+    def from_records(cls, records: Iterable[Record], fingerprints: Fingerprints | str) -> TuningTable:
+        """A table of the trusted ones of `records` (a plain string: one fingerprint for every backend), later
+        ones overriding earlier ones."""
+        table = cls(fingerprints)
+        fps = table.fingerprints
         for r in records:
             if not is_valid_record(r):
                 table.invalid += 1
-            elif r["fingerprint"] != fingerprint:
+            elif not fps.knows(r["backend"]):
+                table.unknown += 1
+            elif not fps.trusts(r["backend"], r["fingerprint"]):
                 table.stale += 1
+                table.stale_by_backend[r["backend"]] = table.stale_by_backend.get(r["backend"], 0) + 1
             else:
+                table.legacy += r["fingerprint"] != fps.of(r["backend"])
                 by_tokens = table._times.setdefault((r["gpu"], r["problem"], r["mode"]), {})
                 by_tokens.setdefault(int(r["tokens"]), {})[r["backend"]] = Measurement(
                     float(r["time_s"]), float(r.get("spread", 0.0)), float(r.get("first_call_s", 0.0)), int(r["tokens"])

@@ -27,13 +27,16 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from selector import settings, tuning
 from selector.daemon.client import shared_tuning_records
-from selector.probes import Environment
-from selector.tuning import Measurement, TuningTable
+from selector.probes import Environment, normalize_package_name
+from selector.tuning import Fingerprints, Measurement, TuningTable, as_fingerprints
 from selector.types import Problem
+
+if TYPE_CHECKING:
+    from selector.registry import Registry
 
 __all__ = [
     "DATA_DIR",
@@ -44,7 +47,7 @@ __all__ = [
     "StoreSummary",
     "TuningStore",
     "TuningStoreWarning",
-    "current_fingerprint",
+    "current_fingerprints",
     "default_store",
     "known_records",
     "measured_for",
@@ -116,21 +119,25 @@ class ProblemSummary:
 
 @dataclass(frozen=True)
 class StoreSummary:
-    """What a store holds seen from one fingerprint: records it trusts (current) and the others (stale)."""
+    """What a store holds seen from this process's fingerprints: records it trusts (current), records of its
+    backends measured under other facts (stale), and records of backends not loaded here (other)."""
 
     path: Path
-    fingerprint: str
+    fingerprints: Fingerprints
     current: int
     stale: int
     by_fingerprint: dict[str, int]
     problems: tuple[ProblemSummary, ...]
     problem: str | None = None  # why the store cannot be used, None when it can
+    other: int = 0
+    stale_by_backend: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "path": str(self.path), "fingerprint": self.fingerprint, "usable": self.problem is None,
-            "problem": self.problem, "current": self.current, "stale": self.stale,
-            "by_fingerprint": dict(self.by_fingerprint), "problems": [p.to_dict() for p in self.problems],
+            "path": str(self.path), "fingerprints": self.fingerprints.to_dict(), "usable": self.problem is None,
+            "problem": self.problem, "current": self.current, "stale": self.stale, "other": self.other,
+            "stale_by_backend": dict(self.stale_by_backend), "by_fingerprint": dict(self.by_fingerprint),
+            "problems": [p.to_dict() for p in self.problems],
         }  # fmt: skip
 
 
@@ -236,12 +243,13 @@ class TuningStore:
             return PutResult(0, refused + [f"not stored: {exc}"] * len(kept))
         return PutResult(len(kept), refused)
 
-    def records(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
-        """The stored records (of `fingerprint` alone when given), oldest write first; none when the store is
-        missing or cannot be read."""
+    def records(self, fingerprint: str | Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The stored records (of `fingerprint` alone, or of any of a list of them, when given), oldest write
+        first; none when the store is missing or cannot be read."""
         query, args = "SELECT record FROM records", tuple[str, ...]()
         if fingerprint is not None:
-            query, args = query + " WHERE fingerprint = ?", (fingerprint,)
+            wanted = (fingerprint,) if isinstance(fingerprint, str) else tuple(fingerprint)
+            query, args = query + f" WHERE fingerprint IN ({', '.join('?' * len(wanted))})", wanted
         try:
             with self._transaction(write=False) as conn:
                 rows = [] if conn is None else conn.execute(query + " ORDER BY rowid", args).fetchall()
@@ -257,8 +265,10 @@ class TuningStore:
                 out.append(r)
         return out
 
-    def summary(self, fingerprint: str) -> StoreSummary:
-        """What the store holds seen from `fingerprint`: its records per problem, and counts per fingerprint."""
+    def summary(self, fingerprints: Fingerprints | str) -> StoreSummary:
+        """What the store holds seen from `fingerprints` (a plain string: one for every backend): the trusted
+        records per problem, and counts per fingerprint."""
+        fps = as_fingerprints(fingerprints)
         problem = None
         try:
             with self._transaction(write=False) as conn:
@@ -267,23 +277,33 @@ class TuningStore:
         except _Unusable as exc:
             rows, problem = [], str(exc)
         counts: dict[str, int] = {}
+        stale: dict[str, int] = {}
+        other = 0
         groups: dict[tuple[str, str, str], list[tuple[int, str]]] = {}
         for fp, gpu, prob, mode, tokens, backend in rows:
             counts[fp] = counts.get(fp, 0) + 1
-            if fp == fingerprint:
+            if fps.trusts(backend, fp):
                 groups.setdefault((gpu, prob, mode), []).append((int(tokens), backend))
+            elif fps.knows(backend):
+                stale[backend] = stale.get(backend, 0) + 1
+            else:
+                other += 1
         problems = tuple(
             ProblemSummary(gpu, prob, mode, tuple(sorted({t for t, _ in rows_})), tuple(sorted({b for _, b in rows_})),
                            len(rows_))
             for (gpu, prob, mode), rows_ in sorted(groups.items())
         )  # fmt: skip
-        current = counts.get(fingerprint, 0)
-        return StoreSummary(self.path, fingerprint, current, sum(counts.values()) - current,
-                            dict(sorted(counts.items())), problems, problem)
+        return StoreSummary(self.path, fps, sum(p.records for p in problems), sum(stale.values()),
+                            dict(sorted(counts.items())), problems, problem, other, dict(sorted(stale.items())))
 
-    def export(self, path: Path, fingerprint: str | None = None) -> int:
-        """Write the records (of `fingerprint` alone when given) to an export file; how many."""
-        return write_export(path, self.records(fingerprint))
+    def export(self, path: Path, fingerprint: Fingerprints | str | None = None) -> int:
+        """Write the records (those `fingerprint` trusts, when given; a plain string: one fingerprint for every
+        backend) to an export file; how many."""
+        records = self.records()
+        if fingerprint is not None:
+            fps = as_fingerprints(fingerprint)
+            records = [r for r in records if fps.trusts(r["backend"], r["fingerprint"])]
+        return write_export(path, records)
 
     def import_file(self, path: Path) -> PutResult:
         """Store the records of an export file (ValueError when the file is not one)."""
@@ -294,28 +314,69 @@ class TuningStore:
         return self._delete("" if fingerprint is None else " WHERE fingerprint = ?",
                             () if fingerprint is None else (fingerprint,))
 
-    def clear_stale(self, fingerprint: str) -> int:
-        """Delete the records of every fingerprint but `fingerprint`; how many went."""
-        return self._delete(" WHERE fingerprint != ?", (fingerprint,))
+    def clear_stale(self, fingerprints: Fingerprints | str) -> int:
+        """Delete the stale records: of a backend known to `fingerprints` (a plain string: one for every
+        backend) under a fingerprint it does not trust. Records of backends not loaded here stay. How many went."""
+        fps = as_fingerprints(fingerprints)
+        try:
+            with self._transaction(write=True) as conn:
+                if conn is None:
+                    return 0
+                rows = conn.execute("SELECT rowid, backend, fingerprint FROM records").fetchall()
+                gone = [(rowid,) for rowid, backend, fp in rows if fps.is_stale(backend, fp)]
+                conn.executemany("DELETE FROM records WHERE rowid = ?", gone)
+                return len(gone)
+        except _Unusable:
+            return 0
 
-    def unmeasured(self, fingerprint: str, gpu: str, problem: str, mode: str, tokens: int,
+    def migrate(self, fingerprints: Fingerprints) -> int:
+        """Rewrite the records of the older format proven current (they carry `fingerprints.legacy`: measured
+        here with these very plugins) to their backend's fingerprint, so a later plugin change stales only that
+        plugin's. A record of the same key already under the new fingerprint is newer and stays. How many were
+        rewritten; nothing is written when there is nothing to rewrite."""
+        legacy = fingerprints.legacy
+        if legacy is None or not self.records(legacy):  # a read: most stores have nothing to rewrite
+            return 0
+        try:
+            with self._transaction(write=True) as conn:
+                if conn is None:
+                    return 0
+                rows = conn.execute("SELECT rowid, backend, record, stored_at FROM records WHERE fingerprint = ?",
+                                    (legacy,)).fetchall()
+                moved = 0
+                for rowid, backend, text, stored_at in rows:
+                    new = fingerprints.by_backend.get(backend)
+                    if new is None:
+                        continue  # a backend not loaded here: its record stays as it is (stale once plugins change)
+                    conn.execute("DELETE FROM records WHERE rowid = ?", (rowid,))
+                    r = {**json.loads(text), "fingerprint": new}
+                    conn.execute(_INSERT.replace("OR REPLACE", "OR IGNORE"),
+                                 (*(r[c] for c in KEY_COLUMNS), json.dumps(r, sort_keys=True), stored_at))
+                    moved += 1
+                return moved
+        except (_Unusable, ValueError, KeyError):  # a row edited by hand: left as it is
+            return 0
+
+    def unmeasured(self, fingerprints: Fingerprints | str, gpu: str, problem: str, mode: str, tokens: int,
                    backends: Sequence[str]) -> list[str]:
-        """The backends of `backends` without a stored time for this problem, mode and token count (all of them
-        when the store cannot be read): what a tuner still has to measure."""
+        """The backends of `backends` without a trusted stored time (under `fingerprints`; a plain string: one
+        for every backend) for this problem, mode and token count (all of them when the store cannot be read):
+        what a tuner still has to measure."""
+        fps = as_fingerprints(fingerprints)
         try:
             with self._transaction(write=False) as conn:
                 rows = [] if conn is None else conn.execute(
-                    "SELECT backend FROM records WHERE fingerprint = ? AND gpu = ? AND problem = ? AND mode = ? "
-                    "AND tokens = ?", (fingerprint, gpu, problem, mode, int(tokens))).fetchall()
+                    "SELECT backend, fingerprint FROM records WHERE gpu = ? AND problem = ? AND mode = ? "
+                    "AND tokens = ?", (gpu, problem, mode, int(tokens))).fetchall()
         except _Unusable:
             rows = []
-        have = {b for (b,) in rows}
+        have = {b for b, fp in rows if fps.trusts(b, fp)}
         return [b for b in backends if b not in have]
 
-    def is_measured(self, fingerprint: str, gpu: str, problem: str, mode: str, tokens: int,
+    def is_measured(self, fingerprints: Fingerprints | str, gpu: str, problem: str, mode: str, tokens: int,
                     backends: Sequence[str]) -> bool:
-        """Whether every backend of `backends` has a stored time for this problem, mode and token count."""
-        return not self.unmeasured(fingerprint, gpu, problem, mode, tokens, backends)
+        """Whether every backend of `backends` has a trusted stored time for this problem, mode and token count."""
+        return not self.unmeasured(fingerprints, gpu, problem, mode, tokens, backends)
 
     @contextlib.contextmanager
     def measurement_lock(self, name: str, timeout_s: float) -> Iterator[bool]:
@@ -568,10 +629,11 @@ def describe_sources() -> str:
     return f"{store_path()} (and shipped files in {DATA_DIR}, and the node daemon when one runs)"
 
 
-def known_records(fingerprint: str | None = None) -> list[dict[str, Any]]:
+def known_records(fingerprints: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Every record this node knows, in override order: shipped files, the store's, the daemon's (of
-    `fingerprint` only, when given: the others would be stale here anyway)."""
-    return _shipped_records() + default_store().records() + shared_tuning_records(fingerprint=fingerprint)
+    `fingerprints` only, when given: the others would not be trusted here anyway)."""
+    shared = shared_tuning_records(fingerprint=None if fingerprints is None else list(fingerprints))
+    return _shipped_records() + default_store().records() + shared
 
 
 def save_records(records: Iterable[Mapping[str, Any]]) -> PutResult:
@@ -581,19 +643,56 @@ def save_records(records: Iterable[Mapping[str, Any]]) -> PutResult:
     return result
 
 
-def current_fingerprint() -> str:
-    """The tuning fingerprint of this process: its environment, selector's and every backend plugin's version."""
+def _installed_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def backend_origins(registry: Registry) -> dict[str, tuple[str, list[str]]]:
+    """Backend name -> (the distribution it comes from, "name version": selector's own version for a built-in;
+    the packages its requirements declare): what besides the machine its records' fingerprint covers."""
+    import selector
+    from selector.registry import is_builtin
+
+    plugins = {p.name: p for p in registry.plugins}
+    origins = {}
+    for name, spec in registry.specs.items():
+        info = plugins.get(registry.providers.get(name, ""))
+        if info is None:
+            distribution = "(unknown distribution)"
+        elif is_builtin(info.target, info.distribution):
+            distribution = f"moe-selector {selector.__version__}"
+        else:
+            distribution = info.distribution
+        origins[name] = (distribution, sorted(spec.requirements.packages))
+    return origins
+
+
+def current_fingerprints(env: Environment | None = None, registry: Registry | None = None) -> Fingerprints:
+    """Each loaded backend's record fingerprint (`tuning.fingerprints_of`) and the legacy one, in `env` with
+    `registry` (default: this process's facts and plugins)."""
     from selector.environment import current_environment
     from selector.registry import get_registry, plugin_versions
 
-    return tuning.tuning_fingerprint(current_environment(), plugin_versions(get_registry()))
+    env = env or current_environment()
+    registry = registry or get_registry()
+    origins = backend_origins(registry)
+    declared = {p for _, packages in origins.values() for p in packages if env.package(p) is None}
+    installed = {normalize_package_name(p): _installed_version(p) for p in declared}
+    return tuning.fingerprints_of(env, origins, plugin_versions(registry), installed)
 
 
 @cache
 def tuning_table() -> TuningTable:
-    """The known records of this fingerprint indexed for lookup, gathered once per process (until `reload`)."""
-    fingerprint = current_fingerprint()
-    return TuningTable.from_records(known_records(fingerprint), fingerprint)
+    """The known records trusted here indexed for lookup, gathered once per process (until `reload`); records
+    of the older format proven current are rewritten in the store to their backend's fingerprint first."""
+    fingerprints = current_fingerprints()
+    default_store().migrate(fingerprints)
+    return TuningTable.from_records(known_records(fingerprints.accepted()), fingerprints)
 
 
 def reload() -> None:

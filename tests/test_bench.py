@@ -9,6 +9,7 @@ import pytest
 
 from selector.probes import collect_environment
 from selector import tuning_store as tuning
+from selector.tuning import Fingerprints
 from selector.bench import BenchResult, Cell, fill_peer_ratios, markdown_table, run_bench, write_outputs
 from selector.presets import preset
 from selector.ranking import rank
@@ -61,7 +62,7 @@ def _use_as_tuning(result: BenchResult, tmp_path: Path, monkeypatch: pytest.Monk
     """Make `result` the only measured timings selector reads (callers tuning.reload() when done)."""
     from selector.bench.grid import records_from_bench
 
-    monkeypatch.setattr(tuning, "current_fingerprint", lambda: "test-fingerprint")
+    monkeypatch.setattr(tuning, "current_fingerprints", lambda: Fingerprints.uniform("test-fingerprint"))
     records = records_from_bench(result)
     monkeypatch.setattr(tuning, "known_records", lambda fingerprint=None: records)
     tuning.reload()
@@ -127,7 +128,7 @@ def test_quantised_cells_beside_dense_in_the_table() -> None:
 def test_quantised_cells_do_not_become_dense_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
     from selector.bench.grid import records_from_bench
 
-    monkeypatch.setattr(tuning, "current_fingerprint", lambda: "test-fingerprint")
+    monkeypatch.setattr(tuning, "current_fingerprints", lambda: Fingerprints.uniform("test-fingerprint"))
     records = records_from_bench(BenchResult("NVIDIA H200", CEILINGS, "", _quant_cells()))
     assert {(r["backend"], r["time_s"]) for r in records} == {("triton_fused", 34e-6), ("grouped_mm", 100e-6)}
 

@@ -219,10 +219,11 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     records = TuningStore(tmp_path / "tuning.sqlite3").records()
     assert result.stored == len(records) == 2 * 5  # two counts, five backends with a right result
     assert all(tuning.check_record(r) is None for r in records)
-    from selector.tuning_store import current_fingerprint
+    from selector.tuning_store import current_fingerprints
 
     r = records[0]
-    assert r["fingerprint"] == current_fingerprint() and r["gpu"] == "cpu" and r["tool"] == "selector tune"
+    assert r["fingerprint"] == current_fingerprints().of(r["backend"])  # its backend's own fingerprint
+    assert r["gpu"] == "cpu" and r["tool"] == "selector tune"
     assert r["problem"] == tuning.problem_key(_tiny().problem) and r["rounds"] == 3 and r["mode"] == "eager"
     assert {rec["backend"] for rec in records} == {"eager", "batched_mm", "grouped_mm", "fake_tunable", "fake_broken_tuner"}
     assert set(result.first_calls["E4-H64-I32-k2"]) >= {"eager", "batched_mm", "grouped_mm"}
@@ -440,14 +441,14 @@ def test_auto_switches_backend_at_the_measured_crossover(fresh_registry) -> None
     from experts_fixtures import make_experts, random_routing
 
     from selector.dispatch import last_backend, problem_of, reset_selection_caches
-    from selector.tuning_store import current_fingerprint, reload, save_records
+    from selector.tuning_store import current_fingerprints, reload, save_records
 
     fresh_registry()
     module = make_experts(4, 64, 32, seed=2)
     key = tuning.problem_key(problem_of(module, 2))
     times = {1: (1e-5, 5e-5), 8: (2e-5, 6e-5), 64: (9e-5, 7e-5), 512: (5e-4, 2e-4)}  # (grouped_mm, eager)
-    save_records([{"fingerprint": current_fingerprint(), "gpu": "cpu", "problem": key, "mode": "eager", "tokens": t,
-                   "backend": name, "time_s": s} for t, pair in times.items()
+    save_records([{"fingerprint": current_fingerprints().of(name), "gpu": "cpu", "problem": key, "mode": "eager",
+                   "tokens": t, "backend": name, "time_s": s} for t, pair in times.items()
                   for name, s in zip(("grouped_mm", "eager"), pair)])  # fmt: skip
     reload()
     reset_selection_caches()

@@ -36,11 +36,17 @@ def test_problem_key_names_what_a_time_depends_on() -> None:
 
 def test_fingerprint_changes_with_versions_and_gpu_memory() -> None:
     env = collect_environment(ENV)
-    base = tuning.tuning_fingerprint(env, {"moe-selector": "0.1.0"})
-    assert base == tuning.tuning_fingerprint(env, {"moe-selector": "0.1.0"})
-    assert base != tuning.tuning_fingerprint(env, {"moe-selector": "0.2.0"})
+    base = tuning.legacy_fingerprint(env, {"moe-selector": "0.1.0"})
+    assert base == tuning.legacy_fingerprint(env, {"moe-selector": "0.1.0"})
+    assert base != tuning.legacy_fingerprint(env, {"moe-selector": "0.2.0"})
     bigger = collect_environment({**ENV, "SELECTOR_GPUS": "NVIDIA H200:9.0:141"})
-    assert base != tuning.tuning_fingerprint(bigger, {"moe-selector": "0.1.0"})
+    assert base != tuning.legacy_fingerprint(bigger, {"moe-selector": "0.1.0"})
+    # a record's own fingerprint: its backend's distribution and the machine, gpu memory included
+    record_fp = tuning.backend_fingerprint(tuning.backend_facts(env, "moe-selector 0.1.0"))
+    assert record_fp == tuning.backend_fingerprint(tuning.backend_facts(env, "moe-selector 0.1.0"))
+    assert record_fp != tuning.backend_fingerprint(tuning.backend_facts(env, "moe-selector 0.2.0"))
+    assert record_fp != tuning.backend_fingerprint(tuning.backend_facts(bigger, "moe-selector 0.1.0"))
+    assert record_fp != base
 
 
 @pytest.mark.parametrize(

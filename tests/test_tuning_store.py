@@ -17,6 +17,7 @@ import pytest
 from selector import tuning, tuning_store
 from selector.cli import main
 from selector.probes import collect_environment
+from selector.tuning import Fingerprints
 from selector.tuning_store import TuningStore, TuningStoreWarning
 from selector.types import Problem
 
@@ -32,6 +33,11 @@ def _record(**changes: Any) -> dict[str, Any]:
          "time_s": 1e-4}  # fmt: skip
     r.update(changes)
     return r
+
+
+def _here(env: object = None, registry: object = None) -> Fingerprints:
+    """This process's fingerprints in these tests: FP for each backend the records name."""
+    return Fingerprints({b: FP for b in ("grouped_mm", "triton_fused", "batched_mm", "eager")})
 
 
 @pytest.fixture
@@ -78,7 +84,7 @@ def test_stale_records_are_counted_and_never_in_the_table(tmp_path: Path, monkey
     monkeypatch.setenv("SELECTOR_TUNING_STORE", str(tmp_path / "tuning.sqlite3"))
     monkeypatch.setattr(tuning_store, "DATA_DIR", tmp_path / "no-shipped-files")
     monkeypatch.setattr(tuning_store, "shared_tuning_records", lambda fingerprint=None: [])
-    monkeypatch.setattr(tuning_store, "current_fingerprint", lambda: FP)
+    monkeypatch.setattr(tuning_store, "current_fingerprints", _here)
     result = tuning_store.save_records([
         _record(backend="grouped_mm", time_s=2e-4),
         _record(backend="triton_fused", time_s=1e-6, fingerprint=OLD),
@@ -103,7 +109,7 @@ def test_known_records_shipped_then_store_then_daemon(tmp_path: Path, monkeypatc
     (shipped / "broken.json").write_text("{not json")
     monkeypatch.setattr(tuning_store, "DATA_DIR", shipped)
     monkeypatch.setattr(tuning_store, "shared_tuning_records", lambda fingerprint=None: [_record(backend="eager", time_s=1e-5)])
-    monkeypatch.setattr(tuning_store, "current_fingerprint", lambda: FP)
+    monkeypatch.setattr(tuning_store, "current_fingerprints", _here)
     monkeypatch.setenv("SELECTOR_TUNING_STORE", str(tmp_path / "tuning.sqlite3"))
     assert tuning_store.save_records([_record(time_s=2e-4)]).stored == 1
     with pytest.warns(TuningStoreWarning, match="shipped tuning file skipped: .*broken.json: not JSON"):
@@ -312,7 +318,7 @@ def test_unmeasured_names_what_a_tuner_still_has_to_time(store: TuningStore) -> 
 def cli_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "node" / "tuning.sqlite3"
     monkeypatch.setenv("SELECTOR_TUNING_STORE", str(path))
-    monkeypatch.setattr(tuning_store, "current_fingerprint", lambda: FP)
+    monkeypatch.setattr(tuning_store, "current_fingerprints", _here)
     return path
 
 
@@ -325,7 +331,8 @@ def test_cli_show_export_import_clear(cli_store: Path, tmp_path: Path, capsys: p
 
     assert main(["store", "show", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert (shown["schema"], shown["current"], shown["stale"], shown["usable"]) == ("selector.store/1", 2, 1, True)
+    assert (shown["schema"], shown["current"], shown["stale"], shown["usable"]) == ("selector.store/2", 2, 1, True)
+    assert shown["fingerprints"]["by_backend"]["grouped_mm"] == FP and shown["stale_by_backend"] == {"grouped_mm": 1}
 
     export = tmp_path / "shipped.json"
     assert main(["store", "export", str(export)]) == 0
@@ -369,7 +376,7 @@ def test_cli_show_of_an_unusable_store_exits_1(tmp_path: Path, monkeypatch: pyte
     real.put([_record()])
     (tmp_path / "link.sqlite3").symlink_to(real.path)
     monkeypatch.setenv("SELECTOR_TUNING_STORE", str(tmp_path / "link.sqlite3"))
-    monkeypatch.setattr(tuning_store, "current_fingerprint", lambda: FP)
+    monkeypatch.setattr(tuning_store, "current_fingerprints", _here)
     with pytest.warns(TuningStoreWarning):
         assert main(["store", "show"]) == 1
     assert "not usable:  " in capsys.readouterr().out

@@ -111,17 +111,18 @@ def run_bench(
 
 def records_from_bench(result: BenchResult) -> list[dict[str, Any]]:
     """Tuning records (`selector.tuning`) of a run's timed cells: selector backends on dense layers, eager and
-    graph modes (tuning.MODES: not compile, not train), under this process's tuning fingerprint."""
+    graph modes (tuning.MODES: not compile, not train), each under its backend's record fingerprint here."""
     from selector import tuning
     from selector.presets import PRESETS
-    from selector.tuning_store import current_fingerprint
+    from selector.tuning_store import current_fingerprints
 
-    fingerprint, out = current_fingerprint(), []
+    fingerprints, out = current_fingerprints(), []
     for cell in result.cells:
         problem = PRESETS.get(cell.shape)
         if problem is None or cell.mode not in tuning.MODES or not cell.time_s or cell.format != "dense":
             continue
-        if cell.backend.startswith((PEER_PREFIX, "auto")):
+        fingerprint = fingerprints.of(cell.backend)
+        if cell.backend.startswith((PEER_PREFIX, "auto")) or fingerprint is None:
             continue
         record = {
             "fingerprint": fingerprint, "gpu": result.device, "tokens": cell.tokens, "backend": cell.backend,

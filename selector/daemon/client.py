@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,9 +159,11 @@ def environment_from_daemon(environ: Mapping[str, str] | None = None) -> Environ
 
 
 def shared_tuning_records(environ: Mapping[str, str] | None = None,
-                          fingerprint: str | None = None) -> list[dict[str, Any]]:
-    """Timings the processes of this node shared through the daemon: those of `fingerprint`, or all when it is
-    None (none when no daemon answers)."""
+                          fingerprint: str | Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Timings the processes of this node shared through the daemon: those of `fingerprint` (one, or any of a
+    list: each backend's record fingerprint), or all when it is None (none when no daemon answers)."""
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        fingerprint = list(fingerprint)
     try:
         reply = _ask({"op": wire.TUNING_GET, "fingerprint": fingerprint}, environ, RECORDS_TIMEOUT_S)
         records = [] if reply is None else reply.get("records")

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,6 +51,7 @@ REPLY_DEADLINE_S = 10.0  # a peer gets this long to read its reply
 ACCEPT_BATCH = 64  # connections accepted per wake-up, so the ones already open keep moving
 STORE_WORKERS = 2  # threads that wait on the store (its lock may be held by a tuner), so pings never do
 MAX_REASONS = 20  # refusal reasons sent back per put (the count is always whole)
+MAX_FINGERPRINTS = 4096  # in one tuning_get: one per backend, and the legacy one
 START_WAIT_S = 10.0  # the daemon probes once before it answers
 STOP_WAIT_S = 5.0
 
@@ -64,7 +65,13 @@ class Store(Protocol):
 
     def put(self, records: list[dict[str, Any]]) -> Any: ...  # a PutResult: .stored, .refused
 
-    def records(self, fingerprint: str | None = None) -> list[dict[str, Any]]: ...
+    def records(self, fingerprint: str | Sequence[str] | None = None) -> list[dict[str, Any]]: ...
+
+
+def _is_fingerprint_filter(value: object) -> bool:
+    if value is None or isinstance(value, str):
+        return True
+    return isinstance(value, list) and len(value) <= MAX_FINGERPRINTS and all(isinstance(f, str) for f in value)
 
 
 def open_store(path: Path | None = None) -> Store:
@@ -202,9 +209,10 @@ class DaemonServer:
             return {"ok": True, "environment": self._env_dict, "fingerprint": self.fingerprint,
                     "context": self.context}
         if op == wire.TUNING_GET:
-            fingerprint = message.get("fingerprint")
-            if fingerprint is not None and not isinstance(fingerprint, str):
-                return _error("bad request: fingerprint is a string or null")
+            fingerprint = message.get("fingerprint")  # a list: the records of any (each backend's own)
+            if not _is_fingerprint_filter(fingerprint):
+                return _error("bad request: fingerprint is a string, a list of at most "
+                              f"{MAX_FINGERPRINTS} strings, or null")
             return {"ok": True, "records": self.store.records(fingerprint)}
         if op == wire.TUNING_PUT:
             return self._put(message.get("records"))

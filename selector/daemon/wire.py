@@ -5,7 +5,8 @@ Protocol: over a Unix stream socket, one request and one reply per connection. E
 `"v": PROTOCOL_VERSION`. Sizes are bounded (MAX_REQUEST_BYTES, MAX_REPLY_BYTES, MAX_RECORDS_PER_PUT) and
 nothing but JSON is ever decoded, so a peer can make a request fail but never make either side run its data.
 
-Requests: {"op": "ping"}, {"op": "environment"}, {"op": "tuning_get", "fingerprint": str | null},
+Requests: {"op": "ping"}, {"op": "environment"}, {"op": "tuning_get", "fingerprint": str | [str] | null} (the
+records of one fingerprint, of any of a list, or all),
 {"op": "tuning_put", "records": [...]}, {"op": "jobs"} (measurement locks held now: tuning in progress),
 {"op": "stop"}. Replies: {"ok": true, ...} or {"ok": false, "error": ...}.
 

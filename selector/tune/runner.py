@@ -18,6 +18,7 @@ from selector.tune.inputs import TuneInputError, TuneTarget, token_counts
 from selector.bench.layouts import is_plain
 from selector.tune.plan import ModePlan, Timed, build_plan
 from selector.tune.store import TuneStore
+from selector.tuning import Fingerprints
 from selector.types import Problem
 
 SCHEMA = "selector.tune/1"
@@ -55,7 +56,7 @@ class TuneCell:
 class TuneResult:
     device: str
     gpu: str
-    fingerprint: str
+    fingerprint: Fingerprints  # each backend's record fingerprint here
     targets: list[TuneTarget]
     cells: list[TuneCell]
     dry_run: bool = False
@@ -72,7 +73,7 @@ class TuneResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA, "device": self.device, "gpu": self.gpu, "fingerprint": self.fingerprint,
+            "schema": SCHEMA, "device": self.device, "gpu": self.gpu, "fingerprints": self.fingerprint.to_dict(),
             "dry_run": self.dry_run,
             "targets": [{"name": t.name, "problem": asdict(t.problem), "notes": list(t.notes)} for t in self.targets],
             "cells": [c.to_dict() for c in self.cells], "kernel_tuning": self.kernel_tuning,
@@ -99,7 +100,7 @@ def plan_cells(
     env: Any,
     registry: Any,
     store: TuneStore,
-    fingerprint: str,
+    fingerprint: Fingerprints,
     gpu: str,
     config: Any = None,
     memory_cap_gb: float = 40.0,
@@ -256,7 +257,8 @@ def plans_of(result: TuneResult, store: TuneStore) -> list[ModePlan]:
     stored: dict[tuple[str, str], dict[int, dict[str, Timed]]] = {}
     keys = {problem_key(t.problem): t.name for t in result.targets}
     for r in store.records():
-        if r.get("fingerprint") == result.fingerprint and r.get("gpu") == result.gpu and r.get("problem") in keys:
+        trusted = result.fingerprint.trusts(str(r.get("backend")), str(r.get("fingerprint")))
+        if trusted and r.get("gpu") == result.gpu and r.get("problem") in keys:
             try:
                 by_t = stored.setdefault((keys[r["problem"]], r["mode"]), {}).setdefault(int(r["tokens"]), {})
                 by_t[r["backend"]] = Timed(float(r["time_s"]), float(r.get("spread", 0.0)))
@@ -419,7 +421,7 @@ class _Run:
         for name, timing in timings.items():
             by_t[name] = Timed(timing.median_s, timing.spread)
             records.append({
-                "fingerprint": self.result.fingerprint, "gpu": self.result.gpu, "problem": key, "mode": cell.mode,
+                "fingerprint": self.result.fingerprint.of(name), "gpu": self.result.gpu, "problem": key, "mode": cell.mode,
                 "tokens": cell.tokens, "backend": name, "time_s": timing.median_s, "spread": timing.spread,
                 "rounds": timing.rounds, "first_call_s": firsts.get(name, 0.0), "measured_at": now, "tool": TOOL,
             })  # fmt: skip

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from selector import tuning_store
+from selector.tuning import Fingerprints
 from selector.tuning_store import PutResult, TuningStore
 
 
@@ -24,16 +25,17 @@ class TuneStore:
     def path(self) -> Path:
         return self.store.path
 
-    def fingerprint(self) -> str:
-        return tuning_store.current_fingerprint()
+    def fingerprint(self) -> Fingerprints:
+        """Each backend's record fingerprint in this process."""
+        return tuning_store.current_fingerprints()
 
     def records(self) -> list[dict[str, Any]]:
         """Every record known: the node's (shipped files, the store, the daemon) for the default store."""
         return tuning_store.known_records() if self.shared else self.store.records()
 
-    def is_measured(self, fingerprint: str, gpu: str, problem_key: str, mode: str, tokens: int,
+    def is_measured(self, fingerprint: Fingerprints, gpu: str, problem_key: str, mode: str, tokens: int,
                     backends: Sequence[str]) -> bool:  # fmt: skip
-        """Whether every one of `backends` has a stored time for this cell under `fingerprint`."""
+        """Whether every one of `backends` has a stored time for this cell trusted under `fingerprint`."""
         return self.store.is_measured(fingerprint, gpu, problem_key, mode, tokens, backends)
 
     def save(self, records: Iterable[Mapping[str, Any]]) -> PutResult:
