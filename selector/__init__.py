@@ -48,6 +48,7 @@ _LAZY = {
     "set_environment": "selector.environment",
     "from_pretrained": "selector.hf",
     "from_config": "selector.hf",
+    "tune_model": "selector.tune.model",
 }
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from selector.model import experts, explain_model, get_experts_implementation, set_experts_implementation
     from selector.ranking import rank
     from selector.registry import get_registry, register_plugin
+    from selector.tune.model import tune_model
 
 
 def __getattr__(name: str) -> Any:

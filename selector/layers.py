@@ -101,3 +101,30 @@ def dims(module: torch.nn.Module) -> tuple[int, int, int]:
         in_dim *= 2  # two e2m1 values per byte along the input dim (selector.quant)
     inter = out_dim // 2 if getattr(module, "has_gate", True) else out_dim
     return e, in_dim, inter
+
+
+# The class attribute `selector.experts` sets on a decorated experts class.
+DECORATED = "_selector_experts"
+
+
+def is_decorated(module: torch.nn.Module) -> bool:
+    """An experts module whose class `selector.experts` decorated."""
+    return bool(getattr(type(module), DECORATED, False))
+
+
+def is_transformers_experts(module: torch.nn.Module) -> bool:
+    """A module built by Transformers' `use_experts_implementation` (or following its convention)."""
+    config = getattr(module, "config", None)
+    return (
+        config is not None
+        and hasattr(config, "_experts_implementation")
+        and "is_concatenated" in module.__dict__
+        and hasattr(module, "down_proj")
+        and (hasattr(module, "gate_up_proj") or hasattr(module, "up_proj"))
+    )
+
+
+def find_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every experts module of `model` selector runs, with its path: decorated modules and Transformers' experts
+    modules."""
+    return [(p, m) for p, m in model.named_modules() if is_decorated(m) or is_transformers_experts(m)]

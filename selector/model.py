@@ -107,14 +107,15 @@ def experts(
             klass._apply_gate = layers.default_apply_gate
         if gate is not None:
             klass.selector_gate = gate
-        klass._selector_experts = True
+        setattr(klass, layers.DECORATED, True)
         return klass
 
     return wrap(cls) if cls is not None else wrap
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
-    return bool(getattr(type(module), "_selector_experts", False))
+    """An experts module whose class `selector.experts` decorated."""
+    return layers.is_decorated(module)
 
 
 def _scope_of(model: torch.nn.Module, module: torch.nn.Module) -> str:

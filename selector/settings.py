@@ -128,6 +128,10 @@ _DECLARED = [
             "over how many calls auto spreads a backend's one-time cost (download, JIT compile) in its estimate; "
             "a bad value means the default",
             positive=True, on_bad="default"),
+    Setting("SELECTOR_TUNE_ON_LOAD", "float", 0.0,
+            "seconds selector.from_pretrained / from_config may spend tuning a loaded model's experts shapes that "
+            "no shipped table or earlier tuning covers (selector.tune_model); 0: off. Needs a CUDA GPU",
+            minimum=0.0),
     # --- tuning store -------------------------------------------------------------------------------------
     Setting("SELECTOR_TUNING_STORE", "path", None,
             "the tuning store (a SQLite file of measured times); a shared folder serves a cluster where its "

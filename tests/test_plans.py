@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -292,24 +292,29 @@ def test_bad_input_is_never_taken_for_a_backend_failure(raising) -> None:
     assert raising.calls == 0
 
 
-def test_a_layer_on_default_tiles_is_told_once_per_shape(preparing, monkeypatch, caplog) -> None:
+class HeuristicTilesPlugin:
+    """The preparing fake, its plans on heuristic tiles (a shape no table or tuning covers)."""
+
+    @staticmethod
+    @hookimpl
+    def selector_backends():
+        (spec,) = PreparingPlugin.selector_backends()
+        real = spec.prepare
+        return [replace(spec, name="fake_heuristic", prepare=lambda m, p: replace(real(m, p), tiles="heuristic"))]
+
+
+def test_a_layer_on_default_tiles_is_told_once_per_shape(fresh_registry, caplog) -> None:
     """The first forward of a shape whose plan runs on heuristic tiles logs one line naming the shape and the
     command that tunes it; later calls, and other modules of the same shape, say nothing."""
-    from dataclasses import replace as replaced
-
-    real = PreparingPlugin.selector_backends()[0].prepare
-    spec = replaced(PreparingPlugin.selector_backends()[0], prepare=lambda m, p: replaced(real(m, p), tiles="heuristic"))
-    monkeypatch.setattr(dispatch._RESOLVER.get_registry(), "specs", {**dispatch._RESOLVER.get_registry().specs,
-                                                                     "fake_preparing": spec})  # fmt: skip
-    monkeypatch.setattr(dispatch, "_TOLD", set())
+    fresh_registry(fake_heuristic=HeuristicTilesPlugin)
     x, idx, w = _inputs()
     with caplog.at_level("WARNING", logger="selector"), torch.no_grad():
         for module in (make_experts(4, 16, 8), make_experts(4, 16, 8)):
-            selector.set_experts_implementation(module, "fake_preparing")
+            selector.set_experts_implementation(module, "fake_heuristic")
             module(x, idx, w)
             module(x, idx, w)
-        make_experts(6, 16, 8)(torch.randn(3, 16), *random_routing(3, 6, 2))  # another shape, another backend
     lines = [r.getMessage() for r in caplog.records if "default tiles" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert "E=4 H=16 I=8 k=2" in lines[0] and "runs fake_preparing" in lines[0]
+    assert "E=4 H=16 I=8 k=2" in lines[0] and "runs fake_heuristic" in lines[0]
     assert "`selector tune --experts 4 --hidden 16 --intermediate 8 --top-k 2 --dtype float32`" in lines[0]
+    assert dispatch.untuned_message("fake_heuristic", dispatch.call_problem(module, 2)) in lines[0]

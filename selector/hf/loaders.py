@@ -3,17 +3,20 @@ CompileConfig for generate()'s compiled decode step."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from selector import settings
 from selector.hf.names import AUTO
 from selector.hf.registration import register_with_transformers
 from selector.hf.report import log_selection
 from selector.hf.requests import validate_request
 from selector.hf.version import check_transformers
 
+_log = logging.getLogger("selector")
 _HUB_KWARGS = (
     "cache_dir",
     "force_download",
@@ -54,6 +57,7 @@ def from_pretrained(
         pretrained_model_name_or_path, *model_args, experts_implementation=experts_implementation, **kwargs
     )
     log_selection(model)
+    tune_on_load(model)
     return model
 
 
@@ -71,7 +75,26 @@ def from_config(
     build = getattr(model_class, "from_config", None) or model_class._from_config
     model = build(config, experts_implementation=request, **kwargs)
     log_selection(model)
+    tune_on_load(model)
     return model
+
+
+def tune_on_load(model: Any) -> None:
+    """`selector.tune_model(model, budget_s=SELECTOR_TUNE_ON_LOAD)` where that is set and the model is on a CUDA GPU;
+    a model on another device is left alone, and a tuning that cannot run is logged, never raised: loading works."""
+    budget = float(settings.get("SELECTOR_TUNE_ON_LOAD") or 0.0)
+    if budget <= 0:
+        return
+    from selector.tune.model import tune_model
+    from selector.tune.runner import TuneUnavailable
+
+    try:
+        done = tune_model(model, budget_s=budget)
+    except TuneUnavailable as exc:
+        _log.warning("selector: SELECTOR_TUNE_ON_LOAD: not tuned: %s", exc)
+        return
+    if done.tuned:
+        _log.info("selector: tuned %d experts shape(s) in %.1f s", len(done.tuned), done.seconds)
 
 
 def compile_config(

@@ -7,19 +7,8 @@ from typing import Any
 import torch
 
 from selector import dispatch
+from selector.layers import is_transformers_experts
 from selector.types import Problem
-
-
-def is_transformers_experts(module: torch.nn.Module) -> bool:
-    """A module built by Transformers' `use_experts_implementation` (or following its convention)."""
-    config = getattr(module, "config", None)
-    return (
-        config is not None
-        and hasattr(config, "_experts_implementation")
-        and "is_concatenated" in module.__dict__
-        and hasattr(module, "down_proj")
-        and (hasattr(module, "gate_up_proj") or hasattr(module, "up_proj"))
-    )
 
 
 def sub_config_keys(config: Any) -> list[str]:
