@@ -64,8 +64,12 @@ def read_user_table(path: Path, normalize: Callable[[Any], dict[str, Any]], owne
     try:
         doc = read_document(path)
     except ValueError as exc:
-        warnings.warn(f"{owner}: ignoring the tuned tile table {path}: {exc}; delete it or run `selector tune` "
-                      "again to rewrite it", RuntimeWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"{owner}: ignoring the tuned tile table {path}: {exc}; delete it or run `selector tune` "
+            "again to rewrite it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return {}
     table: Table = {}
     skipped = 0
@@ -82,8 +86,12 @@ def read_user_table(path: Path, normalize: Callable[[Any], dict[str, Any]], owne
         if entries:
             table[key] = entries
     if skipped:
-        warnings.warn(f"{owner}: ignoring {skipped} malformed entr{'y' if skipped == 1 else 'ies'} of the tuned tile "
-                      f"table {path}", RuntimeWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"{owner}: ignoring {skipped} malformed entr{'y' if skipped == 1 else 'ies'} of the tuned tile "
+            f"table {path}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return table
 
 
@@ -117,8 +125,7 @@ def merge_entries(
     try:
         doc = read_document(path)
     except ValueError as exc:
-        warnings.warn(f"{owner}: replacing the unreadable tuned tile table {path}: {exc}", RuntimeWarning,
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(f"{owner}: replacing the unreadable tuned tile table {path}: {exc}", RuntimeWarning, stacklevel=3)
         doc = {}
     configs = doc.get("configs") if isinstance(doc.get("configs"), dict) else {}
     per_t = configs.get(key) if isinstance(configs.get(key), dict) else {}
@@ -156,4 +163,3 @@ def _default_table_dir(xdg_cache_home: str | None, home: str | None, backend: st
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("selector")) / backend
-

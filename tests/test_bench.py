@@ -10,7 +10,15 @@ import pytest
 from selector.probes import collect_environment
 from selector import tuning_store as tuning
 from selector.tuning import Fingerprints
-from selector.bench import BenchResult, Cell, fill_peer_ratios, markdown_table, run_bench, write_outputs
+from selector.bench import (
+    BenchOptions,
+    BenchResult,
+    Cell,
+    fill_peer_ratios,
+    markdown_table,
+    run_bench,
+    write_outputs,
+)
 from selector.presets import preset
 from selector.ranking import rank
 from selector.registry import build_registry
@@ -162,7 +170,7 @@ def test_bench_rejects_an_unknown_format(capsys: pytest.CaptureFixture[str]) -> 
     from selector.cli import main
 
     with pytest.raises(ValueError, match="unknown format"):
-        run_bench(["qwen3-30b-a3b"], [1], formats=["fp8"])
+        run_bench(["qwen3-30b-a3b"], [1], BenchOptions(formats=["fp8"]))
     assert main(["bench", "--formats", "fp8"]) == 2  # a usage error, before anything runs
     assert "expected some of dense, fp8-f32, fp8-ue8m0, fp4" in capsys.readouterr().err
 
@@ -198,9 +206,20 @@ def test_bench_formats_runs_on_the_cpu_through_the_interpreter(tmp_path: Path) -
         pytest.skip("the GPU run is tests/test_gpu_kernels_real.py::test_bench_formats_end_to_end")
     tiny = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=256, intermediate_size=128, top_k=2)
     ceilings = {**CEILINGS, "fp8_flops": 1500e12}
-    result = run_bench({"tiny": tiny}, [3], dtype_name="float32", backends=["grouped_mm", "batched_mm"],
-                       modes=["eager", "graph"], with_peers=False, formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"], rounds=1,
-                       device="cpu", ceilings=ceilings)  # fmt: skip
+    result = run_bench(
+        {"tiny": tiny},
+        [3],
+        BenchOptions(
+            dtype_name="float32",
+            backends=["grouped_mm", "batched_mm"],
+            modes=["eager", "graph"],
+            with_peers=False,
+            formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"],
+            rounds=1,
+            device="cpu",
+            ceilings=ceilings,
+        ),
+    )
     timed = {(c.format, c.backend) for c in result.cells if c.time_s}
     assert {("dense", "grouped_mm"), ("fp8-f32", "grouped_mm"), ("fp8-ue8m0", "batched_mm"), ("fp4", "grouped_mm"),
             ("fp8-f32", "auto")} <= timed, sorted(timed)  # fmt: skip
@@ -218,7 +237,7 @@ def test_bench_formats_runs_on_the_cpu_through_the_interpreter(tmp_path: Path) -
 
 def test_a_cpu_bench_run_needs_its_ceilings() -> None:
     with pytest.raises(ValueError, match="pass the ceilings"):
-        run_bench(["qwen3-30b-a3b"], [1], device="cpu")
+        run_bench(["qwen3-30b-a3b"], [1], BenchOptions(device="cpu"))
 
 
 class _FakeClock:
@@ -306,8 +325,19 @@ def test_bench_times_every_backend_and_auto_interleaved_on_the_cpu() -> None:
     from dataclasses import replace
 
     tiny = replace(preset("qwen3-30b-a3b"), num_experts=4, hidden_size=64, intermediate_size=32, top_k=2)
-    result = run_bench({"tiny": tiny}, [4], dtype_name="float32", backends=["eager", "batched_mm", "grouped_mm"],
-                       modes=["eager"], with_peers=False, device="cpu", ceilings=CEILINGS, rounds=3)  # fmt: skip
+    result = run_bench(
+        {"tiny": tiny},
+        [4],
+        BenchOptions(
+            dtype_name="float32",
+            backends=["eager", "batched_mm", "grouped_mm"],
+            modes=["eager"],
+            with_peers=False,
+            device="cpu",
+            ceilings=CEILINGS,
+            rounds=3,
+        ),
+    )
     rows = {c.backend: c for c in result.cells}
     assert set(rows) == {"eager", "batched_mm", "grouped_mm", "auto"}
     assert all(c.rounds == 3 and c.spread is not None and c.time_s for c in rows.values())
@@ -386,10 +416,21 @@ def test_a_resumed_run_skips_measured_rows_and_hands_over_each_finished_shape() 
     def hand_over(partial: BenchResult) -> None:
         handed.append({(c.shape, c.tokens) for c in partial.cells})
 
-    result = run_bench({"done": tiny, "todo": tiny}, [2, 3], dtype_name="float32", backends=["eager"],
-                       modes=["eager"], with_peers=False, device="cpu", ceilings=CEILINGS, rounds=1,
-                       skip={("done", "dense", 2), ("done", "dense", 3), ("todo", "dense", 3)},
-                       after_shape=hand_over)  # fmt: skip
+    result = run_bench(
+        {"done": tiny, "todo": tiny},
+        [2, 3],
+        BenchOptions(
+            dtype_name="float32",
+            backends=["eager"],
+            modes=["eager"],
+            with_peers=False,
+            device="cpu",
+            ceilings=CEILINGS,
+            rounds=1,
+        ),
+        skip={("done", "dense", 2), ("done", "dense", 3), ("todo", "dense", 3)},
+        after_shape=hand_over,
+    )
     assert {(c.shape, c.tokens) for c in result.cells} == {("todo", 2)}
     assert handed == [{("todo", 2)}]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from selector import BackendSpec, Requirements, hookimpl
-from selector.bench import run_bench, write_outputs
+from selector.bench import BenchOptions, run_bench, write_outputs
 from selector.bench import grid as grid_module
 from selector.bench.cells import BenchResult, Cell, choice_quality
 from selector.bench.grid import records_from_bench, trainable
@@ -61,8 +61,8 @@ class FakeKernels:
 
 
 def _run(backends: list[str], modes: list[str], shape: str = "tiny", **kw: Any) -> BenchResult:
-    return run_bench({shape: TINY}, [5], dtype_name="float32", backends=backends, modes=modes, device="cpu",
-                     ceilings=CEILINGS, rounds=2, **{"with_peers": False, **kw})  # fmt: skip
+    options = {"dtype_name": "float32", "device": "cpu", "ceilings": CEILINGS, "rounds": 2, "with_peers": False, **kw}
+    return run_bench({shape: TINY}, [5], BenchOptions(backends=backends, modes=modes, **options))
 
 
 def _cells(result: BenchResult, mode: str) -> dict[str, Cell]:
@@ -88,8 +88,16 @@ def test_train_mode_times_a_training_step_of_the_torch_backends_with_exact_gradi
 def test_train_mode_checks_the_gradients_of_the_gpt_oss_layout_biases_included() -> None:
     """Transposed, interleaved gate/up, biases, clamped SwiGLU: the float64 gradients follow the layout."""
     layout = replace(preset("gpt-oss-20b"), num_experts=4, hidden_size=32, intermediate_size=16, top_k=2)
-    result = run_bench({"oss": layout}, [5], dtype_name="float32", backends=["grouped_mm", "batched_mm"],
-                       modes=["train"], with_peers=False, device="cpu", ceilings=CEILINGS, rounds=1)  # fmt: skip
+    options = BenchOptions(
+        dtype_name="float32",
+        backends=["grouped_mm", "batched_mm"],
+        modes=["train"],
+        with_peers=False,
+        device="cpu",
+        ceilings=CEILINGS,
+        rounds=1,
+    )
+    result = run_bench({"oss": layout}, [5], options)
     rows = _cells(result, "train")
     for name in ("grouped_mm", "batched_mm"):
         assert rows[name].grad_rel_error is not None and rows[name].grad_rel_error < 1e-5, rows[name]
@@ -193,7 +201,7 @@ def test_cli_parses_train_mode_and_refuses_an_unknown_one(capsys: pytest.Capture
     assert exit_info.value.code == 2
     assert "backprop: expected some of eager, graph, compile, train" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown mode"):
-        run_bench({"tiny": TINY}, [1], modes=["backprop"], device="cpu", ceilings=CEILINGS)
+        run_bench({"tiny": TINY}, [1], BenchOptions(modes=["backprop"], device="cpu", ceilings=CEILINGS))
 
 
 @pytest.mark.gpu
@@ -202,8 +210,10 @@ def test_train_mode_on_the_gpu_times_triton_fused_and_checks_its_gradients() -> 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     shape = replace(preset("qwen3-30b-a3b"), num_experts=16)
-    result = run_bench({"small": shape}, [64, 512], backends=["triton_fused", "grouped_mm"], modes=["train"],
-                       with_peers=True, ceilings=CEILINGS, rounds=3)  # fmt: skip
+    options = BenchOptions(
+        backends=["triton_fused", "grouped_mm"], modes=["train"], with_peers=True, ceilings=CEILINGS, rounds=3
+    )
+    result = run_bench({"small": shape}, [64, 512], options)
     train = [c for c in result.cells if c.mode == "train"]
     for name in ("triton_fused", "grouped_mm", "auto"):
         cells = [c for c in train if c.backend == name]

@@ -369,7 +369,7 @@ def test_tile_tuning_times_the_gpt_oss_epilogue_in_the_interpreter(tmp_path, mon
     C.clear_caches()
     launched = []
     real_launch = K._launch_gemm
-    monkeypatch.setattr(K, "_launch_gemm", lambda *a, **kw: launched.append(kw) or real_launch(*a, **kw))
+    monkeypatch.setattr(K, "_launch_gemm", lambda gemm, *a, **kw: launched.append(gemm) or real_launch(gemm, *a, **kw))
 
     def wall_timer(fn) -> float:
         t0 = time.perf_counter()
@@ -386,9 +386,9 @@ def test_tile_tuning_times_the_gpt_oss_epilogue_in_the_interpreter(tmp_path, mon
         assert set(C.load_user_table("Interpreter GPU")) == {summary["shape"]}
     finally:
         C.clear_caches()
-    gate_up = [kw for kw in launched if kw["gated"]]
-    assert gate_up and all(kw["gate"] == 1 and kw["gate_alpha"] == 1.702 and kw["gate_limit"] == 7.0
-                           and kw["interleaved"] for kw in gate_up)  # fmt: skip
+    gate_up = [gemm for gemm in launched if gemm.gated]  # the layer's gate_up records, as launched
+    assert gate_up
+    assert all((g.gate, g.gate_alpha, g.gate_limit, g.interleaved) == (1, 1.702, 7.0, True) for g in gate_up)
 
 
 @pytest.mark.skipif(CUDA, reason="on a CPU, where the kernels run in the interpreter")

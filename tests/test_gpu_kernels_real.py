@@ -287,11 +287,18 @@ def test_bench_formats_end_to_end(tmp_path: Path) -> None:
     """`selector bench --formats` on one shape: every format timed on each path, every checked cell within the
     GPU bound against float64 (quantised: from the dequantised weights), quantised floors at the e4m3 rate where
     it was measured (never above the bf16-rate floor), and the tables and tuning records written."""
-    from selector.bench import run_bench, write_outputs
+    from selector.bench import BenchOptions, run_bench, write_outputs
     from selector.bench.grid import records_from_bench
 
-    result = run_bench(["qwen3-30b-a3b"], [1, 64], backends=["triton_fused", "grouped_mm", "batched_mm"],
-                       modes=["eager", "graph"], formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"])  # fmt: skip
+    result = run_bench(
+        ["qwen3-30b-a3b"],
+        [1, 64],
+        BenchOptions(
+            backends=["triton_fused", "grouped_mm", "batched_mm"],
+            modes=["eager", "graph"],
+            formats=["dense", "fp8-f32", "fp8-ue8m0", "fp4"],
+        ),
+    )
     timed = {(c.format, c.backend) for c in result.cells if c.time_s}
     assert {("dense", "grouped_mm"), ("fp8-f32", "triton_fused"), ("fp8-ue8m0", "batched_mm"),
             ("fp4", "triton_fused"), ("fp8-f32", "auto")} <= timed, sorted(timed)  # fmt: skip

@@ -618,6 +618,20 @@ def test_gpu_cuda_graph_capture():
         assert torch.equal(got, want)
 
 
+def replayed(module, x, idx, w, mode):
+    """The layer's plan as the dispatch core runs it: replayed from a recorded graph where its GraphPolicy allows."""
+    from selector import graphs
+    from selector.plugins.quant_kernels.forward import prepare_quantised
+    from selector.problem import problem_from_module
+
+    plan = prepare_quantised(module, problem_from_module(module, top_k=idx.shape[1]), mode, "quant")
+    policy = plan.graphs
+    if policy is None or not graphs.graphs_enabled(x, policy.max_tokens, policy.variable):
+        return plan.run(x, idx, w)
+    key = (mode, x.shape, x.dtype, idx.shape, idx.dtype, w.dtype, x.device)
+    return graphs.replay(module, "quant", key, plan.run, (x, idx, w))
+
+
 @pytest.mark.gpu
 def test_gpu_decode_graph_replay_matches_direct_launches(monkeypatch):
     module = quantised(8, 256, 128, ("fp4", "ue8m0", None), dtype=torch.bfloat16)
@@ -626,7 +640,7 @@ def test_gpu_decode_graph_replay_matches_direct_launches(monkeypatch):
         x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
         for mode in MODES:
             monkeypatch.setenv("SELECTOR_QUANT_GRAPHS", "1")
-            first, again = run(module, x, idx, w, mode), run(module, x, idx, w, mode)  # record, then replay
+            first, again = replayed(module, x, idx, w, mode), replayed(module, x, idx, w, mode)  # record, replay
             monkeypatch.setenv("SELECTOR_QUANT_GRAPHS", "0")
             direct = run(module, x, idx, w, mode)
             assert torch.equal(first, direct) and torch.equal(again, direct)

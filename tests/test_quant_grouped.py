@@ -645,15 +645,15 @@ def test_tma_only_where_it_can_run(monkeypatch):
     assert ops.use_tma(big, False, dev, w, tile_rows=256) and not ops.use_tma(big, False, dev, w, tile_rows=512)
     s = torch.ones(4, 1, 1, device=DEV)
     a = torch.zeros(40, 96, dtype=torch.float8_e4m3fn, device=DEV)
-    common = dict(num_experts=4, a_div=1, fp4=False, ue8m0=False, block_n=128, block_k=128)
+    proj = ops.Projection(ops.QuantWeights(w, s), ops.WeightFormat(4, False, False, 128, 128))
+    scales = torch.ones(40, 1, device=DEV)
     with pytest.raises(ValueError, match="a_sorted needs"):  # a in pair order, not one row per block slot
-        ops.projection("grouped", a, w, s, big, 40, a_scale=torch.ones(40, 1, device=DEV), a_sorted=True, **common)
+        ops.run_projection("grouped", proj, ops.Activations(a, scales, sorted=True), big, 40)
     slots = big[0].numel()
     a_slots = torch.zeros(slots, 96, dtype=torch.float8_e4m3fn, device=DEV)
     with pytest.raises(ValueError, match="a_sorted needs"):  # its scales in pair order
-        ops.projection("grouped", a_slots, w, s, big, 40, a_scale=torch.ones(40, 1, device=DEV), a_sorted=True,
-                       **common)  # fmt: skip
+        ops.run_projection("grouped", proj, ops.Activations(a_slots, scales, sorted=True), big, 40)
     with pytest.raises(ValueError, match="do not fit"):
         ops.quantize_rows(torch.zeros(40, 96, device=DEV), 32, slots=big, a_div=slots)
     with pytest.raises(ValueError, match="out_sorted needs"):
-        ops.projection("grouped", a, w, s, pairs, 2, out_sorted=True, **common)
+        ops.run_projection("grouped", proj, ops.Activations(a), pairs, 2, dest=ops.Output(sorted=True))

@@ -136,9 +136,9 @@ def test_layer_bench_times_tiles_in_the_layout_the_layer_runs(monkeypatch, sorte
     launched = []
     real_launch = K._launch_gemm
 
-    def spy(a, w, bias, out, sorted_rows, *rest, **kw):
-        launched.append((kw, a.shape[0], out.shape[0], sorted_rows.numel()))
-        return real_launch(a, w, bias, out, sorted_rows, *rest, **kw)
+    def spy(gemm, a, out, blocks, *rest, **kw):
+        launched.append((kw["tma"], a.shape[0], out.shape[0], blocks.sorted_rows.numel()))
+        return real_launch(gemm, a, out, blocks, *rest, **kw)
 
     monkeypatch.setattr(K, "_launch_gemm", spy)
     problem = Problem(num_experts=3, hidden_size=32, intermediate_size=32, top_k=2, dtype="float16", device="cpu")

@@ -15,6 +15,7 @@ import selector
 from selector import tuning
 from selector.tune import (
     TuneInputError,
+    TuneOptions,
     TuneStore,
     TuneUnavailable,
     build_plan,
@@ -204,8 +205,12 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     store = TuneStore(tmp_path / "tuning.sqlite3")
     backends = ["eager", "batched_mm", "grouped_mm", "fake_tunable", "fake_wrong", "fake_broken_tuner"]
     seen: list[tuple[str, int, int]] = []
-    result = run_tune([_tiny()], tokens=[1, 4], backends=backends, device="cpu", store=store, rounds=3, sample_s=1e-3,
-                      kernel_budget_s=30, progress=lambda what, done, total: seen.append((what, done, total)))  # fmt: skip
+    result = run_tune(
+        [_tiny()],
+        TuneOptions(tokens=[1, 4], backends=backends, device="cpu", rounds=3, sample_s=1e-3, kernel_budget_s=30),
+        store=store,
+        progress=lambda what, done, total: seen.append((what, done, total)),
+    )
     assert seen == [("E4-H64-I32-k2 T=1 eager", 1, 2), ("E4-H64-I32-k2 T=4 eager", 2, 2)]  # no graph mode on a CPU
     (problem, counts, budget), = _TunableFake.calls
     assert counts == (1, 4) and 0 < budget <= 30 and problem.num_tokens is None
@@ -250,17 +255,28 @@ def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry
     # again without the backend that gave a wrong result (it has no record, so its cells would be measured again):
     # every cell is measured under this fingerprint, so nothing is timed or tuned
     _TunableFake.calls.clear()
-    again = run_tune([_tiny()], tokens=[1, 4], backends=[b for b in backends if b != "fake_wrong"], device="cpu",
-                     store=TuneStore(tmp_path / "tuning.sqlite3"), rounds=3, sample_s=0.0)  # fmt: skip
+    again = run_tune(
+        [_tiny()],
+        TuneOptions(
+            tokens=[1, 4], backends=[b for b in backends if b != "fake_wrong"], device="cpu", rounds=3, sample_s=0.0
+        ),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     assert again.stored == 0 and not _TunableFake.calls and all(c.measured for c in again.cells)
     assert not again.records and not again.kernel_tuning
     assert [row.tokens for row in again.plans[0].rows] == [1, 4]  # the plan from the stored records
     # a new token count is measured, the old ones are not; --force measures them all again
-    more = run_tune([_tiny()], tokens=[1, 4, 8], backends=["eager", "grouped_mm"], device="cpu",
-                    store=TuneStore(tmp_path / "tuning.sqlite3"), rounds=2, sample_s=0.0)  # fmt: skip
+    more = run_tune(
+        [_tiny()],
+        TuneOptions(tokens=[1, 4, 8], backends=["eager", "grouped_mm"], device="cpu", rounds=2, sample_s=0.0),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     assert {rec["tokens"] for rec in more.records} == {8}
-    forced = run_tune([_tiny()], tokens=[1], backends=["eager"], device="cpu", store=TuneStore(tmp_path / "tuning.sqlite3"),
-                      rounds=2, sample_s=0.0, force=True)  # fmt: skip
+    forced = run_tune(
+        [_tiny()],
+        TuneOptions(tokens=[1], backends=["eager"], device="cpu", rounds=2, sample_s=0.0, force=True),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     assert [(rec["tokens"], rec["backend"]) for rec in forced.records] == [(1, "eager")]
 
 
@@ -274,8 +290,11 @@ def test_a_gpt_oss_layout_is_built_checked_and_timed(tmp_path: Path) -> None:
     oss = replace(PRESETS["gpt-oss-20b"], num_experts=4, hidden_size=64, intermediate_size=32, top_k=2)
     target = with_overrides(flag_target(4, 64, 32, 2), "float32", None, "cpu")
     target = replace(target, name="oss", problem=replace(oss, dtype="float32", device="cpu"))
-    result = run_tune([target], tokens=[3], backends=["eager", "batched_mm", "grouped_mm"], device="cpu",
-                      store=TuneStore(tmp_path / "tuning.sqlite3"), rounds=1, sample_s=0.0)  # fmt: skip
+    result = run_tune(
+        [target],
+        TuneOptions(tokens=[3], backends=["eager", "batched_mm", "grouped_mm"], device="cpu", rounds=1, sample_s=0.0),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     assert not result.errors and {r["backend"] for r in result.records} == {"eager", "batched_mm", "grouped_mm"}
     key = result.records[0]["problem"]
     assert key.endswith("/clamped_swiglu(alpha=1.702,limit=7)/gated+has_bias+is_transposed+interleaved")
@@ -284,17 +303,25 @@ def test_a_gpt_oss_layout_is_built_checked_and_timed(tmp_path: Path) -> None:
 def test_a_quantised_gpt_oss_layer_is_a_usage_error(tmp_path: Path) -> None:
     oss = with_overrides(preset_targets(["gpt-oss-20b"])[0], None, "fp8-f32", "cpu")
     with pytest.raises(TuneInputError, match="gpt-oss-20b: quantised weights .* plain layout only.*--format dense"):
-        run_tune([oss], tokens=[1], device="cpu", store=TuneStore(tmp_path / "tuning.sqlite3"), dry_run=True)
+        run_tune(
+            [oss], TuneOptions(tokens=[1], device="cpu", dry_run=True), store=TuneStore(tmp_path / "tuning.sqlite3")
+        )
 
 
 def test_dry_run_lists_cells_and_measures_nothing(tmp_path: Path) -> None:
-    result = run_tune([_tiny()], tokens=[2, 1024], backends=["eager", "grouped_mm"], device="cpu",
-                      store=TuneStore(tmp_path / "tuning.sqlite3"), dry_run=True)  # fmt: skip
+    result = run_tune(
+        [_tiny()],
+        TuneOptions(tokens=[2, 1024], backends=["eager", "grouped_mm"], device="cpu", dry_run=True),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     assert [(c.tokens, c.mode, c.backends) for c in result.cells] == [(2, "eager", ["eager", "grouped_mm"]),
                                                                       (1024, "eager", ["eager", "grouped_mm"])]  # fmt: skip
     assert not result.records and not (tmp_path / "tuning.sqlite3").exists()
-    twice = run_tune([_tiny(), _tiny()], tokens=[2], backends=["eager"], device="cpu",
-                     store=TuneStore(tmp_path / "tuning.sqlite3"), dry_run=True)  # fmt: skip
+    twice = run_tune(
+        [_tiny(), _tiny()],
+        TuneOptions(tokens=[2], backends=["eager"], device="cpu", dry_run=True),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     assert [t.name for t in twice.targets] == ["E4-H64-I32-k2", "E4-H64-I32-k2#2"]  # reports are keyed by name
 
 
@@ -321,8 +348,11 @@ def test_a_held_gpu_lock_stops_the_run_with_the_fix(tmp_path: Path) -> None:
     with store.measurement_lock("cpu", 1.0) as got:
         assert got
         with pytest.raises(TuneUnavailable, match="another process is measuring on cpu .*raise --lock-timeout"):
-            run_tune([_tiny()], tokens=[1], backends=["eager"], device="cpu", store=TuneStore(tmp_path / "tuning.sqlite3"),
-                     lock_timeout_s=0.0, sample_s=0.0)  # fmt: skip
+            run_tune(
+                [_tiny()],
+                TuneOptions(tokens=[1], backends=["eager"], device="cpu", lock_timeout_s=0.0, sample_s=0.0),
+                store=TuneStore(tmp_path / "tuning.sqlite3"),
+            )
     assert not (tmp_path / "tuning.sqlite3").exists()
 
 
@@ -374,8 +404,11 @@ def test_cli_dry_run_prints_the_cells(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.gpu
 def test_gpu_run_times_both_modes_and_saves_records(tmp_path: Path) -> None:
     target = with_overrides(flag_target(8, 1024, 512, 2), "bfloat16", None, "cuda")
-    result = run_tune([target], tokens=[1, 64], backends=["grouped_mm", "batched_mm"], device="cuda",
-                      store=TuneStore(tmp_path / "tuning.sqlite3"), rounds=3)  # fmt: skip
+    result = run_tune(
+        [target],
+        TuneOptions(tokens=[1, 64], backends=["grouped_mm", "batched_mm"], device="cuda", rounds=3),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     keys = {(r["tokens"], r["mode"], r["backend"]) for r in result.records}
     assert keys == {(t, m, b) for t in (1, 64) for m in ("eager", "graph") for b in ("grouped_mm", "batched_mm")}
     assert all(0 < r["time_s"] < 0.1 and r["spread"] >= 0 for r in result.records)
@@ -385,8 +418,13 @@ def test_gpu_run_times_both_modes_and_saves_records(tmp_path: Path) -> None:
 def test_a_backend_over_the_memory_cap_is_left_out_when_planning(tmp_path: Path) -> None:
     """Left out before measuring, so the cell still counts as measured next time (a dropped backend has no record)."""
     cap = 10 * 2 * 3 * 64 * 32 * 4  # dense batched_mm copies 3·H·I float32 weights per (token, slot): 10 tokens' worth
-    result = run_tune([_tiny()], tokens=[1, 64], backends=["eager", "batched_mm"], device="cpu",
-                      store=TuneStore(tmp_path / "tuning.sqlite3"), dry_run=True, memory_cap_gb=cap / 2**30)  # fmt: skip
+    result = run_tune(
+        [_tiny()],
+        TuneOptions(
+            tokens=[1, 64], backends=["eager", "batched_mm"], device="cpu", dry_run=True, memory_cap_gb=cap / 2**30
+        ),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     by_t = {c.tokens: c for c in result.cells}
     assert by_t[1].backends == ["eager", "batched_mm"] and not by_t[1].left_out
     assert by_t[64].backends == ["eager"] and "more than" in by_t[64].left_out["batched_mm"]
@@ -403,8 +441,11 @@ def test_a_record_the_schema_refuses_is_reported_not_fatal(tmp_path: Path, monke
         return {name: replace(t, spread=150.0) if name == "eager" else t for name, t in out.items()}
 
     monkeypatch.setattr(timing, "time_interleaved", spiky)
-    result = run_tune([_tiny()], tokens=[2], backends=["eager", "grouped_mm"], device="cpu",
-                      store=TuneStore(tmp_path / "tuning.sqlite3"), rounds=1, sample_s=0.0)  # fmt: skip
+    result = run_tune(
+        [_tiny()],
+        TuneOptions(tokens=[2], backends=["eager", "grouped_mm"], device="cpu", rounds=1, sample_s=0.0),
+        store=TuneStore(tmp_path / "tuning.sqlite3"),
+    )
     assert [r["backend"] for r in result.records] == ["grouped_mm"] and result.stored == 1
     (error,) = result.errors
     assert error["backend"] == "eager" and error["error"] == "record refused: spread or first_call_s out of range"
@@ -425,8 +466,12 @@ def test_auto_follows_what_tune_measured(tmp_path: Path, fresh_registry, fixed_t
     index, weights = random_routing(3, 4, 2)
     static = explain_module(module, num_tokens=3, top_k=2)
     assert static.best != "batched_mm" and all(c.source == "estimate" for c in static.candidates)
-    run_tune([_tiny()], tokens=[1, 4], backends=["eager", "batched_mm", "grouped_mm"], device="cpu", rounds=2,
-             sample_s=0.0)  # into the process's store (SELECTOR_TUNING_STORE, a temp folder in tests)
+    run_tune(
+        [_tiny()],
+        TuneOptions(
+            tokens=[1, 4], backends=["eager", "batched_mm", "grouped_mm"], device="cpu", rounds=2, sample_s=0.0
+        ),
+    )  # into the process's store (SELECTOR_TUNING_STORE, a temp folder in tests)
     reload()
     reset_selection_caches()
     module(x, index, weights)

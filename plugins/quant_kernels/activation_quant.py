@@ -10,16 +10,24 @@ from selector.plugins.triton_common.align import AlignPlan, run_align
 from selector.plugins.triton_common.launch import INTERPRET, cdiv, launch, next_pow2
 
 
-def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_warps: int = 4,
-                  zero: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                  slots: tuple | None = None, a_div: int = 0,
-                  align: AlignPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def quantize_rows(
+    x: torch.Tensor,
+    group: int,
+    block_r: int | None = None,
+    num_warps: int = 4,
+    zero: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    slots: tuple | None = None,
+    a_div: int = 0,
+    align: AlignPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic e4m3 quantisation of x [R, K] per row and `group` channels -> (q [R, K], scales [R, ceil(K / group)]).
     `block_r`, `num_warps`: rows per program and its warps (benchmarks sweep them; None: the default below; with
     `align`, at least the align program's warps).
     The same launch fills `zero` (shaped like x, its last dim contiguous) and `counts` (int32) with zeros.
     `slots` (a sorted routing from ``route``): one row per block slot, in block order, for a TMA projection
-    (``projection(a_sorted=True)``); with `a_div` > 0 x holds token rows and slot r gets x[sorted[r] // a_div]
+    (``run_projection`` with ``Activations(sorted=True)``); with `a_div` > 0 x holds token rows and slot r gets
+    x[sorted[r] // a_div]
     quantised (zeros for padding; each token quantised once, then gathered), else x is already in block order.
     Slots of unused blocks are left unwritten.
     `align` (a one-program plan from ``plan_align``, not with `slots`): one more program in the same launch fills
@@ -58,18 +66,44 @@ def quantize_rows(x: torch.Tensor, group: int, block_r: int | None = None, num_w
         block_r = block_r or (16 if rows <= 4096 else 64)
         consts = align.consts if align is not None else dict(CHUNK=1, SUB=1, E_PAD=1, B_TILE=1)
         launch(
-            K._quant_rows_kernel, (cdiv(rows, block_r) + (align is not None), s.shape[1]),
-            (x, q, s, zero if zero is not None else q, counts if counts is not None else s,
-             sorted_rows if sorted_rows is not None else s, block_expert if block_expert is not None else s,
-             ids if align is not None else s, rows, k, counts.numel() if counts is not None else 0, num_valid,
-             num_experts if align is not None else 0, max_blocks if align is not None else 0,
-             x.stride(0), q.stride(0), s.stride(0), zero.stride(0) if zero is not None else 0),
-            dict(BLOCK_R=block_r, BLOCK_K=group, EXACT=INTERPRET, ZERO=zero is not None,
-                 COUNTS=counts is not None and counts.numel() > 0, SLOTS=slots is not None,
-                 BLOCK_M=max(1, bm), ALIGN=align is not None,
-                 CHUNK=consts["CHUNK"], SUB=consts["SUB"], E_PAD=consts["E_PAD"], B_TILE=consts["B_TILE"]),
+            K._quant_rows_kernel,
+            (cdiv(rows, block_r) + (align is not None), s.shape[1]),
+            (
+                x,
+                q,
+                s,
+                zero if zero is not None else q,
+                counts if counts is not None else s,
+                sorted_rows if sorted_rows is not None else s,
+                block_expert if block_expert is not None else s,
+                ids if align is not None else s,
+                rows,
+                k,
+                counts.numel() if counts is not None else 0,
+                num_valid,
+                num_experts if align is not None else 0,
+                max_blocks if align is not None else 0,
+                x.stride(0),
+                q.stride(0),
+                s.stride(0),
+                zero.stride(0) if zero is not None else 0,
+            ),
+            dict(
+                BLOCK_R=block_r,
+                BLOCK_K=group,
+                EXACT=INTERPRET,
+                ZERO=zero is not None,
+                COUNTS=counts is not None and counts.numel() > 0,
+                SLOTS=slots is not None,
+                BLOCK_M=max(1, bm),
+                ALIGN=align is not None,
+                CHUNK=consts["CHUNK"],
+                SUB=consts["SUB"],
+                E_PAD=consts["E_PAD"],
+                B_TILE=consts["B_TILE"],
+            ),
             num_warps,
-        )  # fmt: skip
+        )
     else:
         if counts is not None:
             counts.zero_()
@@ -89,10 +123,26 @@ def gather_rows(q: torch.Tensor, s: torch.Tensor, slots: tuple, a_div: int) -> t
     if n_slots and k:
         block_c = min(1024, next_pow2(k))
         launch(
-            K._gather_rows_kernel, (cdiv(n_slots, 16), cdiv(k, block_c)),
-            (q.view(torch.uint8), s, out_q.view(torch.uint8), out_s, sorted_rows, block_expert, n_slots,
-             q.shape[0] * a_div, a_div, k, s.shape[1], q.stride(0), s.stride(0), out_q.stride(0), out_s.stride(0)),
+            K._gather_rows_kernel,
+            (cdiv(n_slots, 16), cdiv(k, block_c)),
+            (
+                q.view(torch.uint8),
+                s,
+                out_q.view(torch.uint8),
+                out_s,
+                sorted_rows,
+                block_expert,
+                n_slots,
+                q.shape[0] * a_div,
+                a_div,
+                k,
+                s.shape[1],
+                q.stride(0),
+                s.stride(0),
+                out_q.stride(0),
+                out_s.stride(0),
+            ),
             dict(BLOCK_R=16, BLOCK_C=block_c, BLOCK_G=next_pow2(s.shape[1]), BLOCK_M=bm),
             4,
-        )  # fmt: skip
+        )
     return out_q, out_s

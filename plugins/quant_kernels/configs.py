@@ -77,7 +77,9 @@ def decode(values: list[int] | None) -> dict | None:
     if not values:
         return None
     n = len(GEMM_KEYS)
-    parts = {p: {k: v for k, v in zip(GEMM_KEYS, values[1 + i * n : 1 + (i + 1) * n]) if v} for i, p in enumerate(PARTS)}
+    parts = {
+        p: {k: v for k, v in zip(GEMM_KEYS, values[1 + i * n : 1 + (i + 1) * n]) if v} for i, p in enumerate(PARTS)
+    }
     if len(values) != 1 + len(PARTS) * n + 3:
         raise ValueError(f"quantised experts: an encoded config has {1 + len(PARTS) * n + 3} ints, got {len(values)}")
     extra = values[1 + len(PARTS) * n :]
@@ -125,14 +127,16 @@ def load_user_table(device_name: str, directory: str | None = None) -> dict[str,
     return tile_tables.read_user_table(user_table_file(device_name, directory), normalize, "quantised experts")
 
 
-def write_user_entries(device_name: str, key: str, entries: dict[int, dict], tuned_at: list[int],
-                       directory: str | Path | None = None) -> Path:  # fmt: skip
+def write_user_entries(
+    device_name: str, key: str, entries: dict[int, dict], tuned_at: list[int], directory: str | Path | None = None
+) -> Path:
     """Merge one shape's {token_count: config} into the user table atomically; `tuned_at`: the token counts
     measured. Clears the caches so the tiles take effect in this process."""
     path = user_table_file(device_name, directory)
     normalized = {t: normalize(c) for t, c in entries.items()}
-    tile_tables.merge_entries(path, key, normalized, tuned_at, {"version": 1, "device": device_name},
-                              "quantised experts")  # fmt: skip
+    tile_tables.merge_entries(
+        path, key, normalized, tuned_at, {"version": 1, "device": device_name}, "quantised experts"
+    )
     clear_caches()
     return path
 
@@ -157,5 +161,14 @@ def tuned(device_name: str, key: str, num_tokens: int) -> dict | None:
     return _tuned(device_name, key, num_tokens, str(user_config_dir()))
 
 
-__all__ = ["decode", "encode", "load_table", "load_user_table", "lookup", "normalize", "shape_key", "tuned",
-           "write_user_entries"]  # fmt: skip
+__all__ = [
+    "decode",
+    "encode",
+    "load_table",
+    "load_user_table",
+    "lookup",
+    "normalize",
+    "shape_key",
+    "tuned",
+    "write_user_entries",
+]

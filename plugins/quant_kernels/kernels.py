@@ -160,8 +160,9 @@ def _quant_rows(a, static_s, BM: tl.constexpr, STATIC: tl.constexpr, EXACT: tl.c
 
 
 @triton.jit
-def _fp8_col_scale(s_base, offs_c, c_ok, kb, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0: tl.constexpr,
-                   ONE_ROW: tl.constexpr):  # fmt: skip
+def _fp8_col_scale(
+    s_base, offs_c, c_ok, kb, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0: tl.constexpr, ONE_ROW: tl.constexpr
+):
     """The weight scale of each column in offs_c at K block kb; ONE_ROW: the whole tile lies in one scale row
     (its width divides the block's), so one scalar load serves it instead of a gather per column."""
     if ONE_ROW:
@@ -183,26 +184,54 @@ def _fp8_col_scale(s_base, offs_c, c_ok, kb, n_split, split_rows, bn, stride_sn,
 
 
 @triton.jit
-def _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
-                stride_wn, stride_wk, stride_sn, stride_sk,
-                BK: tl.constexpr, BNC: tl.constexpr, FP4: tl.constexpr, UE8M0: tl.constexpr, EXACT: tl.constexpr,
-                ONE_ROW: tl.constexpr = False, w_desc=None, desc_row=0, TMA: tl.constexpr = False):  # fmt: skip
+def _w_tile_dot(
+    w_base,
+    s_base,
+    offs_c,
+    c_ok,
+    k0,
+    K,
+    n_split,
+    split_rows,
+    bn,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    BK: tl.constexpr,
+    BNC: tl.constexpr,
+    FP4: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EXACT: tl.constexpr,
+    ONE_ROW: tl.constexpr = False,
+    w_desc=None,
+    desc_row=0,
+    TMA: tl.constexpr = False,
+):
     """The weight tile of channels offs_c [BNC] and inputs [k0, k0 + BK) as e4m3 [BK, BNC], and its column scale
     ([BNC], or a scalar when ONE_ROW). TMA (fp8): the tile comes through w_desc, the weights seen as [E * C, K],
     from row desc_row (= the expert's first row + offs_c[0]); rows past the expert's are never stored."""
     if FP4:
         G: tl.constexpr = BK // 32
         offs_b = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(
-            w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
-            mask=c_ok[:, None] & (offs_b[None, :] < K // 2), other=0,
-        ).to(tl.int32) & 255  # fmt: skip
+        p = (
+            tl.load(
+                w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                mask=c_ok[:, None] & (offs_b[None, :] < K // 2),
+                other=0,
+            ).to(tl.int32)
+            & 255
+        )
         v = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BNC, BK))
         offs_g = k0 // 32 + tl.arange(0, G)
-        eg = tl.load(
-            s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
-            mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32), other=0,
-        ).to(tl.int32) & 255  # fmt: skip
+        eg = (
+            tl.load(
+                s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+                mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32),
+                other=0,
+            ).to(tl.int32)
+            & 255
+        )
         emax = tl.max(eg, axis=1)
         shift = tl.minimum(tl.maximum(eg - emax[:, None] + 6, -126), 6)
         mult = ((shift + 127) << 23).to(tl.float32, bitcast=True)
@@ -216,41 +245,67 @@ def _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
             offs_k = k0 + tl.arange(0, BK)
             b = tl.load(
                 w_base + offs_k[:, None] * stride_wk + offs_c[None, :] * stride_wn,
-                mask=(offs_k[:, None] < K) & c_ok[None, :], other=0.0,
-            )  # fmt: skip
-        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0,
-                            ONE_ROW)  # fmt: skip
+                mask=(offs_k[:, None] < K) & c_ok[None, :],
+                other=0.0,
+            )
+        ws = _fp8_col_scale(
+            s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0, ONE_ROW
+        )
     return b, ws
 
 
 @triton.jit
-def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
-                stride_wn, stride_wk, stride_sn, stride_sk,
-                BK: tl.constexpr, BNC: tl.constexpr, FP4: tl.constexpr, UE8M0: tl.constexpr):  # fmt: skip
+def _w_tile_f32(
+    w_base,
+    s_base,
+    offs_c,
+    c_ok,
+    k0,
+    K,
+    n_split,
+    split_rows,
+    bn,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    BK: tl.constexpr,
+    BNC: tl.constexpr,
+    FP4: tl.constexpr,
+    UE8M0: tl.constexpr,
+):
     """The weight tile [BNC, BK] in fp32 and its column scale (FP4: exact values x scale, column scale 1)."""
     if FP4:
         G: tl.constexpr = BK // 32
         offs_b = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(
-            w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
-            mask=c_ok[:, None] & (offs_b[None, :] < K // 2), other=0,
-        ).to(tl.int32) & 255  # fmt: skip
+        p = (
+            tl.load(
+                w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                mask=c_ok[:, None] & (offs_b[None, :] < K // 2),
+                other=0,
+            ).to(tl.int32)
+            & 255
+        )
         v = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BNC, BK))
         offs_g = k0 // 32 + tl.arange(0, G)
-        eg = tl.load(
-            s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
-            mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32), other=0,
-        ).to(tl.int32) & 255  # fmt: skip
+        eg = (
+            tl.load(
+                s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+                mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32),
+                other=0,
+            ).to(tl.int32)
+            & 255
+        )
         w = tl.reshape(tl.reshape(v, (BNC, G, 32)) * _pow2(eg)[:, :, None], (BNC, BK))
         ws = tl.full([BNC], 1.0, tl.float32)
     else:
         offs_k = k0 + tl.arange(0, BK)
         w = tl.load(
             w_base + offs_c[:, None] * stride_wn + offs_k[None, :] * stride_wk,
-            mask=c_ok[:, None] & (offs_k[None, :] < K), other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0,
-                            False)  # fmt: skip
+            mask=c_ok[:, None] & (offs_k[None, :] < K),
+            other=0.0,
+        ).to(tl.float32)
+        ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BK, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0, False)
     return w, ws
 
 
@@ -260,10 +315,32 @@ def _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn,
 
 
 @triton.jit
-def _combine_rows(res, rows, row_ok, slot0, offs_n, n_ok, pid_n, num_pid_n, part_ptr, count_ptr, ids_ptr, sorted_ptr,
-                  out_ptr, num_pairs, num_experts, N, top_k, stride_om, stride_on, BLOCK_N: tl.constexpr,
-                  SPLIT_K: tl.constexpr, K_PAD: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-                  EXACT: tl.constexpr):  # fmt: skip
+def _combine_rows(
+    res,
+    rows,
+    row_ok,
+    slot0,
+    offs_n,
+    n_ok,
+    pid_n,
+    num_pid_n,
+    part_ptr,
+    count_ptr,
+    ids_ptr,
+    sorted_ptr,
+    out_ptr,
+    num_pairs,
+    num_experts,
+    N,
+    top_k,
+    stride_om,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
+    EXACT: tl.constexpr,
+):
     """The grouped kernel's COMBINE epilogue: res [BLOCK_M, BLOCK_N] holds the block's results, row m for pair
     rows[m] where row_ok (a pair block: row 0 only; a sorted block: its real rows come first, as align pads only the
     end of an expert's last block, so they are slots slot0 .. slot0 + n_real - 1). The rows are stored (fp32, one
@@ -272,8 +349,9 @@ def _combine_rows(res, rows, row_ok, slot0, offs_n, n_ok, pid_n, num_pid_n, part
     decode a block holds one or two real rows. The last of a token's valid slots x shares to count adds them (share
     order, then one fixed-shape sum over the slots: the same bits whoever arrives last) and writes out[token]."""
     share = tl.program_id(1).to(tl.int64) * num_pairs * N
-    tl.store(part_ptr + share + rows.to(tl.int64)[:, None] * N + offs_n[None, :], res,
-             mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+    tl.store(
+        part_ptr + share + rows.to(tl.int64)[:, None] * N + offs_n[None, :], res, mask=row_ok[:, None] & n_ok[None, :]
+    )
     # every warp's stores first, then acq_rel: the rows are visible before they count, and the last to count sees all
     tl.debug_barrier()
     j = tl.arange(0, K_PAD)
@@ -299,19 +377,78 @@ def _combine_rows(res, rows, row_ok, slot0, offs_n, n_ok, pid_n, num_pid_n, part
 
 @triton.jit
 def _grouped_kernel(
-    a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr, a_s_ptr, out_s_ptr,
-    part_ptr, count_ptr, ids_ptr, a_desc, w_desc, w_rows,
-    num_valid, num_experts, N, K, a_div, num_blocks_m, up_offset, n_split, split_rows,
-    bn, top_k, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_om, stride_on, stride_asm, stride_osm, stride_os,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
-    A_FP8: tl.constexpr, QUANT_OUT: tl.constexpr, INTER_DTYPE: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAX_IMPRECISE: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, FINISH: tl.constexpr,
-    PART_W: tl.constexpr, COMBINE: tl.constexpr, K_PAD: tl.constexpr, TMA: tl.constexpr, SORTED_OUT: tl.constexpr,
-    SWAP: tl.constexpr, PAIRED: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    as_ptr,
+    bias_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    topk_w_ptr,
+    a_s_ptr,
+    out_s_ptr,
+    part_ptr,
+    count_ptr,
+    ids_ptr,
+    a_desc,
+    w_desc,
+    w_rows,
+    num_valid,
+    num_experts,
+    N,
+    K,
+    a_div,
+    num_blocks_m,
+    up_offset,
+    n_split,
+    split_rows,
+    bn,
+    top_k,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    stride_asm,
+    stride_osm,
+    stride_os,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP4: tl.constexpr,
+    UE8M0: tl.constexpr,
+    STATIC: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_W: tl.constexpr,
+    EXACT: tl.constexpr,
+    A_FP8: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    INTER_DTYPE: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,
+    ONE_SCALE_ROW: tl.constexpr,
+    FINISH: tl.constexpr,
+    PART_W: tl.constexpr,
+    COMBINE: tl.constexpr,
+    K_PAD: tl.constexpr,
+    TMA: tl.constexpr,
+    SORTED_OUT: tl.constexpr,
+    SWAP: tl.constexpr,
+    PAIRED: tl.constexpr,
+):
     """out[row, n] = epilogue(sum over K tiles of dot(q(A[row // a_div]), W8[e]) * sa * sw) for each expert block.
 
     PAIR_BLOCKS (decode): no align; block p holds pair p alone (its other rows are padding) and
@@ -422,8 +559,11 @@ def _grouped_kernel(
             aq = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             sa = tl.load(a_s_base + k0 // BLOCK_K)
         elif PAIR_BLOCKS:  # every row of a pair block reads the pair's row: quantise it once, then broadcast
-            a1 = tl.load(a_ptr + (first // a_div).to(tl.int64) * stride_am + (k0 + offs_k) * stride_ak,
-                         mask=(k0 + offs_k) < K, other=0.0)  # fmt: skip
+            a1 = tl.load(
+                a_ptr + (first // a_div).to(tl.int64) * stride_am + (k0 + offs_k) * stride_ak,
+                mask=(k0 + offs_k) < K,
+                other=0.0,
+            )
             aq1, sa1 = _quant_rows(a1.to(tl.float32)[None, :], static_s, 1, STATIC, EXACT)
             aq = tl.broadcast_to(aq1, (BLOCK_M, BLOCK_K))
             sa = tl.broadcast_to(sa1, (BLOCK_M,))
@@ -433,25 +573,79 @@ def _grouped_kernel(
         if PAIRED:
             b = tl.reshape(w_desc.load([2 * expert.to(tl.int32), pid_n * BLOCK_N, k0]), (W, BLOCK_K)).T
             if ONE_SCALE_ROW:  # one scale per half
-                ws_g = _fp8_col_scale(s_base, offs_n, n_ok, k0 // BLOCK_K, n_split, split_rows, bn, stride_sn,
-                                      stride_sk, UE8M0, True)  # fmt: skip
-                ws_u = _fp8_col_scale(s_base, offs_n + up_offset, n_ok, k0 // BLOCK_K, n_split, split_rows, bn,
-                                      stride_sn, stride_sk, UE8M0, True)  # fmt: skip
+                ws_g = _fp8_col_scale(
+                    s_base, offs_n, n_ok, k0 // BLOCK_K, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0, True
+                )
+                ws_u = _fp8_col_scale(
+                    s_base,
+                    offs_n + up_offset,
+                    n_ok,
+                    k0 // BLOCK_K,
+                    n_split,
+                    split_rows,
+                    bn,
+                    stride_sn,
+                    stride_sk,
+                    UE8M0,
+                    True,
+                )
                 ws = tl.where(half == 0, ws_g, ws_u)
             else:
-                ws = _fp8_col_scale(s_base, offs_c, c_ok, k0 // BLOCK_K, n_split, split_rows, bn, stride_sn,
-                                    stride_sk, UE8M0, False)  # fmt: skip
+                ws = _fp8_col_scale(
+                    s_base, offs_c, c_ok, k0 // BLOCK_K, n_split, split_rows, bn, stride_sn, stride_sk, UE8M0, False
+                )
             acc = _mma(acc, aq, b, sa, ws, MAX_IMPRECISE, False, SWAP)
         else:
-            b, ws = _w_tile_dot(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, W, FP4, UE8M0, EXACT, ONE_SCALE_ROW,
-                                w_desc, w_row0 + pid_n * W, TMA)  # fmt: skip
+            b, ws = _w_tile_dot(
+                w_base,
+                s_base,
+                offs_c,
+                c_ok,
+                k0,
+                K,
+                n_split,
+                split_rows,
+                bn,
+                stride_wn,
+                stride_wk,
+                stride_sn,
+                stride_sk,
+                BLOCK_K,
+                W,
+                FP4,
+                UE8M0,
+                EXACT,
+                ONE_SCALE_ROW,
+                w_desc,
+                w_row0 + pid_n * W,
+                TMA,
+            )
             acc = _mma(acc, aq, b, sa, ws, MAX_IMPRECISE, ONE_SCALE_ROW, SWAP)
         if GATED and not INTERLEAVED and not PAIRED:
-            bu, wsu = _w_tile_dot(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
-                                  stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0,
-                                  EXACT, ONE_SCALE_ROW, w_desc, w_row0 + up_offset + pid_n * BLOCK_N,
-                                  TMA)  # fmt: skip
+            bu, wsu = _w_tile_dot(
+                w_base,
+                s_base,
+                offs_n + up_offset,
+                n_ok,
+                k0,
+                K,
+                n_split,
+                split_rows,
+                bn,
+                stride_wn,
+                stride_wk,
+                stride_sn,
+                stride_sk,
+                BLOCK_K,
+                BLOCK_N,
+                FP4,
+                UE8M0,
+                EXACT,
+                ONE_SCALE_ROW,
+                w_desc,
+                w_row0 + up_offset + pid_n * BLOCK_N,
+                TMA,
+            )
             acc_u = _mma(acc_u, aq, bu, sa, wsu, MAX_IMPRECISE, ONE_SCALE_ROW, SWAP)
     if SWAP:  # back to [BLOCK_M, channels] for the epilogue (one register transpose per program)
         acc = tl.trans(acc)
@@ -509,9 +703,32 @@ def _grouped_kernel(
     if MUL_W:
         res = res * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     if COMBINE:
-        _combine_rows(res, rows, row_ok, pid_m if PAIR_BLOCKS else pid_m * BLOCK_M, offs_n, n_ok, pid_n, num_pid_n,
-                      part_ptr, count_ptr, ids_ptr, sorted_ptr, out_ptr, num_valid, num_experts, N, top_k, stride_om,
-                      stride_on, BLOCK_N, SPLIT_K, K_PAD, PAIR_BLOCKS, EXACT)  # fmt: skip
+        _combine_rows(
+            res,
+            rows,
+            row_ok,
+            pid_m if PAIR_BLOCKS else pid_m * BLOCK_M,
+            offs_n,
+            n_ok,
+            pid_n,
+            num_pid_n,
+            part_ptr,
+            count_ptr,
+            ids_ptr,
+            sorted_ptr,
+            out_ptr,
+            num_valid,
+            num_experts,
+            N,
+            top_k,
+            stride_om,
+            stride_on,
+            BLOCK_N,
+            SPLIT_K,
+            K_PAD,
+            PAIR_BLOCKS,
+            EXACT,
+        )
         return
     if SORTED_OUT:  # every slot of the block, padding too (finite: its A rows are zeros)
         o_rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
@@ -537,12 +754,38 @@ def _grouped_kernel(
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, block_expert_ptr, ids_ptr, num_rows, K,
-                       num_counts, num_valid, num_experts, max_blocks, stride_xm, stride_qm, stride_sm,
-                       stride_zm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
-                       ZERO: tl.constexpr, COUNTS: tl.constexpr, SLOTS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                       E_PAD: tl.constexpr, B_TILE: tl.constexpr):  # fmt: skip
+def _quant_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    zero_ptr,
+    count_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    ids_ptr,
+    num_rows,
+    K,
+    num_counts,
+    num_valid,
+    num_experts,
+    max_blocks,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_zm,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EXACT: tl.constexpr,
+    ZERO: tl.constexpr,
+    COUNTS: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    B_TILE: tl.constexpr,
+):
     """q[r, k] = e4m3(x[r, k] / s[r, k // BLOCK_K]), s = amax / 448 of each row's BLOCK_K-wide group (dynamic).
     SLOTS: row r of x (already in block order) is slot r of the align layout's blocks (BLOCK_M rows each); the
     slots of unused blocks (block expert < 0, never read) are left unwritten (token rows go to block order
@@ -574,14 +817,50 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, zero_ptr, count_ptr, sorted_ptr, blo
             tl.store(count_ptr + offs_c, tl.zeros([1024], tl.int32), mask=offs_c < num_counts)
     if ALIGN:
         if (tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == 0):
-            align_program(ids_ptr, sorted_ptr, sorted_ptr, block_expert_ptr, block_expert_ptr, num_valid, num_experts,
-                          1, max_blocks, 0, 1, BLOCK_M, CHUNK, SUB, E_PAD, B_TILE, True, 0)  # fmt: skip
+            align_program(
+                ids_ptr,
+                sorted_ptr,
+                sorted_ptr,
+                block_expert_ptr,
+                block_expert_ptr,
+                num_valid,
+                num_experts,
+                1,
+                max_blocks,
+                0,
+                1,
+                BLOCK_M,
+                CHUNK,
+                SUB,
+                E_PAD,
+                B_TILE,
+                True,
+                0,
+            )
 
 
 @triton.jit
-def _gather_rows_kernel(q_ptr, s_ptr, out_q_ptr, out_s_ptr, sorted_ptr, block_expert_ptr, num_slots, num_valid,
-                        a_div, K, G, stride_qm, stride_sm, stride_oqm, stride_osm, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+def _gather_rows_kernel(
+    q_ptr,
+    s_ptr,
+    out_q_ptr,
+    out_s_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_slots,
+    num_valid,
+    a_div,
+    K,
+    G,
+    stride_qm,
+    stride_sm,
+    stride_oqm,
+    stride_osm,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """Quantised token rows into block order: slot r gets row sorted[r] // a_div of q (bytes) and of its scales s,
     a padding slot (sorted[r] >= num_valid) zeros and scale 1; the slots of unused blocks (block expert < 0,
     never read) are left unwritten. Program (i, j): BLOCK_R slots, bytes [j * BLOCK_C, (j + 1) * BLOCK_C) of
@@ -600,8 +879,7 @@ def _gather_rows_kernel(q_ptr, s_ptr, out_q_ptr, out_s_ptr, sorted_ptr, block_ex
     if tl.program_id(1) == 0:
         offs_g = tl.arange(0, BLOCK_G)
         g_ok = offs_g < G
-        sc = tl.load(s_ptr + rows[:, None] * stride_sm + offs_g[None, :], mask=real[:, None] & g_ok[None, :],
-                     other=1.0)  # fmt: skip
+        sc = tl.load(s_ptr + rows[:, None] * stride_sm + offs_g[None, :], mask=real[:, None] & g_ok[None, :], other=1.0)
         tl.store(out_s_ptr + slots[:, None] * stride_osm + offs_g[None, :], sc, mask=r_ok[:, None] & g_ok[None, :])
 
 
@@ -612,14 +890,46 @@ def _gather_rows_kernel(q_ptr, s_ptr, out_q_ptr, out_s_ptr, sorted_ptr, block_ex
 
 @triton.jit
 def _rows_kernel(
-    a_ptr, w_ptr, s_ptr, as_ptr, bias_ptr, out_ptr, ids_ptr, topk_w_ptr,
-    num_experts, N, K, a_div, up_offset, n_split, split_rows, bn,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_om, stride_on,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP4: tl.constexpr, UE8M0: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EXACT: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    as_ptr,
+    bias_ptr,
+    out_ptr,
+    ids_ptr,
+    topk_w_ptr,
+    num_experts,
+    N,
+    K,
+    a_div,
+    up_offset,
+    n_split,
+    split_rows,
+    bn,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP4: tl.constexpr,
+    UE8M0: tl.constexpr,
+    STATIC: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_W: tl.constexpr,
+    EXACT: tl.constexpr,
+):
     """out[row, n] for one pair row = program_id(0); sentinel rows (expert outside [0, E)) are left unwritten."""
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -652,16 +962,67 @@ def _rows_kernel(
         aq = tl.reshape(aq2.to(tl.float32), (BLOCK_K,))
         sa = tl.sum(sa2, axis=0)
         if GATED and INTERLEAVED:
-            w, ws = _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, 2 * BLOCK_N, FP4, UE8M0)  # fmt: skip
+            w, ws = _w_tile_f32(
+                w_base,
+                s_base,
+                offs_c,
+                c_ok,
+                k0,
+                K,
+                n_split,
+                split_rows,
+                bn,
+                stride_wn,
+                stride_wk,
+                stride_sn,
+                stride_sk,
+                BLOCK_K,
+                2 * BLOCK_N,
+                FP4,
+                UE8M0,
+            )
             acc += tl.sum(w * aq[None, :], axis=1) * ws * sa
         else:
-            w, ws = _w_tile_f32(w_base, s_base, offs_c, c_ok, k0, K, n_split, split_rows, bn, stride_wn, stride_wk,
-                                stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0)  # fmt: skip
+            w, ws = _w_tile_f32(
+                w_base,
+                s_base,
+                offs_c,
+                c_ok,
+                k0,
+                K,
+                n_split,
+                split_rows,
+                bn,
+                stride_wn,
+                stride_wk,
+                stride_sn,
+                stride_sk,
+                BLOCK_K,
+                BLOCK_N,
+                FP4,
+                UE8M0,
+            )
             acc += tl.sum(w * aq[None, :], axis=1) * ws * sa
             if GATED:
-                wu, wsu = _w_tile_f32(w_base, s_base, offs_n + up_offset, n_ok, k0, K, n_split, split_rows, bn,
-                                      stride_wn, stride_wk, stride_sn, stride_sk, BLOCK_K, BLOCK_N, FP4, UE8M0)  # fmt: skip
+                wu, wsu = _w_tile_f32(
+                    w_base,
+                    s_base,
+                    offs_n + up_offset,
+                    n_ok,
+                    k0,
+                    K,
+                    n_split,
+                    split_rows,
+                    bn,
+                    stride_wn,
+                    stride_wk,
+                    stride_sn,
+                    stride_sk,
+                    BLOCK_K,
+                    BLOCK_N,
+                    FP4,
+                    UE8M0,
+                )
                 acc_u += tl.sum(wu * aq[None, :], axis=1) * wsu * sa
 
     bias_base = bias_ptr + expert * stride_be

@@ -8,8 +8,8 @@ import dataclasses
 import torch
 from selector.plugins.quant_kernels import configs as _configs
 from selector.plugins.quant_kernels.activation_quant import quantize_rows
-from selector.plugins.quant_kernels.projection import run_projection
-from selector.plugins.quant_kernels.records import LINEAR, QuantLayer, quant_layer
+from selector.plugins.quant_kernels.projection import Activations, Output, run_projection
+from selector.plugins.quant_kernels.records import QuantLayer, QuantWeights, WeightFormat, quant_layer, up_epilogue
 from selector.plugins.quant_kernels.routing import combine_slots, route_deferred
 from selector.plugins.quant_kernels.tiles import combine_in_kernel, finish_split, grouped_tiles, resolve_config, use_tma
 from selector.plugins.triton_common.align import run_align
@@ -34,41 +34,19 @@ MODES = ("grouped", "batched")
 # quantisation launch rather than an align launch of their own (``quantize_rows(align=)``).
 
 
-def quant_experts_impl(
+def run_layer(
     x: torch.Tensor,
-    w1: torch.Tensor,
-    s1: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    b1: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    as1: torch.Tensor | None,
-    as2: torch.Tensor | None,
-    num_experts: int,
-    activation: str,
-    gated: bool,
-    interleaved: bool,
-    fp4: bool,
-    ue8m0: bool,
-    block_n: int,
-    block_k: int,
+    layer: QuantLayer,
     mode: str,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """``run_layer`` for a layer given as flat tensors and flags (the custom op's schema)."""
-    layer = quant_layer(w1, s1, w2, s2, b1, b2, as1, as2, num_experts=num_experts, activation=activation, gated=gated,
-                        interleaved=interleaved, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k)  # fmt: skip
-    return run_layer(x, top_k_index, top_k_weights, layer, mode, config)
-
-
-def run_layer(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: QuantLayer, mode: str,
-              config: dict | None = None) -> torch.Tensor:  # fmt: skip
     """The whole layer in the kernels: [T, H] out in x's dtype."""
-    up, down, fmt, up_epilogue = layer.up, layer.down, layer.fmt, layer.up_epilogue
+    up_proj, down_proj = layer.up_projection, layer.down_projection
+    up, down, fmt, epi = up_proj.weights, down_proj.weights, up_proj.fmt, up_proj.epilogue
     num_experts, fp4, block_k = fmt.num_experts, fmt.fp4, fmt.block_k
-    gated, interleaved = up_epilogue.gated, up_epilogue.interleaved
+    gated, interleaved = epi.gated, epi.interleaved
     w1, w2 = up.w, down.w
     t, h = x.shape
     top_k = top_k_index.shape[1]
@@ -89,8 +67,8 @@ def run_layer(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.T
             run_align(pending)
         nested = cfg or _configs.normalize(config)  # the op hands batched configs over nested too (configs.decode)
         c1, c2 = nested["gate_up"], nested["down"]
-        inter = run_projection(mode, x, up, fmt, routing, n_pairs, a_div=top_k, epilogue=up_epilogue, config=c1)
-        y = run_projection(mode, inter, down, fmt, routing, n_pairs, a_div=1, topk_w=wts, config=c2)
+        inter = run_projection(mode, up_proj, Activations(x, a_div=top_k), routing, n_pairs, config=c1)
+        y = run_projection(mode, down_proj, Activations(inter), routing, n_pairs, topk_w=wts, config=c2)
         return combine_slots(y, ids, out, top_k, num_experts)
     # grouped, dynamic: x quantised once up front, or (config QUANT_X "loop") inside gate_up's K loop; the gate_up
     # epilogue quantises the intermediate when its tile covers whole groups, else a second quantize_rows does
@@ -120,20 +98,25 @@ def run_layer(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.T
         if fused:
             out.zero_()
     quant_out = bn1 % block_k == 0
-    inter = run_projection(mode, xq, up, fmt, routing, n_pairs, a_div=top_k, epilogue=up_epilogue, config=up_cfg,
-                           a_scale=xs, quant_out=quant_out, out_dtype=x.dtype,
-                           counts=counts[:up_counts] if n_counts else None, a_sorted=tma, out_sorted=tma)  # fmt: skip
+    up_counts_of = counts[:up_counts] if n_counts else None
+    inter = run_projection(
+        mode,
+        up_proj,
+        Activations(xq, xs, top_k, tma),
+        routing,
+        n_pairs,
+        config=up_cfg,
+        dest=Output(x.dtype, quant_out, tma, counts=up_counts_of),
+    )
     iq, isc = inter if quant_out else quantize_rows(inter, block_k, slots=routing if tma else None)
     if down.act_scale is not None:  # dynamic activations: the down projection has no static scale to read
-        down = dataclasses.replace(down, act_scale=None)
-    down_args = dict(a_div=1, epilogue=LINEAR, topk_w=wts, config=cfg["down"], a_scale=isc, out_dtype=x.dtype,
-                     a_sorted=tma)  # fmt: skip
+        down_proj = dataclasses.replace(down_proj, weights=dataclasses.replace(down, act_scale=None))
+    src = Activations(iq, isc, 1, tma)
     if fused:
-        return run_projection(mode, iq, down, fmt, routing, n_pairs, combine=(out, ids, top_k),
-                              counts=counts[up_counts:], **down_args)  # fmt: skip
-    y = run_projection(mode, iq, down, fmt, routing, n_pairs, **down_args)
+        dest = Output(x.dtype, combine=(out, ids, top_k), counts=counts[up_counts:])
+        return run_projection(mode, down_proj, src, routing, n_pairs, topk_w=wts, config=cfg["down"], dest=dest)
+    y = run_projection(mode, down_proj, src, routing, n_pairs, topk_w=wts, config=cfg["down"], dest=Output(x.dtype))
     return combine_slots(y, ids, out, top_k, num_experts)
-
 
 
 _encode, _decode = _configs.encode, _configs.decode
@@ -163,30 +146,48 @@ def _quant_experts_op(
     mode: str,
     config: list[int] | None,
 ) -> torch.Tensor:
-    return quant_experts_impl(
-        x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
-        interleaved, fp4, ue8m0, block_n, block_k, mode, _decode(config),
-    )  # fmt: skip
+    # a custom op's schema is flat tensors and scalars: the records are built again from them
+    up, down = QuantWeights(w1, s1, b1, as1), QuantWeights(w2, s2, b2, as2)
+    fmt = WeightFormat(num_experts, fp4, ue8m0, block_n, block_k)
+    layer = quant_layer(up, down, fmt, up_epilogue(up, activation=activation, gated=gated, interleaved=interleaved))
+    return run_layer(x, top_k_index, top_k_weights, layer, mode, _decode(config))
 
 
 @_quant_experts_op.register_fake
-def _(x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, num_experts, activation, gated,
-      interleaved, fp4, ue8m0, block_n, block_k, mode, config):  # fmt: skip
+def _(
+    x,
+    w1,
+    s1,
+    w2,
+    s2,
+    top_k_index,
+    top_k_weights,
+    b1,
+    b2,
+    as1,
+    as2,
+    num_experts,
+    activation,
+    gated,
+    interleaved,
+    fp4,
+    ue8m0,
+    block_n,
+    block_k,
+    mode,
+    config,
+):
     return x.new_empty(x.shape)
 
 
-def quant_experts(
-    x, w1, s1, w2, s2, top_k_index, top_k_weights, b1, b2, as1, as2, *, num_experts, activation, gated,
-    interleaved, fp4, ue8m0, block_n, block_k, mode, config=None,
-):  # fmt: skip
-    """``layer_forward`` for a layer given as flat tensors and flags."""
-    layer = quant_layer(w1, s1, w2, s2, b1, b2, as1, as2, num_experts=num_experts, activation=activation, gated=gated,
-                        interleaved=interleaved, fp4=fp4, ue8m0=ue8m0, block_n=block_n, block_k=block_k)  # fmt: skip
-    return layer_forward(x, top_k_index, top_k_weights, layer, mode, config)
-
-
-def layer_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: QuantLayer,
-                  mode: str, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+def layer_forward(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    layer: QuantLayer,
+    mode: str,
+    config: dict | None = None,
+) -> torch.Tensor:
     """The whole layer through the custom op ``selector::quant_experts`` under torch.compile (see the module
     docstring); in eager mode (and CUDA-graph capture) the same implementation directly: the op's dispatcher and
     its aliasing check cost ~130 us of host time per call on the H200 machine (measured, Qwen3 T=512: 389 us per
@@ -199,7 +200,25 @@ def layer_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     # a custom op's schema is flat tensors and scalars: the record is unpacked into it
     up, down, fmt, epi = layer.up, layer.down, layer.fmt, layer.up_epilogue
     return torch.ops.selector.quant_experts(
-        x, up.w, up.s, down.w, down.s, top_k_index, top_k_weights, up.bias, down.bias, up.act_scale, down.act_scale,
-        fmt.num_experts, epi.activation, epi.gated, epi.interleaved, fmt.fp4, fmt.ue8m0, fmt.block_n, fmt.block_k,
-        mode, _encode(config),
-    )  # fmt: skip
+        x,
+        up.w,
+        up.s,
+        down.w,
+        down.s,
+        top_k_index,
+        top_k_weights,
+        up.bias,
+        down.bias,
+        up.act_scale,
+        down.act_scale,
+        fmt.num_experts,
+        epi.activation,
+        epi.gated,
+        epi.interleaved,
+        fmt.fp4,
+        fmt.ue8m0,
+        fmt.block_n,
+        fmt.block_k,
+        mode,
+        _encode(config),
+    )

@@ -1,5 +1,5 @@
 """Host-side records of a quantised layer: what its launches read from the module, built once per set of weights
-(the forward's cached plan) rather than on every call. A @triton.jit kernel's signature stays flat (Triton binds
+(a backend's plan) rather than on every call. A @triton.jit kernel's signature stays flat (Triton binds
 scalars and pointers positionally): the launchers unpack these records into the launch arguments."""
 
 from __future__ import annotations
@@ -47,24 +47,45 @@ LINEAR = Epilogue()
 
 
 @dataclass(frozen=True, slots=True)
-class QuantLayer:
-    """A whole quantised layer: both projections' tensors, their storage format and the gate_up epilogue."""
+class Projection:
+    """One projection as its launches read it: its tensors, their storage format and the epilogue."""
 
-    up: QuantWeights
-    down: QuantWeights
+    weights: QuantWeights
     fmt: WeightFormat
-    up_epilogue: Epilogue
+    epilogue: Epilogue = LINEAR
 
 
-def quant_layer(w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, b1: torch.Tensor | None,
-                b2: torch.Tensor | None, as1: torch.Tensor | None, as2: torch.Tensor | None, *, num_experts: int,
-                activation: str, gated: bool, interleaved: bool, fp4: bool, ue8m0: bool, block_n: int,
-                block_k: int) -> QuantLayer:  # fmt: skip
-    """The record of a layer given as flat tensors and flags (the custom op's schema, the public ``quant_experts``)."""
-    split = (w1.shape[1] // 2) if gated and not interleaved else None
-    return QuantLayer(
-        QuantWeights(w1, s1, b1, as1),
-        QuantWeights(w2, s2, b2, as2),
-        WeightFormat(num_experts, fp4, ue8m0, block_n, block_k),
-        Epilogue(gated, interleaved, activation, split),
-    )
+@dataclass(frozen=True, slots=True)
+class QuantLayer:
+    """A whole quantised layer: the gate_up projection (its epilogue the layer's gate or activation) and the down
+    projection (linear), sharing one storage format."""
+
+    up_projection: Projection
+    down_projection: Projection
+
+    @property
+    def up(self) -> QuantWeights:
+        return self.up_projection.weights
+
+    @property
+    def down(self) -> QuantWeights:
+        return self.down_projection.weights
+
+    @property
+    def fmt(self) -> WeightFormat:
+        return self.up_projection.fmt
+
+    @property
+    def up_epilogue(self) -> Epilogue:
+        return self.up_projection.epilogue
+
+
+def up_epilogue(up: QuantWeights, *, activation: str, gated: bool, interleaved: bool) -> Epilogue:
+    """The gate_up epilogue; gated + concatenated channels: I, where the up half's scale rows restart."""
+    split = (up.w.shape[1] // 2) if gated and not interleaved else None
+    return Epilogue(gated, interleaved, activation, split)
+
+
+def quant_layer(up: QuantWeights, down: QuantWeights, fmt: WeightFormat, epilogue: Epilogue) -> QuantLayer:
+    """The record of a layer from its projections' tensors, their format and the gate_up epilogue."""
+    return QuantLayer(Projection(up, fmt, epilogue), Projection(down, fmt, LINEAR))

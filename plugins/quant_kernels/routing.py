@@ -10,8 +10,9 @@ from selector.plugins.triton_common.combine import combine
 from selector.plugins.triton_common.launch import INTERPRET
 
 
-def route(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None,
-          top_k: int | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def route(
+    mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None, top_k: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """grouped: (sorted_rows, block_expert, BLOCK_M) from the fused backend's align, or (None, ids, 16): one
     block per pair, no align launch (configs.py: ROUTE; by default for one token's `top_k` pairs); batched: (ids,)."""
     routing, plan = route_deferred(mode, ids_flat, num_experts, config, top_k)
@@ -20,8 +21,9 @@ def route(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | No
     return routing
 
 
-def route_deferred(mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None,
-                   top_k: int | None = None) -> tuple[tuple[torch.Tensor, ...], AlignPlan | None]:  # fmt: skip
+def route_deferred(
+    mode: str, ids_flat: torch.Tensor, num_experts: int, config: dict | None = None, top_k: int | None = None
+) -> tuple[tuple[torch.Tensor, ...], AlignPlan | None]:
     """``route``'s layout with its align not launched yet: (routing, plan), plan None where there is nothing to
     launch (pairs, batched). The caller runs the plan (``run_align``) or hands it to ``quantize_rows(align=)``."""
     if mode == "batched":

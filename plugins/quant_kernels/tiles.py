@@ -21,11 +21,8 @@ def _target_programs(device: torch.device) -> int:
     return 2 * _num_sms(device.index or 0)
 
 
-
-
 TMA_MIN_BLOCK_M = 64
 TMA_MAX_BOX = 256  # rows of one TMA copy (the hardware's limit per box dimension)
-
 
 
 def grouped_block_m(num_pairs: int, num_experts: int) -> int:
@@ -47,7 +44,9 @@ _GROUPED_TILES = {
 _ROWS_TILES = ((128, 8), (64, 8), (32, 4))
 
 
-def _pick(options: tuple[tuple[int, int], ...], programs_per_n: int, n_out: int, device: torch.device) -> tuple[int, int]:
+def _pick(
+    options: tuple[tuple[int, int], ...], programs_per_n: int, n_out: int, device: torch.device
+) -> tuple[int, int]:
     """The widest tile that still gives every SM two programs; the narrowest when none does."""
     target = _target_programs(device)
     if target == 0:  # interpreter: few, wide programs
@@ -59,8 +58,9 @@ def _pick(options: tuple[tuple[int, int], ...], programs_per_n: int, n_out: int,
     return options[-1]
 
 
-def split_k(mode: str, config: dict | None, routing: tuple, n_out: int, k_dim: int, block_k: int,
-            device: torch.device) -> int:  # fmt: skip
+def split_k(
+    mode: str, config: dict | None, routing: tuple, n_out: int, k_dim: int, block_k: int, device: torch.device
+) -> int:
     """Shares of K for a linear grouped projection: the config's SPLIT_K, else enough to give every SM two
     programs when few (block, N tile) programs each walk a long K loop (>= 32 steps; each share keeps >= 8)."""
     if mode != "grouped":
@@ -110,13 +110,14 @@ def gemm_config(mode: str, rows: int, n_out: int, device: torch.device, config: 
 
 def combine_in_kernel(routing: tuple, config: dict | None) -> bool:
     """Whether the down kernel adds the slots (COMBINE) rather than a combine launch: the config's "COMBINE" where it
-    says, else for pair blocks only. The caller never combines in the kernel on the TMA path (quant_experts_impl)."""
+    says, else for pair blocks only. The caller never combines in the kernel on the TMA path (layer.run_layer)."""
     asked = (config or {}).get("COMBINE")
     return asked == "kernel" if asked else routing[0] is None
 
 
 def use_tma(routing: tuple, fp4: bool, device: torch.device, *weights: torch.Tensor, tile_rows: int = 0) -> bool:
-    """Whether a layer runs its projections through TMA descriptors (``projection(a_sorted=True)``): sorted blocks
+    """Whether a layer runs its projections through TMA descriptors (``run_projection`` with
+    ``Activations(sorted=True)``): sorted blocks
     of TMA_MIN_BLOCK_M to TMA_MAX_BOX rows, weight tiles and K tiles of at most TMA_MAX_BOX (`tile_rows`: the
     largest), fp8 weights stored contiguously with rows of a multiple of 16 bytes (TMA's alignment) and fewer than
     2^31 rows in all (int32 coordinates), on sm_90+ (or the interpreter, for the tests), with a Triton that has
@@ -135,8 +136,16 @@ def grouped_tiles(routing: tuple, n_out: int, device: torch.device, config: dict
     return bn, blocks * cdiv(n_out, bn)
 
 
-def resolve_config(config: dict | None, device: torch.device, fp4: bool, num_experts: int, hidden: int, inter: int,
-                   tokens: int, top_k: int) -> dict:  # fmt: skip
+def resolve_config(
+    config: dict | None,
+    device: torch.device,
+    fp4: bool,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    tokens: int,
+    top_k: int,
+) -> dict:
     """Nested config of the grouped path: the caller's, else this GPU's tuned table entry, else {} (heuristics)."""
     if config:
         return _configs.normalize(config)

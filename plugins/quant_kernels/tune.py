@@ -41,8 +41,12 @@ from selector.plugins.quant_kernels import configs as C
 from selector.plugins.quant_kernels import ops
 from selector.plugins.triton_common.align import run_align
 
-SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3": (256, 7168, 2048, 8),
-          "mixtral-8x7b": (8, 4096, 14336, 2), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # (E, H, I, k); fmt: skip
+SHAPES = {
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "deepseek-v3": (256, 7168, 2048, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4),
+}  # (E, H, I, k)
 TOKENS = (1, 8, 64, 512, 4096)
 TRY_DECODE_LAYOUTS_MAX_PAIRS = 64  # pair blocks and x quantised in the K loop are tried up to here (T=8, k=8)
 TRY_QUANT_X_LOOP = False
@@ -51,23 +55,73 @@ GRAPH_TIMING_MAX_TOKENS = 4096  # above: back to back (Qwen3 T=512 on the H200: 
 # (BLOCK_N, num_warps, num_stages); gate_up's BLOCK_N counts intermediate channels (2 x that many weight rows)
 # (ptxas for sm_90: gated BLOCK_M 64 x 128 spills with 4 warps, BLOCK_M 128 spills above 64 channels)
 # gate_up: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); a split gate_up is finished by its last share in the kernel
-GATE_UP = {16: ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (64, 4, 6), (16, 2, 4), (32, 2, 4),
-                (32, 4, 6), (32, 4, 4, 2), (64, 4, 4, 2), (64, 4, 6, 2), (128, 4, 4, 2), (64, 4, 4, 4),
-                (128, 4, 3, 4), (128, 4, 4, 4), (128, 8, 4, 2), (128, 8, 3, 4), (128, 8, 3, 8), (64, 4, 3, 8)),
-           32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
-           64: ((64, 4, 4), (64, 4, 3), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
-           128: ((64, 8, 3), (64, 8, 4), (32, 4, 4), (128, 8, 3))}  # fmt: skip
+GATE_UP = {
+    16: (
+        (32, 4, 4),
+        (64, 4, 4),
+        (128, 4, 3),
+        (128, 4, 4),
+        (128, 8, 4),
+        (64, 4, 6),
+        (16, 2, 4),
+        (32, 2, 4),
+        (32, 4, 6),
+        (32, 4, 4, 2),
+        (64, 4, 4, 2),
+        (64, 4, 6, 2),
+        (128, 4, 4, 2),
+        (64, 4, 4, 4),
+        (128, 4, 3, 4),
+        (128, 4, 4, 4),
+        (128, 8, 4, 2),
+        (128, 8, 3, 4),
+        (128, 8, 3, 8),
+        (64, 4, 3, 8),
+    ),
+    32: ((32, 4, 4), (64, 4, 4), (128, 8, 3), (128, 8, 4)),
+    64: ((64, 4, 4), (64, 4, 3), (128, 8, 3), (128, 8, 4), (64, 8, 4)),
+    128: ((64, 8, 3), (64, 8, 4), (32, 4, 4), (128, 8, 3)),
+}
 # down: (BLOCK_N, num_warps, num_stages[, SPLIT_K]); K split in shares only where the K loop is long (>= 32 steps),
 # or with pair blocks (no combine launch to pay for it) where each share keeps >= 3 steps
-DOWN = {"small": ((32, 4, 4), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 3),
-                  (32, 4, 4, 4), (64, 4, 4, 2), (64, 4, 4, 4), (64, 4, 4, 8), (128, 4, 4, 2), (128, 4, 4, 4)),
-        "large": ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))}  # fmt: skip
+DOWN = {
+    "small": (
+        (32, 4, 4),
+        (64, 4, 4),
+        (128, 4, 3),
+        (128, 4, 4),
+        (128, 8, 4),
+        (256, 8, 3),
+        (32, 4, 4, 4),
+        (64, 4, 4, 2),
+        (64, 4, 4, 4),
+        (64, 4, 4, 8),
+        (128, 4, 4, 2),
+        (128, 4, 4, 4),
+    ),
+    "large": ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3)),
+}
 # 16-row blocks also with swapped tiles (SWAP, kernels._mma: weights on the MMA's M side, on sm_90 a native fp8
 # wgmma instead of an mma.sync on operands widened to f16): (BLOCK_N, num_warps, num_stages, SPLIT_K, 1)
-SWAPPED = {"gate_up": ((64, 4, 4, 1, 1), (128, 4, 3, 1, 1), (128, 4, 4, 1, 1), (128, 8, 3, 1, 1), (128, 4, 3, 2, 1),
-                       (128, 4, 3, 4, 1), (64, 4, 4, 2, 1)),
-           "down": ((64, 4, 4, 1, 1), (128, 4, 3, 1, 1), (128, 4, 4, 1, 1), (128, 8, 3, 1, 1), (128, 4, 4, 2, 1),
-                    (64, 4, 4, 2, 1))}  # fmt: skip
+SWAPPED = {
+    "gate_up": (
+        (64, 4, 4, 1, 1),
+        (128, 4, 3, 1, 1),
+        (128, 4, 4, 1, 1),
+        (128, 8, 3, 1, 1),
+        (128, 4, 3, 2, 1),
+        (128, 4, 3, 4, 1),
+        (64, 4, 4, 2, 1),
+    ),
+    "down": (
+        (64, 4, 4, 1, 1),
+        (128, 4, 3, 1, 1),
+        (128, 4, 4, 1, 1),
+        (128, 8, 3, 1, 1),
+        (128, 4, 4, 2, 1),
+        (64, 4, 4, 2, 1),
+    ),
+}
 SPLIT_MIN_STEPS = 32
 
 
@@ -116,7 +170,10 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
     wts = torch.rand(ids.numel(), device=dev)
     out = torch.empty(tokens, h, device=dev, dtype=torch.bfloat16)
     pairs, graph = ids.numel(), tokens <= GRAPH_TIMING_MAX_TOKENS
-    common = dict(num_experts=e, fp4=fp4, ue8m0=fp4, block_n=1 if fp4 else 128, block_k=128)
+    fmt = ops.WeightFormat(e, fp4, fp4, 1 if fp4 else 128, 128)
+    up_proj = ops.Projection(ops.QuantWeights(w1, s1), fmt, ops.Epilogue(True, False, "silu", None if fp4 else inter))
+    down_proj = ops.Projection(ops.QuantWeights(w2, s2), fmt)
+    bf16 = torch.bfloat16
     t_qx = _time(lambda: ops.quantize_rows(x, 128), graph)
     # counters of a split gate_up's tiles or of the down's (token, N tile): more than any candidate needs
     counts = torch.zeros((pairs + e + tokens) * triton.cdiv(max(h, inter), 16), dtype=torch.int32, device=dev)
@@ -144,8 +201,9 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         # pair blocks launch nothing to route (host only: an empty graph cannot be timed)
         t_align = 0.0 if route == "pairs" or ride else _time(lambda: ops.route("grouped", ids, e, rcfg), graph)
         if tma:  # the down GEMM reads the intermediate in block order
-            iq_in, isc_in = ops.quantize_rows(torch.randn(routing[0].numel(), inter, device=dev,
-                                                          dtype=torch.bfloat16), 128, slots=routing)  # fmt: skip
+            iq_in, isc_in = ops.quantize_rows(
+                torch.randn(routing[0].numel(), inter, device=dev, dtype=torch.bfloat16), 128, slots=routing
+            )
         else:
             iq_in, isc_in = iq, isc
         parts = {}
@@ -181,15 +239,21 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     cfg["SPLIT_K"] = split
                 if part == "gate_up":
                     qo = bn % 128 == 0
-                    up = lambda a, a_s, c: ops.projection(
-                        "grouped", a, w1, s1, routing, pairs, a_div=top_k, config=cfg, a_scale=a_s, quant_out=qo,
-                        out_dtype=torch.bfloat16, gated=True, activation="silu", split_inter=None if fp4 else inter,
-                        counts=c, a_sorted=tma, out_sorted=tma, **common)  # fmt: skip
+                    up = lambda a, a_s, c: ops.run_projection(  # noqa: E731
+                        "grouped",
+                        up_proj,
+                        ops.Activations(a, a_s, top_k, tma),
+                        routing,
+                        pairs,
+                        config=cfg,
+                        dest=ops.Output(bf16, qo, tma, counts=c),
+                    )
                     # as the layer does: x's quantisation also zeroes a split gate_up's counters and, where the down
                     # kernel combines, its counters and the output (with QUANT_X "loop", memsets do)
                     fused = "kernel" in combines
                     n_counts = (routing[1].numel() * triton.cdiv(inter, bn) if split > 1 else 0) + (
-                        tokens * triton.cdiv(h, 16) if fused else 0)  # fmt: skip
+                        tokens * triton.cdiv(h, 16) if fused else 0
+                    )
                     c = counts[:n_counts] if n_counts else None
                     zero = out if fused else None
                     if tma and qx != "once":  # x quantised in the K loop never runs with TMA
@@ -203,16 +267,29 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
                     extra = 0.0 if qo else t_qi
                 elif qx == "kernel":  # the kernel combines; its counters zeroed here
                     c = counts[: tokens * triton.cdiv(h, bn)]
-                    fn = lambda: ops.projection("grouped", iq, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc,
-                                                topk_w=wts, out_dtype=torch.bfloat16, combine=(out, ids, top_k),
-                                                counts=c.zero_(), **common)  # fmt: skip
+                    fn = lambda: ops.run_projection(  # noqa: E731
+                        "grouped",
+                        down_proj,
+                        ops.Activations(iq, isc),
+                        routing,
+                        pairs,
+                        topk_w=wts,
+                        config=cfg,
+                        dest=ops.Output(bf16, combine=(out, ids, top_k), counts=c.zero_()),
+                    )
                     extra = -t_zero  # the layer's x quantisation zeroes them, no launch of their own
                 else:
                     # with the combine: a split down hands it shares x pairs x H fp32 partial sums to add
-                    fn = lambda: ops.combine_slots(
-                        ops.projection("grouped", iq_in, w2, s2, routing, pairs, a_div=1, config=cfg, a_scale=isc_in,
-                                       topk_w=wts, out_dtype=torch.bfloat16, a_sorted=tma, **common),
-                        ids, out, top_k, e)  # fmt: skip
+                    src = ops.Activations(iq_in, isc_in, 1, tma)
+                    fn = lambda: ops.combine_slots(  # noqa: E731
+                        ops.run_projection(
+                            "grouped", down_proj, src, routing, pairs, topk_w=wts, config=cfg, dest=ops.Output(bf16)
+                        ),
+                        ids,
+                        out,
+                        top_k,
+                        e,
+                    )
                     extra = 0.0
                 try:
                     t = _time(fn, graph) + extra
@@ -229,17 +306,27 @@ def tune_cell(w1, s1, w2, s2, fp4: bool, tokens: int, top_k: int, deadline: floa
         total = t_align + up_t + parts["down"][0]
         name = f"{route} BM={bm}{' TMA' if tma else ''}"
         aligned = "with x's quantisation" if ride else f"{t_align * 1e6:.1f}"
-        log(f"  T={tokens} {name}: {total * 1e6:.1f}us (align {aligned}, x quantised {qx} "
+        log(
+            f"  T={tokens} {name}: {total * 1e6:.1f}us (align {aligned}, x quantised {qx} "
             f"[{t_qx * 1e6:.1f} us up front], gate_up {up_t * 1e6:.1f} {up_cfg}, down {parts['down'][0] * 1e6:.1f} "
-            f"{down_cfg}, combine {combine})")  # fmt: skip
+            f"{down_cfg}, combine {combine})"
+        )
         if best is None or total < best["time_s"]:
-            config = {"BLOCK_M": bm, "ROUTE": route, "QUANT_X": qx, "COMBINE": combine, "gate_up": up_cfg,
-                      "down": down_cfg}  # fmt: skip
+            config = {
+                "BLOCK_M": bm,
+                "ROUTE": route,
+                "QUANT_X": qx,
+                "COMBINE": combine,
+                "gate_up": up_cfg,
+                "down": down_cfg,
+            }
             best = {"config": config, "time_s": total}
     return best
 
 
-def tune(shapes: dict, tokens: tuple[int, ...], formats: tuple[str, ...], out: Path, budget_s: float, log=print) -> dict:
+def tune(
+    shapes: dict, tokens: tuple[int, ...], formats: tuple[str, ...], out: Path, budget_s: float, log=print
+) -> dict:
     """Token counts outer, shapes inner (every shape's weights resident): a budget cut leaves no shape untuned."""
     t0 = time.perf_counter()
     deadline = t0 + budget_s
@@ -280,8 +367,10 @@ def tune(shapes: dict, tokens: tuple[int, ...], formats: tuple[str, ...], out: P
 
 FORMATS = {"fp8_block": False, "fp4": True}  # weight format -> fp4
 START_MARGIN_S = 2.0  # no candidate starts later than this before its share ends: a compile and its timing
-NEEDS_CUDA = ("quant_kernels tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the "
-              "tiles are for); run it on that GPU's node")  # fmt: skip
+NEEDS_CUDA = (
+    "quant_kernels tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the "
+    "tiles are for); run it on that GPU's node"
+)
 
 
 def _order(token_counts: Iterable[int]) -> list[int]:
@@ -319,10 +408,21 @@ def tune_kernels(
     fp4 = FORMATS.get(problem.weight_format)
     key = C.shape_key(bool(fp4), e, h, i, k)
     summary: dict[str, Any] = {
-        "backend": "triton_fused", "kernels": "quant_kernels", "shape": key, "device": device_name,
-        "budget_s": float(budget_s), "tokens_tuned": [], "tokens_partial": [], "tokens_default": [], "configs": {},
-        "time_us": {}, "seconds": 0.0, "cut_short": False, "written_to": None, "skipped": None,
-    }  # fmt: skip
+        "backend": "triton_fused",
+        "kernels": "quant_kernels",
+        "shape": key,
+        "device": device_name,
+        "budget_s": float(budget_s),
+        "tokens_tuned": [],
+        "tokens_partial": [],
+        "tokens_default": [],
+        "configs": {},
+        "time_us": {},
+        "seconds": 0.0,
+        "cut_short": False,
+        "written_to": None,
+        "skipped": None,
+    }
     if fp4 is None:
         summary["skipped"] = f"weight format {problem.weight_format!r} has no quantised tiles (fp8_block, fp4 do)"
         return summary
@@ -390,8 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     global TRY_QUANT_X_LOOP
     TRY_QUANT_X_LOOP = a.try_quant_x_loop
     if not torch.cuda.is_available():
-        print("quant_kernels tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the "
-              "table is for); run it on that GPU's node", file=sys.stderr)
+        print(
+            "quant_kernels tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the "
+            "table is for); run it on that GPU's node",
+            file=sys.stderr,
+        )
         return 1
     shapes = {s: SHAPES[s] for s in a.shapes.split(",") if s}
     try:
@@ -400,8 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one line with the fix; --debug shows where it came from
         if a.debug:
             raise
-        print(f"quant_kernels tune: {type(exc).__name__}: {' '.join(str(exc).split())} "
-              "(rerun with --debug for the traceback)", file=sys.stderr)
+        print(
+            f"quant_kernels tune: {type(exc).__name__}: {' '.join(str(exc).split())} "
+            "(rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return 1
     print(f"wrote {out}")
     return 0

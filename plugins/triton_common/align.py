@@ -33,6 +33,7 @@ ALIGN_CHUNK = 64
 PREFIX_E_TILE = 16
 PREFIX_ELEMS = 4096
 
+
 @triton.jit(do_not_specialize=["num_pairs", "limit", "tag"])
 def _align_count_kernel(
     ids_ptr,
@@ -116,16 +117,49 @@ def _align_kernel(
     """
     if GUARD and SINGLE:
         check_pairs(ids_ptr, wts_ptr, num_pairs, flag_ptr, host_ptr, limit, tag, CHUNK)
-    align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, num_pairs, num_experts,
-                  num_chunks, max_blocks, tl.program_id(0), tl.num_programs(0), BLOCK_M, CHUNK, SUB, E_PAD, B_TILE,
-                  SINGLE, ROW_GRAIN)  # fmt: skip
+    align_program(
+        ids_ptr,
+        partial_ptr,
+        sorted_ptr,
+        block_expert_ptr,
+        block_row_ptr,
+        num_pairs,
+        num_experts,
+        num_chunks,
+        max_blocks,
+        tl.program_id(0),
+        tl.num_programs(0),
+        BLOCK_M,
+        CHUNK,
+        SUB,
+        E_PAD,
+        B_TILE,
+        SINGLE,
+        ROW_GRAIN,
+    )
 
 
 @triton.jit
-def align_program(ids_ptr, partial_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, num_pairs, num_experts,
-                  num_chunks, max_blocks, pid, nprog, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                  E_PAD: tl.constexpr, B_TILE: tl.constexpr, SINGLE: tl.constexpr,
-                  ROW_GRAIN: tl.constexpr):  # fmt: skip
+def align_program(
+    ids_ptr,
+    partial_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    block_row_ptr,
+    num_pairs,
+    num_experts,
+    num_chunks,
+    max_blocks,
+    pid,
+    nprog,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    B_TILE: tl.constexpr,
+    SINGLE: tl.constexpr,
+    ROW_GRAIN: tl.constexpr,
+):
     """The work of ``_align_kernel``'s program `pid` of `nprog`; with SINGLE (pid 0 of 1) also callable from
     another kernel's program, so that the routing rides on a launch the layer makes anyway (the quantised
     experts' x quantisation). ROW_GRAIN > 0: block_row[b] gets block b's first row in a copy of the blocks that
@@ -228,8 +262,14 @@ class AlignPlan(NamedTuple):
         return 1 if self.single else cdiv(self.ids.numel(), self.consts["CHUNK"])
 
 
-def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int, guard: RoutingGuard | None = None,
-               weights: torch.Tensor | None = None, row_grain: int = 0) -> AlignPlan:  # fmt: skip
+def plan_align(
+    top_k_ids_flat: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    guard: RoutingGuard | None = None,
+    weights: torch.Tensor | None = None,
+    row_grain: int = 0,
+) -> AlignPlan:
     """``align``'s buffers (allocated) and launch parameters, nothing launched. `guard` (with the flat, contiguous
     `weights`): the first launch checks the pairs and records faults (selector.guard). `row_grain` (0: none;
     else block_m // 2): also fill `block_row` (see ``AlignPlan``)."""
@@ -244,19 +284,22 @@ def plan_align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int, gua
     block_expert = empty(mb, torch.int32, dev, -1)
     block_row = empty(mb, torch.int32, dev, 1 << 30) if row_grain else None
     e_pad = max(16, next_pow2(num_experts))
-    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, B_TILE=16 if block_m >= 64 else 32, GUARD=guard is not None,
-                  ROW_GRAIN=row_grain)
+    consts = dict(
+        BLOCK_M=block_m, E_PAD=e_pad, B_TILE=16 if block_m >= 64 else 32, GUARD=guard is not None, ROW_GRAIN=row_grain
+    )
     warps = 8 if e_pad >= 128 else 4
     if n <= SINGLE_ALIGN_MAX:
         chunk = max(16, next_pow2(n))
         consts.update(CHUNK=chunk, SUB=min(64, chunk), SINGLE=True)
-        return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, None, guard, weights,
-                         block_row)
+        return AlignPlan(
+            top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, None, guard, weights, block_row
+        )
     # one scatter step per chunk; the count table gets a row of totals after the chunks' rows
     consts.update(CHUNK=ALIGN_CHUNK, SUB=ALIGN_CHUNK, SINGLE=False)
     partial = empty((cdiv(n, ALIGN_CHUNK) + 1) * e_pad, torch.int32, dev, 1 << 20)
-    return AlignPlan(top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, partial, guard, weights,
-                     block_row)
+    return AlignPlan(
+        top_k_ids_flat, num_experts, sorted_rows, block_expert, consts, warps, partial, guard, weights, block_row
+    )
 
 
 def guard_args(guard: RoutingGuard | None, weights: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
@@ -273,27 +316,50 @@ def run_align(plan: AlignPlan) -> None:
     if not plan.single:
         e_pad = plan.consts["E_PAD"]
         launch(
-            _align_count_kernel, (chunks,), (plan.ids, plan.partial, n, plan.num_experts, *checks),
-            dict(CHUNK=plan.consts["CHUNK"], E_PAD=e_pad, GUARD=plan.guard is not None), plan.num_warps,
-        )  # fmt: skip
-        launch(_align_prefix_kernel, (e_pad // PREFIX_E_TILE,), (plan.partial, chunks),  # E_PAD >= 16: whole tiles
-               dict(E_PAD=e_pad, E_TILE=PREFIX_E_TILE, C_TILE=PREFIX_ELEMS // PREFIX_E_TILE), 4)  # fmt: skip
+            _align_count_kernel,
+            (chunks,),
+            (plan.ids, plan.partial, n, plan.num_experts, *checks),
+            dict(CHUNK=plan.consts["CHUNK"], E_PAD=e_pad, GUARD=plan.guard is not None),
+            plan.num_warps,
+        )
+        launch(
+            _align_prefix_kernel,
+            (e_pad // PREFIX_E_TILE,),
+            (plan.partial, chunks),  # E_PAD >= 16: whole tiles
+            dict(E_PAD=e_pad, E_TILE=PREFIX_E_TILE, C_TILE=PREFIX_ELEMS // PREFIX_E_TILE),
+            4,
+        )
     partial = plan.sorted_rows if plan.single else plan.partial  # unused by the one-program path
     launch(
-        _align_kernel, (chunks,),
-        (plan.ids, partial, plan.sorted_rows, plan.block_expert,
-         plan.block_expert if plan.block_row is None else plan.block_row, n, plan.num_experts, chunks,
-         plan.block_expert.numel(), *checks),
-        plan.consts, plan.num_warps,
-    )  # fmt: skip
+        _align_kernel,
+        (chunks,),
+        (
+            plan.ids,
+            partial,
+            plan.sorted_rows,
+            plan.block_expert,
+            plan.block_expert if plan.block_row is None else plan.block_row,
+            n,
+            plan.num_experts,
+            chunks,
+            plan.block_expert.numel(),
+            *checks,
+        ),
+        plan.consts,
+        plan.num_warps,
+    )
 
 
-def align(top_k_ids_flat: torch.Tensor, num_experts: int, block_m: int, guard: RoutingGuard | None = None,
-          weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def align(
+    top_k_ids_flat: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    guard: RoutingGuard | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert-sorted, block-padded routing. Returns (sorted_rows [max_blocks*BM] int32, block_expert [max_blocks]).
     Each expert's pairs fill its blocks from the first slot, padding only after them (the quantised down kernel's
     in-kernel combine counts a block's real rows as its first slots). `guard`, `weights`: see ``plan_align``."""
     plan = plan_align(top_k_ids_flat, num_experts, block_m, guard, weights)
     run_align(plan)
     return plan.sorted_rows, plan.block_expert
-

@@ -59,9 +59,17 @@ def _combine_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: int, num_experts: int,
-            block_h: int | None = None, num_warps: int = 4, guard: RoutingGuard | None = None,
-            weights: torch.Tensor | None = None) -> None:  # fmt: skip
+def combine(
+    y: torch.Tensor,
+    ids_flat: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    num_experts: int,
+    block_h: int | None = None,
+    num_warps: int = 4,
+    guard: RoutingGuard | None = None,
+    weights: torch.Tensor | None = None,
+) -> None:
     """out[t] = the sum of y's rows of token t (y [T*k, H], or [shares, T*k, H] partial sums of a split K).
     `block_h`, `num_warps`: columns per program and its warps (benchmarks sweep them; None: the default below).
     `guard` with the flat routing `weights`: tokens with a bad slot get NaN rows."""
@@ -72,9 +80,21 @@ def combine(y: torch.Tensor, ids_flat: torch.Tensor, out: torch.Tensor, top_k: i
     # against 1.6-1.8 TB/s for half that tile and 0.5 TB/s with 8 warps (docs/design/quant_kernels.md)
     block_h = block_h or min(max(128, 8192 // k_pad), max(128, next_pow2(h)))
     launch(
-        _combine_kernel, (t, cdiv(h, block_h)),
-        (y, ids_flat, out, h, top_k, num_experts, y.stride(-2), out.stride(0), y.stride(0) if split > 1 else 0,
-         ids_flat if guard is None else weights, 0 if guard is None else num_experts + int(guard.sentinel)),
-        dict(BLOCK_H=block_h, K_PAD=k_pad, SPLIT=split, GUARD=guard is not None), num_warps,
-    )  # fmt: skip
-
+        _combine_kernel,
+        (t, cdiv(h, block_h)),
+        (
+            y,
+            ids_flat,
+            out,
+            h,
+            top_k,
+            num_experts,
+            y.stride(-2),
+            out.stride(0),
+            y.stride(0) if split > 1 else 0,
+            ids_flat if guard is None else weights,
+            0 if guard is None else num_experts + int(guard.sentinel),
+        ),
+        dict(BLOCK_H=block_h, K_PAD=k_pad, SPLIT=split, GUARD=guard is not None),
+        num_warps,
+    )

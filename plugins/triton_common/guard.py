@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from selector.guard import RoutingGuard, register_cuda_sanitizer, safe_id
+from selector.guard import RoutingGuard, register_cuda_sanitizer, safe_id, sanitize_torch
 
 try:
     import triton
@@ -67,8 +67,20 @@ if triton is not None:
         record_faults(flag_ptr, host_ptr, tag, n_ids, n_w, value)
 
     @triton.jit(do_not_specialize=["n", "limit", "tag", "safe"])
-    def _sanitize_kernel(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, flag_ptr, host_ptr, n, limit, tag, safe,
-                         BLOCK: tl.constexpr, DROP: tl.constexpr):  # fmt: skip
+    def _sanitize_kernel(
+        ids_ptr,
+        w_ptr,
+        ids_out_ptr,
+        w_out_ptr,
+        flag_ptr,
+        host_ptr,
+        n,
+        limit,
+        tag,
+        safe,
+        BLOCK: tl.constexpr,
+        DROP: tl.constexpr,
+    ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         in_range = offs < n
         ids = tl.load(ids_ptr + offs, mask=in_range, other=0)
@@ -85,8 +97,9 @@ if triton is not None:
         record_faults(flag_ptr, host_ptr, tag, n_ids, n_w, reported_value(ids, bad_id))
 
 
-def sanitize_triton(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard,
-                    drop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sanitize_triton(
+    ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuard, drop: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``sanitize_torch`` in one Triton launch (the GPU path; the interpreter runs it on a CPU in tests)."""
     shape = ids.shape
     flat_ids, flat_w = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
@@ -96,11 +109,29 @@ def sanitize_triton(ids: torch.Tensor, weights: torch.Tensor, guard: RoutingGuar
         limit = guard.num_experts + 1 if guard.sentinel else guard.num_experts
         block = min(SANITIZE_BLOCK, max(16, next_pow2(n)))  # decode: one small program, not 1024 lanes
         launch(
-            _sanitize_kernel, (cdiv(n, block),),
+            _sanitize_kernel,
+            (cdiv(n, block),),
             (flat_ids, flat_w, clean_ids, clean_w, guard.flag, guard.host, n, limit, guard.tag, safe_id(guard, drop)),
-            dict(BLOCK=block, DROP=drop), 1 if block <= 128 else 4,
-        )  # fmt: skip
+            dict(BLOCK=block, DROP=drop),
+            1 if block <= 128 else 4,
+        )
     return clean_ids.view(shape), clean_w.view(shape)
+
+
+def sanitize_with(
+    guard: RoutingGuard | None, ids: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``selector.guard.sanitize_routing`` with a guard resolved ahead (a backend's plan holds the layer's guard
+    code, not the module): bad slots get expert 0 and weight NaN, recorded in the device flag."""
+    if guard is None or ids.numel() == 0:
+        return ids, weights
+    if not (ids.is_cuda and triton is not None):
+        return sanitize_torch(ids, weights, guard)
+    clean_ids, clean_w = sanitize_triton(ids, weights, guard)
+    if weights.requires_grad and torch.is_grad_enabled():
+        # the kernel's copy is not differentiable: its values with the input's gradient path
+        clean_w = weights + (clean_w - weights).detach()
+    return clean_ids, clean_w
 
 
 if triton is not None:

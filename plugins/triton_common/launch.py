@@ -85,8 +85,12 @@ def tma_weights(w: torch.Tensor) -> bool:
     """Whether a descriptor over the 2-D view [E * rows, K] of weights `w` [E, rows, K] can read them: stored
     contiguously, rows of a multiple of 16 bytes from a 16-byte aligned start, fewer than 2^31 rows in all (int32
     coordinates)."""
-    return (w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-            and w.shape[0] * w.shape[1] < 2**31)  # fmt: skip
+    return (
+        w.is_contiguous()
+        and (w.shape[2] * w.element_size()) % 16 == 0
+        and w.data_ptr() % 16 == 0
+        and w.shape[0] * w.shape[1] < 2**31
+    )
 
 
 def launch(fn: Callable, grid: tuple, args: tuple, consts: dict, num_warps: int, num_stages: int = 3) -> None:

@@ -8,7 +8,7 @@ No host synchronisation, so CUDA graphs capture it; a torch custom op, so torch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from selector.plugins.grouped_mm import estimate_seconds as grouped_mm_estimate
 from selector.plugins.quant_kernels import (
@@ -22,7 +22,10 @@ from selector.probes import Environment
 from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
 from selector.costmodel import floor_seconds
 from selector.gates import ACT_MUL, CLAMPED_SWIGLU
-from selector.types import COMPILE_MODES, GRAD_INPUTS
+from selector.types import COMPILE_MODES, GRAD_INPUTS, ExpertsPlan
+
+if TYPE_CHECKING:  # the spec is built without importing torch
+    import torch
 
 ACTIVATIONS = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
 # the gates its gate_up epilogue runs (plugins/triton_common/activation.py): act(gate) * up and GPT-OSS's
@@ -35,6 +38,17 @@ def _load():  # noqa: ANN202
     from selector.plugins.triton_fused.forward import triton_fused_experts_forward
 
     return triton_fused_experts_forward
+
+
+def _prepare(module: torch.nn.Module, problem: Problem) -> ExpertsPlan:
+    # quantised experts run plugins/quant_kernels' grouped path, its plan read off the module likewise
+    if problem.weight_format != "dense":
+        from selector.plugins.quant_kernels.forward import prepare_quantised
+
+        return prepare_quantised(module, problem, "grouped", backend="triton_fused")
+    from selector.plugins.triton_fused.forward import prepare
+
+    return prepare(module, problem)
 
 
 def _estimate(problem: Problem, env: Environment) -> float:
@@ -64,7 +78,9 @@ def _check(problem: Problem, env: Environment) -> Availability | None:
             "pick a torch backend for this layer (grouped_mm, batched_mm or eager), or run it unquantised",
         )
     if problem.requires_grad and (problem.activation not in BACKWARD_ACTIVATIONS or not problem.gate.is_default):
-        what = f"gate {problem.gate.label()}" if not problem.gate.is_default else f"the {problem.activation!r} activation"
+        what = (
+            f"gate {problem.gate.label()}" if not problem.gate.is_default else f"the {problem.activation!r} activation"
+        )
         return Availability(
             Status.UNSUPPORTED_CONFIG,
             f"has no backward for {what}",
@@ -91,6 +107,7 @@ def selector_backends() -> Sequence[BackendSpec]:
             name="triton_fused",
             load=_load,
             format_loads=quantised_forwards("grouped"),
+            prepare=_prepare,  # the module read once per weights and call mode (forward.py, quant_kernels)
             requirements=Requirements(
                 devices=frozenset({"cuda"}),
                 min_compute_capability=(8, 0),  # fp8 / fp4: 8.9, which check_quantized enforces

@@ -26,7 +26,9 @@ def _act(name: str, z: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(z, approximate="tanh" if name == "gelu_tanh" else "none")
     if name == "relu":
         return torch.relu(z)
-    raise NotImplementedError(f"triton_fused: no backward for activation {name!r} (has: {sorted(BACKWARD_ACTIVATIONS)})")
+    raise NotImplementedError(
+        f"triton_fused: no backward for activation {name!r} (has: {sorted(BACKWARD_ACTIVATIONS)})"
+    )
 
 
 def _act_backward(name: str, grad: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -37,7 +39,9 @@ def _act_backward(name: str, grad: torch.Tensor, z: torch.Tensor) -> torch.Tenso
         return torch.ops.aten.gelu_backward(grad, z, approximate="tanh" if name == "gelu_tanh" else "none")
     if name == "relu":
         return torch.ops.aten.threshold_backward(grad, z, 0)
-    raise NotImplementedError(f"triton_fused: no backward for activation {name!r} (has: {sorted(BACKWARD_ACTIVATIONS)})")
+    raise NotImplementedError(
+        f"triton_fused: no backward for activation {name!r} (has: {sorted(BACKWARD_ACTIVATIONS)})"
+    )
 
 
 def _native(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
@@ -134,7 +138,7 @@ def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ..
     # over every expert's weights (Qwen3-30B-A3B at T=512: 2 ms a step for the two projections, the GEMMs 1.3 ms).
     if needs[2]:
         a_w = a.to(dtype)
-        grad_down = (_weight_grad(a_w, dy_w, offsets, native) if transposed else _weight_grad(dy_w, a_w, offsets, native))
+        grad_down = _weight_grad(a_w, dy_w, offsets, native) if transposed else _weight_grad(dy_w, a_w, offsets, native)
         grad_down = grad_down.to(down.dtype)
     if needs[11] and down_bias is not None:
         grad_down_bias = torch.zeros(num_experts, hidden_size, dtype=acc, device=dy.device)
@@ -153,7 +157,9 @@ def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ..
         dg = keep(dg)
         dg_w = dg.to(dtype)
         if needs[1]:  # [E, H, C] transposed, else [E, C, H]
-            grad_gate_up = _weight_grad(x, dg_w, offsets, native) if transposed else _weight_grad(dg_w, x, offsets, native)
+            grad_gate_up = (
+                _weight_grad(x, dg_w, offsets, native) if transposed else _weight_grad(dg_w, x, offsets, native)
+            )
             grad_gate_up = grad_gate_up.to(gate_up.dtype)
         if needs[10] and gate_up_bias is not None:
             grad_gate_up_bias = torch.zeros(num_experts, channels, dtype=acc, device=dg.device)
@@ -162,8 +168,20 @@ def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ..
             dx = keep(_mm(dg_w, up_w.transpose(1, 2), offsets, native)).to(acc)  # [S, H]
             grad_hidden = torch.zeros(tokens, hidden_size, dtype=acc, device=dx.device)
             grad_hidden = grad_hidden.index_add(0, token, dx).to(hidden.dtype)
-    return (grad_hidden, grad_gate_up, grad_down, None, grad_weights, None, None, None, None, None,
-            grad_gate_up_bias, grad_down_bias) + (None,) * ctx.constant_inputs  # fmt: skip
+    return (
+        grad_hidden,
+        grad_gate_up,
+        grad_down,
+        None,
+        grad_weights,
+        None,
+        None,
+        None,
+        None,
+        None,
+        grad_gate_up_bias,
+        grad_down_bias,
+    ) + (None,) * ctx.constant_inputs
 
 
 _REGISTERED: list[bool] = []

@@ -33,7 +33,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from selector.plugins import tile_tables
@@ -86,14 +86,17 @@ def normalize(config: dict[str, Any]) -> dict[str, Any]:
     for p in ("gate_up", "down"):
         split = out[p]["SPLIT_K"]
         if split < 1 or split & (split - 1) or (p == "gate_up" and split != 1):
-            raise ValueError(f"triton_fused: config {p}.SPLIT_K={split}: the down GEMM's is a power of two, "
-                             "gate_up's is 1")  # fmt: skip
+            raise ValueError(
+                f"triton_fused: config {p}.SPLIT_K={split}: the down GEMM's is a power of two, gate_up's is 1"
+            )
         bad_pipe = out[p]["num_warps"] not in (1, 2, 4, 8, 16) or out[p]["num_stages"] < 1
         if bad_pipe or out[p]["GROUP_M"] < 1:
             raise ValueError(f"triton_fused: bad config {p}={out[p]}")
     if out["PERSISTENT"] not in (0, 1) or (out["PERSISTENT"] and out["BLOCK_M"] != PERSISTENT_BLOCK_M):
-        raise ValueError(f"triton_fused: config PERSISTENT={out['PERSISTENT']} is 0 or 1, with BLOCK_M "
-                         f"{PERSISTENT_BLOCK_M} (got {out['BLOCK_M']})")  # fmt: skip
+        raise ValueError(
+            f"triton_fused: config PERSISTENT={out['PERSISTENT']} is 0 or 1, with BLOCK_M "
+            f"{PERSISTENT_BLOCK_M} (got {out['BLOCK_M']})"
+        )
     return out
 
 
@@ -128,8 +131,11 @@ def tma_tiles(block_m: int, block_k: int, tile_c: int, elem: int) -> bool:
     """Whether a GEMM's tiles (BLOCK_M rows, BLOCK_K, `tile_c` weight channels per program, `elem` bytes) are
     ones the TMA path reads: the tuner offers blocks of TMA_MIN_BLOCK_M rows only such tiles, since a layer runs
     TMA only when both of its GEMMs' tiles fit it."""
-    return (TMA_MIN_BLOCK_M <= block_m <= TMA_MAX_BOX and max(tile_c, block_k) <= TMA_MAX_BOX
-            and block_k * elem <= TMA_MAX_INNER_BYTES)  # fmt: skip
+    return (
+        TMA_MIN_BLOCK_M <= block_m <= TMA_MAX_BOX
+        and max(tile_c, block_k) <= TMA_MAX_BOX
+        and block_k * elem <= TMA_MAX_INNER_BYTES
+    )
 
 
 def encode_config(config: dict[str, Any]) -> list[int]:
@@ -216,8 +222,13 @@ def default_config(
             }
         if num_tokens <= 1 and intermediate >= TOKEN_DOWN_MIN_I:  # one K loop of k * I per output tile
             bk = 256 if elem == 2 else 128
-            cfg["down"] = {"BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4,
-                           "num_stages": _cap_stages(4, bm, 32, bk, 1, elem)}  # fmt: skip
+            cfg["down"] = {
+                "BLOCK_N": 32,
+                "BLOCK_K": bk,
+                "GROUP_M": 1,
+                "num_warps": 4,
+                "num_stages": _cap_stages(4, bm, 32, bk, 1, elem),
+            }
     else:
         warps = 8 if bm == 128 else 4
         bk = 64 if elem == 2 else 32
@@ -332,12 +343,24 @@ def clear_caches() -> None:
     _get_config_cached.cache_clear()
 
 
+class LayerShape(NamedTuple):
+    """What a layer's tiles are looked up by, besides the call's token count and k (hashable: the cache key)."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype
+    gated: bool = True
+    transposed: bool = False
+    interleaved: bool = False
+
+
 @functools.lru_cache(maxsize=4096)
 def _get_config_cached(
-    num_experts: int, hidden: int, intermediate: int, num_tokens: int, top_k: int, dtype: torch.dtype,
-    gated: bool, device_type: str, device_index: int | None, config_dir: str, user_dir: str,
-    transposed: bool = False, interleaved: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    shape: LayerShape, num_tokens: int, top_k: int, device: tuple[str, int | None], dirs: tuple[str, str]
+) -> dict[str, Any]:
+    num_experts, hidden, intermediate, dtype, gated, transposed, interleaved = shape
+    device_type, device_index = device
     num_sms = 132
     if device_type == "cuda":
         num_sms = _num_sms(device_index)
@@ -345,7 +368,7 @@ def _get_config_cached(
         if name and gated and dtype in (torch.bfloat16, torch.float16):
             key = shape_key(num_experts, hidden, intermediate, top_k)
             own = layout_key(key, transposed=transposed, interleaved=interleaved)
-            tables = (load_user_table(name, user_dir), load_table(name, config_dir))
+            tables = (load_user_table(name, dirs[1]), load_table(name, dirs[0]))
             for k in dict.fromkeys((own, key)):  # this layout's tiles, else the plain layout's of the shape
                 for table in tables:
                     cfg = lookup(table, k, num_tokens)
@@ -353,6 +376,13 @@ def _get_config_cached(
                         return cfg
     return normalize(
         default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated=gated, num_sms=num_sms)
+    )
+
+
+def layer_config(shape: LayerShape, num_tokens: int, top_k: int, device: torch.device) -> dict[str, Any]:
+    """``get_config`` for a layer's record (`shape`): the tile config of one call."""
+    return _get_config_cached(
+        shape, num_tokens, top_k, (device.type, device.index), (str(_config_dir()), str(user_config_dir()))
     )
 
 
@@ -373,7 +403,5 @@ def get_config(
     the shape in this layout (`layout_key`), then the same for the plain layout of the shape; else the
     heuristics."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    return _get_config_cached(
-        num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated, dev.type, dev.index,
-        str(_config_dir()), str(user_config_dir()), transposed, interleaved,
-    )  # fmt: skip
+    shape = LayerShape(num_experts, hidden, intermediate, dtype, gated, transposed, interleaved)
+    return layer_config(shape, num_tokens, top_k, dev)

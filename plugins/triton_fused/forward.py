@@ -1,32 +1,49 @@
-"""Adapter from a Transformers-style experts module to the fused Triton kernel.
+"""From a Transformers-style experts module to the fused Triton kernel: the backend's plan.
 
-At decode sizes launching four Triton kernels from Python takes longer than running them (on a slow host up
-to a few hundred tokens), so up to GRAPH_MAX_TOKENS tokens the call is replayed from a recorded CUDA graph
-(selector.graphs: on first use up to 64 tokens, on a shape's second call above);
-`SELECTOR_TRITON_FUSED_GRAPHS=0` turns this off. Quantised experts (selector.quant) run the quantised
-grouped path of plugins/quant_kernels, which records its own decode graphs (`SELECTOR_QUANT_GRAPHS`).
+``prepare(module, problem)`` reads the module once (weights, biases, layout flags, gate, guard code, whether
+autograd records) into a ``FusedPlan`` whose ``run`` launches the kernels and nothing else. At decode sizes
+launching four Triton kernels from Python takes longer than running them, so the plan lets the dispatch core
+replay it from recorded CUDA graphs up to graphs.REPEAT_TOKENS tokens (selector.graphs: on first use up to
+graphs.DECODE_TOKENS, above on a shape's second call); `SELECTOR_TRITON_FUSED_GRAPHS=0` turns this off. Quantised
+experts (selector.quant) run plugins/quant_kernels' grouped path (its own plan, `SELECTOR_QUANT_GRAPHS`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 from selector.plugins.triton_fused import backward
-from selector.plugins.triton_fused.kernels import fused_experts
+from selector.plugins.triton_fused.kernels import FusedLayer, fused_experts_impl, fused_layer, run_op
 
 from selector import graphs, layers
-from selector.dispatch import MODULE_CACHE_PREFIX, OPAQUE_WHEN_COMPILED, grad_inputs
-from selector.guard import guard_code
+from selector.dispatch import OPAQUE_WHEN_COMPILED, grad_inputs
 from selector.gates import DEFAULT_GATE, Gate
+from selector.guard import guard_code
 from selector.problem import activation_name, gate_of
+from selector.types import ExpertsPlan, GraphPolicy, Problem
 
 GRAPH_MAX_TOKENS = graphs.REPEAT_TOKENS  # recorded on first use up to graphs.DECODE_TOKENS, above when repeated
+GRAPHS = GraphPolicy(GRAPH_MAX_TOKENS, "SELECTOR_TRITON_FUSED_GRAPHS")
 backward.register()  # the op's autograd formula (plugins/triton_fused/backward.py)
 
 
-def _records_grad(module: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
-    return bool(grad_inputs(module, hidden, weights))  # () under no_grad: inference builds nothing
+@dataclass(frozen=True, kw_only=True)
+class FusedPlan(ExpertsPlan):
+    """One dense layer for one kind of call: its record (weights checked once), the routing guard's code, and
+    whether the launches go through the custom op (autograd records, or torch.compile traces this call)."""
+
+    layer: FusedLayer
+    guard: int
+    through_op: bool
+
+    def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.to(self.layer.dtype)
+        if self.through_op:  # the op's autograd formula covers every input; under tracing it is one opaque node
+            out = run_op(self.layer, x, top_k_index, top_k_weights, None, self.guard)
+        else:
+            out = fused_experts_impl(self.layer, x, top_k_index, top_k_weights, None, self.guard)
+        return out.to(hidden_states.dtype)
 
 
 def _gate(module: torch.nn.Module) -> Gate:
@@ -43,70 +60,44 @@ def _gate(module: torch.nn.Module) -> Gate:
     return gate
 
 
-class _Static(NamedTuple):
-    """What a recorded graph bakes in from the module itself, read once per module object, as the selection reads
-    a layer's problem (both are read again after `selector.dispatch.forget_module`): its gate, and that gate as a
-    small int that a graph key hashes cheaply."""
-
-    owner: int  # id() of the module it was read from: a deep copy carries this __dict__ entry but reads its own
-    gate: Gate
-    gate_token: int
-
-
-_STATIC = MODULE_CACHE_PREFIX + "triton_fused_static"  # dropped by forget_module with the module's problem
-_GATE_TOKENS: dict[Gate, int] = {}
-
-
-def _static(module: torch.nn.Module) -> _Static:
-    found = module.__dict__.get(_STATIC)
-    if found is None or found.owner != id(module):
-        gate = _gate(module)
-        found = _Static(id(module), gate, _GATE_TOKENS.setdefault(gate, len(_GATE_TOKENS)))
-        module.__dict__[_STATIC] = found
-    return found
-
-
-def _direct(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    up_w = layers.up_weight(module)
-    guard = guard_code(module, hidden.device)  # routing checked inside the align / combine launches
-    gate = _static(module).gate
-    if _records_grad(module, hidden, weights):
-        # through the op, whose autograd formula covers every input (fused_experts takes it for hidden only)
-        return torch.ops.selector.triton_fused_experts(
-            hidden.to(up_w.dtype), up_w, module.down_proj, index, weights, module.num_experts,
-            activation_name(module.act_fn) if gate.is_default else "silu", getattr(module, "has_gate", True),
-            not getattr(module, "is_concatenated", True), getattr(module, "is_transposed", False),
-            layers.up_bias(module), layers.down_bias(module), None, guard, gate.name,
-            1.0 if gate.alpha is None else float(gate.alpha), 0.0 if gate.limit is None else float(gate.limit),
-        ).to(hidden.dtype)  # fmt: skip
-    return fused_experts(
-        hidden.to(up_w.dtype),
-        up_w,
-        module.down_proj,
-        index,
-        weights,
-        num_experts=module.num_experts,
+def module_layer(module: torch.nn.Module) -> FusedLayer:
+    """The module's dense layer record, its weights checked once."""
+    gate = _gate(module)
+    return fused_layer(
+        layers.up_weight(module),
+        layers.down_weight(module),
+        num_experts=int(module.num_experts),
         activation=activation_name(getattr(module, "act_fn", None)) if gate.is_default else "silu",
-        gated=getattr(module, "has_gate", True),
+        gated=bool(getattr(module, "has_gate", True)),
         interleaved=not getattr(module, "is_concatenated", True),
-        transposed=getattr(module, "is_transposed", False),
+        transposed=bool(getattr(module, "is_transposed", False)),
         gate_up_bias=layers.up_bias(module),
         down_bias=layers.down_bias(module),
-        guard=guard,
         gate=gate.name,
         gate_alpha=gate.alpha,
         gate_limit=gate.limit,
-    ).to(hidden.dtype)
+    )
 
 
-def _graph_key(module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple:
-    # read on every replayed call: kept to attribute reads and ints (the gate by its token, shapes as torch.Size)
-    up_w, up_b, down_b = layers.up_weight(module), layers.up_bias(module), layers.down_bias(module)
-    pointers = (up_w.data_ptr(), layers.down_weight(module).data_ptr(), 0 if up_b is None else up_b.data_ptr(),
-                0 if down_b is None else down_b.data_ptr())  # fmt: skip  # new weights -> new graph
-    guard = guard_code(module, hidden.device)  # a graph records the guard it was captured with
-    return (hidden.shape, hidden.dtype, index.shape, index.dtype, weights.dtype, hidden.device, pointers, guard,
-            _static(module).gate_token)  # fmt: skip  # and the gate's parameters, baked into its launches
+def _plan(module: torch.nn.Module, records_grad: bool) -> FusedPlan:
+    layer = module_layer(module)
+    return FusedPlan(
+        backend="triton_fused",
+        graphs=None if records_grad else GRAPHS,  # a replayed graph records nothing for autograd
+        # under torch.compile without autograd the core runs the plan eagerly inside its opaque op: the recorded
+        # graph at small T instead of four launches from Python per call
+        opaque_when_compiled=True,
+        layer=layer,
+        guard=guard_code(module, layer.gate_up.device),  # routing checked inside the align / combine launches
+        # the op where autograd needs its formula or this very call is traced; an eager run inside the core's
+        # opaque op (a compiled model's call) launches directly: the op's dispatch costs host time per call
+        through_op=records_grad or torch.compiler.is_compiling(),
+    )
+
+
+def prepare(module: torch.nn.Module, problem: Problem) -> FusedPlan:
+    """The backend's plan for a dense layer and one kind of call (`problem`: whether autograd records)."""
+    return _plan(module, problem.requires_grad)
 
 
 def triton_fused_experts_forward(
@@ -115,15 +106,11 @@ def triton_fused_experts_forward(
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, H]
-    if not graphs.graphs_enabled(hidden_states, GRAPH_MAX_TOKENS, "SELECTOR_TRITON_FUSED_GRAPHS") or _records_grad(
-        module, hidden_states, top_k_weights
-    ):  # a replayed graph records nothing for autograd
-        return _direct(module, hidden_states, top_k_index, top_k_weights)
-    key = _graph_key(module, hidden_states, top_k_index, top_k_weights)
-    run = lambda h, i, w: _direct(module, h, i, w)  # noqa: E731
-    return graphs.replay(module, "triton_fused", key, run, (hidden_states, top_k_index, top_k_weights))
+    """The backend as a plain forward (direct callers, and what torch.compile traces): the plan, prepared for this
+    call and run, without graph replay (the dispatch core replays plans)."""
+    records_grad = bool(grad_inputs(module, hidden_states, top_k_weights))  # () under no_grad
+    return _plan(module, records_grad).run(hidden_states, top_k_index, top_k_weights)
 
 
-# under torch.compile without autograd the dispatch core runs this eagerly inside its opaque op: the recorded
-# graph at small T instead of four launches from Python per call
+# under torch.compile without autograd the dispatch core runs this forward's backend eagerly inside its opaque op
 setattr(triton_fused_experts_forward, OPAQUE_WHEN_COMPILED, True)

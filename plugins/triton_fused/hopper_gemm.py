@@ -88,10 +88,30 @@ if AVAILABLE:
         return gl.load(sorted_ptr + row0 + BLOCK_M // 2) >= num_valid
 
     @gluon.jit
-    def _loader(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, ready, empty, sorted_ptr, block_expert_ptr,
-                block_row_ptr, num_valid, max_blocks, N, K, up_offset, w_rows, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                GATED: gl.constexpr):  # fmt: skip
+    def _loader(
+        a_desc,
+        a_half_desc,
+        w_desc,
+        a_bufs,
+        w_bufs,
+        ready,
+        empty,
+        sorted_ptr,
+        block_expert_ptr,
+        block_row_ptr,
+        num_valid,
+        max_blocks,
+        N,
+        K,
+        up_offset,
+        w_rows,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        GATED: gl.constexpr,
+    ):
         """The loader warp: every K step of every tile of this program, in order, into ring stage p % STAGES."""
         num_blocks = _used_blocks(block_expert_ptr, max_blocks, 1)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -121,20 +141,31 @@ if AVAILABLE:
                 p += 1
 
     @gluon.jit
-    def _k_loop(a_bufs, w_bufs, ready, empty, turn, p, num_k, ROLE: gl.constexpr, TILE_M: gl.constexpr,
-                W_TILE: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    def _k_loop(
+        a_bufs,
+        w_bufs,
+        ready,
+        empty,
+        turn,
+        p,
+        num_k,
+        ROLE: gl.constexpr,
+        TILE_M: gl.constexpr,
+        W_TILE: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
         """One tile's K loop from ring position p: one wgmma group per step over all W_TILE weight rows of the
         stage (gate and up together when gated: A is read from shared memory once for both), the step before
         released as soon as its group is done. Hands the turn to the other consumer once its last group is
         issued. Returns the fp32 accumulator [TILE_M, W_TILE]."""
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, W_TILE, 16])  # fmt: skip
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W_TILE, 16]
+        )
         acc = gl.zeros([TILE_M, W_TILE], gl.float32, layout)
         for kk in range(num_k):
             s = p % STAGES
             mbarrier.wait(ready.index(s), (p // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s).slice(0, TILE_M), w_bufs.index(s).permute((1, 0)), acc,
-                                is_async=True)  # fmt: skip
+            acc = warpgroup_mma(a_bufs.index(s).slice(0, TILE_M), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))
             mbarrier.arrive(empty.index((p + STAGES - 1) % STAGES), count=1, pred=kk > 0)
             p += 1
@@ -144,10 +175,29 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
-    def _epilogue(acc, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr, expert, row0, a_row, pid_n, num_valid, N,
-                  up_offset, stride_om, stride_be, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.constexpr,
-                  ACT: gl.constexpr, HAS_BIAS: gl.constexpr, MUL_W: gl.constexpr,
-                  OUT_BLOCKED: gl.constexpr):  # fmt: skip
+    def _epilogue(
+        acc,
+        out_ptr,
+        bias_ptr,
+        sorted_ptr,
+        topk_w_ptr,
+        expert,
+        row0,
+        a_row,
+        pid_n,
+        num_valid,
+        N,
+        up_offset,
+        stride_om,
+        stride_be,
+        TILE_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        GATED: gl.constexpr,
+        ACT: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        MUL_W: gl.constexpr,
+        OUT_BLOCKED: gl.constexpr,
+    ):
         """Bias, activation (act(gate) * up when gated: the accumulator's first BLOCK_N columns are gate's, the
         next up's), routing weight; stores the tile at A's rows of the block (OUT_BLOCKED, padding slots too: the
         next GEMM reads it as its A) or at the pairs' own rows. row0: the block's first slot in sorted_ptr."""
@@ -191,22 +241,96 @@ if AVAILABLE:
         gl.store(ptrs, res, mask=mask)
 
     @gluon.jit
-    def _tile(a_bufs, w_bufs, ready, empty, turn, p, num_k, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr, expert, row0,
-              a_row, pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE: gl.constexpr, TILE_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-              HAS_BIAS: gl.constexpr, MUL_W: gl.constexpr, OUT_BLOCKED: gl.constexpr):  # fmt: skip
+    def _tile(
+        a_bufs,
+        w_bufs,
+        ready,
+        empty,
+        turn,
+        p,
+        num_k,
+        out_ptr,
+        bias_ptr,
+        sorted_ptr,
+        topk_w_ptr,
+        expert,
+        row0,
+        a_row,
+        pid_n,
+        num_valid,
+        N,
+        up_offset,
+        stride_om,
+        stride_be,
+        ROLE: gl.constexpr,
+        TILE_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        GATED: gl.constexpr,
+        ACT: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        MUL_W: gl.constexpr,
+        OUT_BLOCKED: gl.constexpr,
+    ):
         """One tile of TILE_M rows (a whole block, or the first half of an expert's last block)."""
         W_TILE: gl.constexpr = BLOCK_N * (2 if GATED else 1)
         acc = _k_loop(a_bufs, w_bufs, ready, empty, turn, p, num_k, ROLE, TILE_M, W_TILE, STAGES)
-        _epilogue(acc, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr, expert, row0, a_row, pid_n, num_valid, N, up_offset,
-                  stride_om, stride_be, TILE_M, BLOCK_N, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)  # fmt: skip
+        _epilogue(
+            acc,
+            out_ptr,
+            bias_ptr,
+            sorted_ptr,
+            topk_w_ptr,
+            expert,
+            row0,
+            a_row,
+            pid_n,
+            num_valid,
+            N,
+            up_offset,
+            stride_om,
+            stride_be,
+            TILE_M,
+            BLOCK_N,
+            GATED,
+            ACT,
+            HAS_BIAS,
+            MUL_W,
+            OUT_BLOCKED,
+        )
 
     @gluon.jit
-    def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr, block_row_ptr,
-                  topk_w_ptr, num_valid, max_blocks, N, K, up_offset, stride_om, stride_be, ROLE: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  MUL_W: gl.constexpr, OUT_BLOCKED: gl.constexpr):  # fmt: skip
+    def _consumer(
+        a_bufs,
+        w_bufs,
+        ready,
+        empty,
+        turn,
+        out_ptr,
+        bias_ptr,
+        sorted_ptr,
+        block_expert_ptr,
+        block_row_ptr,
+        topk_w_ptr,
+        num_valid,
+        max_blocks,
+        N,
+        K,
+        up_offset,
+        stride_om,
+        stride_be,
+        ROLE: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        GATED: gl.constexpr,
+        ACT: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        MUL_W: gl.constexpr,
+        OUT_BLOCKED: gl.constexpr,
+    ):
         """Consumer ROLE (0 or 1) takes this program's tiles j with j % 2 == ROLE. Tile j's K loop starts once
         the other consumer has issued tile j - 1's (its (j + 1) // 2-th hand-over on turn[ROLE]), so the ring
         is read in fill order and a stage's barrier is never two phases behind its reader."""
@@ -224,21 +348,101 @@ if AVAILABLE:
                 mbarrier.wait(turn.index(ROLE), (((j + 1) // 2) - 1) & 1, pred=j > 0)
                 p = j * num_k
                 if _is_half(sorted_ptr, row0, num_valid, BLOCK_M):
-                    _tile(a_bufs, w_bufs, ready, empty, turn, p, num_k, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr,
-                          expert, row0, a_row, pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE, HALF_M,
-                          BLOCK_N, STAGES, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)  # fmt: skip
+                    _tile(
+                        a_bufs,
+                        w_bufs,
+                        ready,
+                        empty,
+                        turn,
+                        p,
+                        num_k,
+                        out_ptr,
+                        bias_ptr,
+                        sorted_ptr,
+                        topk_w_ptr,
+                        expert,
+                        row0,
+                        a_row,
+                        pid_n,
+                        num_valid,
+                        N,
+                        up_offset,
+                        stride_om,
+                        stride_be,
+                        ROLE,
+                        HALF_M,
+                        BLOCK_N,
+                        STAGES,
+                        GATED,
+                        ACT,
+                        HAS_BIAS,
+                        MUL_W,
+                        OUT_BLOCKED,
+                    )
                 else:
-                    _tile(a_bufs, w_bufs, ready, empty, turn, p, num_k, out_ptr, bias_ptr, sorted_ptr, topk_w_ptr,
-                          expert, row0, a_row, pid_n, num_valid, N, up_offset, stride_om, stride_be, ROLE, BLOCK_M,
-                          BLOCK_N, STAGES, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)  # fmt: skip
+                    _tile(
+                        a_bufs,
+                        w_bufs,
+                        ready,
+                        empty,
+                        turn,
+                        p,
+                        num_k,
+                        out_ptr,
+                        bias_ptr,
+                        sorted_ptr,
+                        topk_w_ptr,
+                        expert,
+                        row0,
+                        a_row,
+                        pid_n,
+                        num_valid,
+                        N,
+                        up_offset,
+                        stride_om,
+                        stride_be,
+                        ROLE,
+                        BLOCK_M,
+                        BLOCK_N,
+                        STAGES,
+                        GATED,
+                        ACT,
+                        HAS_BIAS,
+                        MUL_W,
+                        OUT_BLOCKED,
+                    )
             j += 1
 
     @gluon.jit
-    def _grouped_gemm_kernel(a_desc, a_half_desc, w_desc, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                             block_row_ptr, topk_w_ptr, num_valid, max_blocks, N, K, up_offset, w_rows, stride_om,
-                             stride_be, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                             HAS_BIAS: gl.constexpr, MUL_W: gl.constexpr, OUT_BLOCKED: gl.constexpr):  # fmt: skip
+    def _grouped_gemm_kernel(
+        a_desc,
+        a_half_desc,
+        w_desc,
+        out_ptr,
+        bias_ptr,
+        sorted_ptr,
+        block_expert_ptr,
+        block_row_ptr,
+        topk_w_ptr,
+        num_valid,
+        max_blocks,
+        N,
+        K,
+        up_offset,
+        w_rows,
+        stride_om,
+        stride_be,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        GATED: gl.constexpr,
+        ACT: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        MUL_W: gl.constexpr,
+        OUT_BLOCKED: gl.constexpr,
+    ):
         """out = epilogue(A[block rows] @ W[expert]^T) for every (block, output tile); see the module docstring.
         W is seen as [E * w_rows, K]; gated: gate rows from n, up rows from n + up_offset of the expert's."""
         w_tile: gl.constexpr = BLOCK_N * (2 if GATED else 1)
@@ -254,26 +458,114 @@ if AVAILABLE:
             mbarrier.init(turn.index(i), count=1)
         gl.warp_specialize(
             [
-                (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                             block_row_ptr, topk_w_ptr, num_valid, max_blocks, N, K, up_offset, stride_om, stride_be,
-                             0, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)),
-                (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                             block_row_ptr, topk_w_ptr, num_valid, max_blocks, N, K, up_offset, stride_om, stride_be,
-                             1, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, GATED, ACT, HAS_BIAS, MUL_W, OUT_BLOCKED)),
-                (_loader, (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, ready, empty, sorted_ptr, block_expert_ptr,
-                           block_row_ptr, num_valid, max_blocks, N, K, up_offset, w_rows, BLOCK_M, BLOCK_N, BLOCK_K,
-                           STAGES, GROUP_M, GATED)),
+                (
+                    _consumer,
+                    (
+                        a_bufs,
+                        w_bufs,
+                        ready,
+                        empty,
+                        turn,
+                        out_ptr,
+                        bias_ptr,
+                        sorted_ptr,
+                        block_expert_ptr,
+                        block_row_ptr,
+                        topk_w_ptr,
+                        num_valid,
+                        max_blocks,
+                        N,
+                        K,
+                        up_offset,
+                        stride_om,
+                        stride_be,
+                        0,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_K,
+                        STAGES,
+                        GROUP_M,
+                        GATED,
+                        ACT,
+                        HAS_BIAS,
+                        MUL_W,
+                        OUT_BLOCKED,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        a_bufs,
+                        w_bufs,
+                        ready,
+                        empty,
+                        turn,
+                        out_ptr,
+                        bias_ptr,
+                        sorted_ptr,
+                        block_expert_ptr,
+                        block_row_ptr,
+                        topk_w_ptr,
+                        num_valid,
+                        max_blocks,
+                        N,
+                        K,
+                        up_offset,
+                        stride_om,
+                        stride_be,
+                        1,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_K,
+                        STAGES,
+                        GROUP_M,
+                        GATED,
+                        ACT,
+                        HAS_BIAS,
+                        MUL_W,
+                        OUT_BLOCKED,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        a_desc,
+                        a_half_desc,
+                        w_desc,
+                        a_bufs,
+                        w_bufs,
+                        ready,
+                        empty,
+                        sorted_ptr,
+                        block_expert_ptr,
+                        block_row_ptr,
+                        num_valid,
+                        max_blocks,
+                        N,
+                        K,
+                        up_offset,
+                        w_rows,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_K,
+                        STAGES,
+                        GROUP_M,
+                        GATED,
+                    ),
+                ),
             ],
             [_CONSUMER_WARPS, 1],
             [_CONSUMER_REGS, _LOADER_REGS],  # the first consumer (the default partition) gets what is left
-        )  # fmt: skip
+        )
 
 
 # The tiles, one set for every shape: a consumer's fp32 accumulator is 128 rows by 128 columns (gate and up
 # 64 each when gated), 128 of its 232 registers; five ring stages of 32 KB and the epilogue's staging take about
 # 180 KB of shared memory. On the H200 4 to 6 stages and GROUP_M 4 to 16 measured within the rounds' spread.
-_TILES = {"gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 5, "GROUP_M": 4},
-          "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_stages": 5, "GROUP_M": 4}}  # fmt: skip
+_TILES = {
+    "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 5, "GROUP_M": 4},
+    "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_stages": 5, "GROUP_M": 4},
+}
 
 
 def tiles(part: str, gated: bool) -> dict[str, int]:
@@ -308,8 +600,20 @@ def compact_rows(num_pairs: int, num_experts: int) -> int:
 
 
 @triton.jit
-def _copy_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, num_valid, top_k, H, stride_x,
-                      stride_o, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+def _copy_rows_kernel(
+    x_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    block_row_ptr,
+    num_valid,
+    top_k,
+    H,
+    stride_x,
+    stride_o,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """out[block_row[b] + m] = x[sorted[b * BLOCK_M + m] // top_k] for the slots of block b that have rows in the
     copy (the first half only where the second holds padding alone); a padding slot copies row 0, blocks past the
     end nothing. Program (b, j): columns [j * BLOCK_H, (j + 1) * BLOCK_H)."""
@@ -327,8 +631,9 @@ def _copy_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_row_pt
         tl.store(out_ptr + dst[:, None] * stride_o + h[None, :], v, mask=mask)
 
 
-def rows_in_compact_order(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
-                          num_experts: int, top_k: int) -> torch.Tensor:  # fmt: skip
+def rows_in_compact_order(
+    x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, num_experts: int, top_k: int
+) -> torch.Tensor:
     """x's row of each slot of the sorted blocks, block b from row block_row[b] on; `rows`: (sorted_rows,
     block_expert, block_row) of ``triton_common.align`` with a row grain of ROW_GRAIN. Returns
     [compact_rows(T*k, E), H]; rows past the last block's are not written."""
@@ -336,9 +641,13 @@ def rows_in_compact_order(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tenso
     num_pairs = x.shape[0] * top_k
     out = empty((compact_rows(num_pairs, num_experts), x.shape[1]), x.dtype, x.device, float("nan"))
     grid = (block_expert.numel(), cdiv(x.shape[1], _COPY_COLUMNS))
-    launch(_copy_rows_kernel, grid,
-           (x, out, sorted_rows, block_expert, block_row, num_pairs, top_k, x.shape[1], x.stride(0), out.stride(0)),
-           dict(BLOCK_M=sorted_rows.numel() // block_expert.numel(), BLOCK_H=_COPY_COLUMNS), 4)  # fmt: skip
+    launch(
+        _copy_rows_kernel,
+        grid,
+        (x, out, sorted_rows, block_expert, block_row, num_pairs, top_k, x.shape[1], x.stride(0), out.stride(0)),
+        dict(BLOCK_M=sorted_rows.numel() // block_expert.numel(), BLOCK_H=_COPY_COLUMNS),
+        4,
+    )
     return out
 
 
@@ -347,15 +656,34 @@ def _compile_key(part: str, block_m: int, gated: bool, act: int, has_bias: bool,
     weights and writes the pairs' rows."""
     cfg = tiles(part, gated)
     down = part == "down"
-    consts = dict(BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["num_stages"],
-                  GROUP_M=cfg["GROUP_M"], GATED=gated and not down, ACT=0 if down else act, HAS_BIAS=has_bias,
-                  MUL_W=down, OUT_BLOCKED=not down)  # fmt: skip
+    consts = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        STAGES=cfg["num_stages"],
+        GROUP_M=cfg["GROUP_M"],
+        GATED=gated and not down,
+        ACT=0 if down else act,
+        HAS_BIAS=has_bias,
+        MUL_W=down,
+        OUT_BLOCKED=not down,
+    )
     return consts, (*consts.values(), dtype)
 
 
-def _launch(compiled: tuple[dict, tuple], a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-            out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], topk_w: torch.Tensor | None, *,
-            num_valid: int, n_out: int, up_offset: int) -> bool:  # fmt: skip
+def _launch(
+    compiled: tuple[dict, tuple],
+    a: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_w: torch.Tensor | None,
+    *,
+    num_valid: int,
+    n_out: int,
+    up_offset: int,
+) -> bool:
     """One GEMM (see ``layer_gemms``) with the kernel of `compiled` (``_compile_key``); False, having launched
     nothing, when it does not compile here (warned once per compile key). A key that compiled before raises as
     usual."""
@@ -371,27 +699,56 @@ def _launch(compiled: tuple[dict, tuple], a: torch.Tensor, w: torch.Tensor, bias
     w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [bn, bk], _smem_layout((bn, bk), w.dtype))
     max_blocks = block_expert.numel()
     grid = (max(1, min(_configs._num_sms(a.device.index), max_blocks * -(-n_out // bn))),)
-    args = (a_desc, a_half_desc, w_desc, out, bias if bias is not None else w, sorted_rows, block_expert, block_row,
-            topk_w if topk_w is not None else a, num_valid, max_blocks, n_out, a.shape[1], up_offset, w.shape[1],
-            out.stride(0), bias.stride(0) if bias is not None else 0)  # fmt: skip
+    args = (
+        a_desc,
+        a_half_desc,
+        w_desc,
+        out,
+        bias if bias is not None else w,
+        sorted_rows,
+        block_expert,
+        block_row,
+        topk_w if topk_w is not None else a,
+        num_valid,
+        max_blocks,
+        n_out,
+        a.shape[1],
+        up_offset,
+        w.shape[1],
+        out.stride(0),
+        bias.stride(0) if bias is not None else 0,
+    )
     try:  # through triton_common's launch cache: the JIT's own dispatch costs about 100 us of host time
         launch(_grouped_gemm_kernel, grid, args, consts, CONSUMER_WARPS)
     except Exception as exc:  # compile errors come as several types (CompilationError, RuntimeError, ...)
         if key in _COMPILED:
             raise
         _FAILED.add(key)
-        warnings.warn(f"triton_fused: the persistent Hopper GEMM did not compile with this Triton "
-                      f"({type(exc).__name__}: {str(exc)[:200]}); running the Triton kernel instead",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"triton_fused: the persistent Hopper GEMM did not compile with this Triton "
+            f"({type(exc).__name__}: {str(exc)[:200]}); running the Triton kernel instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
     _COMPILED.add(key)
     return True
 
 
-def layer_gemms(x: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                down_proj: torch.Tensor, down_bias: torch.Tensor | None,
-                rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], topk_w: torch.Tensor, *, num_experts: int,
-                top_k: int, gated: bool, act: int) -> torch.Tensor | None:  # fmt: skip
+def layer_gemms(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_w: torch.Tensor,
+    *,
+    num_experts: int,
+    top_k: int,
+    gated: bool,
+    act: int,
+) -> torch.Tensor | None:
     """Both GEMMs of a layer: y [T*k, H], row t*k+j holding pair (t, j)'s down row times its routing weight (rows
     of dropped pairs unwritten), for ``triton_common.combine``. Weights [E, channels, K] contiguous (gate_up_proj
     [E, 2I, H] concatenated when `gated`, else [E, I, H]); `rows`: (sorted_rows, block_expert, block_row) of
@@ -411,12 +768,14 @@ def layer_gemms(x: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_bias: torch
     i_dim = down_proj.shape[2]
     a = rows_in_compact_order(x, rows, num_experts=num_experts, top_k=top_k)
     inter = empty((a.shape[0], i_dim), x.dtype, x.device, float("nan"))
-    if not _launch(gate_up, a, gate_up_proj, gate_up_bias, inter, rows, None, num_valid=n_pairs, n_out=i_dim,
-                   up_offset=i_dim):  # fmt: skip
+    if not _launch(
+        gate_up, a, gate_up_proj, gate_up_bias, inter, rows, None, num_valid=n_pairs, n_out=i_dim, up_offset=i_dim
+    ):
         return None
     y = a[:n_pairs]  # gate_up has read the copy (a launch earlier on the same stream)
     repoison(y, float("nan"))
-    if not _launch(down, inter, down_proj, down_bias, y, rows, topk_w, num_valid=n_pairs, n_out=down_proj.shape[1],
-                   up_offset=0):  # fmt: skip
+    if not _launch(
+        down, inter, down_proj, down_bias, y, rows, topk_w, num_valid=n_pairs, n_out=down_proj.shape[1], up_offset=0
+    ):
         return None
     return y

@@ -52,12 +52,12 @@ about 100 rows or more).
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from selector.plugins.triton_common.activation import ACT_CODE, GATE_CODE
 from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.activation import gate as _gate
 from selector.plugins.triton_common.align import align, guard_args, max_blocks_for, plan_align, run_align
@@ -78,18 +78,28 @@ from selector.guard import resolve as resolve_guard
 
 from . import configs as _configs
 from . import hopper_gemm
+from .records import (
+    SUPPORTED_ACTIVATIONS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_GATES,
+    FusedLayer,
+    Gemm,
+    check_call,
+    fused_layer,
+    layer_dims,
+)
 
 __all__ = [
     "SUPPORTED_ACTIVATIONS",
     "SUPPORTED_DTYPES",
     "SUPPORTED_GATES",
+    "FusedLayer",
+    "check_call",
     "fused_experts",
     "fused_experts_impl",
+    "fused_layer",
+    "run_op",
 ]
-
-SUPPORTED_ACTIVATIONS: frozenset[str] = frozenset({"silu", "gelu", "gelu_tanh", "relu"})
-SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32})
-SUPPORTED_GATES: frozenset[str] = frozenset(GATE_CODE)  # selector.gates names the gated epilogue runs
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -183,30 +193,160 @@ def _moe_gemm_kernel(
         half = tl.load(sorted_ptr + row0 + BLOCK_M // 2) >= num_valid
     if half:
         rows_h = tl.load(sorted_ptr + row0 + tl.arange(0, HALF_M))
-        _store_tile(out_ptr, _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc_half if HALF_TAIL else a_desc,
-                                        w_desc, expert, row0, rows_h, pid_n, num_valid, N, K, a_div, up_offset,
-                                        w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be,
-                                        stride_bn, gate_alpha, gate_limit, HALF_M, BLOCK_N, BLOCK_K, GATED,
-                                        INTERLEAVED, ACT, GATE, HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, A_TMA,
-                                        W_TMA),
-                    rows_h, row0, pid_n, num_valid, N, stride_om, stride_on, HALF_M, BLOCK_N, OUT_BLOCKED)  # fmt: skip
+        _store_tile(
+            out_ptr,
+            _gemm_tile(
+                a_ptr,
+                w_ptr,
+                bias_ptr,
+                topk_w_ptr,
+                a_desc_half if HALF_TAIL else a_desc,
+                w_desc,
+                expert,
+                row0,
+                rows_h,
+                pid_n,
+                num_valid,
+                N,
+                K,
+                a_div,
+                up_offset,
+                w_rows,
+                stride_am,
+                stride_ak,
+                stride_we,
+                stride_wn,
+                stride_wk,
+                stride_be,
+                stride_bn,
+                gate_alpha,
+                gate_limit,
+                HALF_M,
+                BLOCK_N,
+                BLOCK_K,
+                GATED,
+                INTERLEAVED,
+                ACT,
+                GATE,
+                HAS_BIAS,
+                MUL_W,
+                EVEN_K,
+                EVEN_N,
+                DOT_PREC,
+                A_TMA,
+                W_TMA,
+            ),
+            rows_h,
+            row0,
+            pid_n,
+            num_valid,
+            N,
+            stride_om,
+            stride_on,
+            HALF_M,
+            BLOCK_N,
+            OUT_BLOCKED,
+        )
     else:
         rows = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
-        _store_tile(out_ptr, _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, rows,
-                                        pid_n, num_valid, N, K, a_div, up_offset, w_rows, stride_am, stride_ak,
-                                        stride_we, stride_wn, stride_wk, stride_be, stride_bn, gate_alpha,
-                                        gate_limit, BLOCK_M, BLOCK_N, BLOCK_K, GATED, INTERLEAVED, ACT, GATE,
-                                        HAS_BIAS, MUL_W, EVEN_K, EVEN_N, DOT_PREC, A_TMA, W_TMA),
-                    rows, row0, pid_n, num_valid, N, stride_om, stride_on, BLOCK_M, BLOCK_N, OUT_BLOCKED)  # fmt: skip
+        _store_tile(
+            out_ptr,
+            _gemm_tile(
+                a_ptr,
+                w_ptr,
+                bias_ptr,
+                topk_w_ptr,
+                a_desc,
+                w_desc,
+                expert,
+                row0,
+                rows,
+                pid_n,
+                num_valid,
+                N,
+                K,
+                a_div,
+                up_offset,
+                w_rows,
+                stride_am,
+                stride_ak,
+                stride_we,
+                stride_wn,
+                stride_wk,
+                stride_be,
+                stride_bn,
+                gate_alpha,
+                gate_limit,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                GATED,
+                INTERLEAVED,
+                ACT,
+                GATE,
+                HAS_BIAS,
+                MUL_W,
+                EVEN_K,
+                EVEN_N,
+                DOT_PREC,
+                A_TMA,
+                W_TMA,
+            ),
+            rows,
+            row0,
+            pid_n,
+            num_valid,
+            N,
+            stride_om,
+            stride_on,
+            BLOCK_M,
+            BLOCK_N,
+            OUT_BLOCKED,
+        )
 
 
 @triton.jit
-def _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc, w_desc, expert, row0, rows, pid_n, num_valid, N, K,
-               a_div, up_offset, w_rows, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-               gate_alpha, gate_limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, GATE: tl.constexpr,
-               HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               DOT_PREC: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr):  # fmt: skip
+def _gemm_tile(
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    topk_w_ptr,
+    a_desc,
+    w_desc,
+    expert,
+    row0,
+    rows,
+    pid_n,
+    num_valid,
+    N,
+    K,
+    a_div,
+    up_offset,
+    w_rows,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    gate_alpha,
+    gate_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_W: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    A_TMA: tl.constexpr,
+    W_TMA: tl.constexpr,
+):
     """The fp32 epilogue result [BLOCK_M, BLOCK_N] of one tile: the block's pair `rows` (num_valid for a padding
     slot; A_TMA: the block's slots from `row0` in block order) times output channels of tile `pid_n`."""
     w_row0 = expert * w_rows  # int32: tma_fits checks that every row index fits
@@ -232,8 +372,7 @@ def _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc, w_desc, expert, row0,
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, row0, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * 2 * BLOCK_N, kk * BLOCK_K, k_ok, c_ok, EVEN_K and EVEN_N,
-                        W_TMA)  # fmt: skip
+            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * 2 * BLOCK_N, kk * BLOCK_K, k_ok, c_ok, EVEN_K and EVEN_N, W_TMA)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_wk
@@ -250,10 +389,10 @@ def _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc, w_desc, expert, row0,
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, row0, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            bg = _w_tile(bg_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
-                         W_TMA)  # fmt: skip
-            bu = _w_tile(bu_ptrs, w_desc, w_row0, up_offset + pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok,
-                         EVEN_K and EVEN_N, W_TMA)  # fmt: skip
+            bg = _w_tile(bg_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N, W_TMA)
+            bu = _w_tile(
+                bu_ptrs, w_desc, w_row0, up_offset + pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N, W_TMA
+            )
             acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
             acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
@@ -272,8 +411,7 @@ def _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc, w_desc, expert, row0,
         for kk in range(0, num_k):
             k_ok = offs_k < K - kk * BLOCK_K
             a = _a_tile(a_ptrs, a_desc, row0, kk * BLOCK_K, k_ok, EVEN_K, A_TMA)
-            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N,
-                        W_TMA)  # fmt: skip
+            b = _w_tile(b_ptrs, w_desc, w_row0, pid_n * BLOCK_N, kk * BLOCK_K, k_ok, n_ok, EVEN_K and EVEN_N, W_TMA)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_wk
@@ -289,8 +427,20 @@ def _gemm_tile(a_ptr, w_ptr, bias_ptr, topk_w_ptr, a_desc, w_desc, expert, row0,
 
 
 @triton.jit
-def _store_tile(out_ptr, res, rows, row0, pid_n, num_valid, N, stride_om, stride_on, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, OUT_BLOCKED: tl.constexpr):  # fmt: skip
+def _store_tile(
+    out_ptr,
+    res,
+    rows,
+    row0,
+    pid_n,
+    num_valid,
+    N,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    OUT_BLOCKED: tl.constexpr,
+):
     """Writes a tile's result: at the pairs' own rows, or (OUT_BLOCKED) at the block's slots from `row0`, padding
     slots too."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -340,16 +490,57 @@ PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: row 0 is the pair's, the ot
 
 @triton.jit(do_not_specialize=["num_valid", "limit", "tag", "n_counts"])
 def _pair_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, topk_w_ptr, part_ptr, count_ptr, flag_ptr, host_ptr,
-    num_valid, num_experts, top_k, limit, tag, n_counts, N, K, a_div, up_offset,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
-    gate_alpha, gate_limit,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-    INTERLEAVED: tl.constexpr, ACT: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_W: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, FIRST: tl.constexpr,
-    COMBINE: tl.constexpr, GUARD: tl.constexpr, PAIRS_PAD: tl.constexpr, COUNTS_PAD: tl.constexpr,
-    K_PAD: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    ids_ptr,
+    topk_w_ptr,
+    part_ptr,
+    count_ptr,
+    flag_ptr,
+    host_ptr,
+    num_valid,
+    num_experts,
+    top_k,
+    limit,
+    tag,
+    n_counts,
+    N,
+    K,
+    a_div,
+    up_offset,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    gate_alpha,
+    gate_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_W: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    FIRST: tl.constexpr,
+    COMBINE: tl.constexpr,
+    GUARD: tl.constexpr,
+    PAIRS_PAD: tl.constexpr,
+    COUNTS_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """``_moe_gemm_kernel`` at decode: program (p, n, s) computes pair p's output channels of tile n with expert
     ids[p]'s weights (row 0 of a BLOCK_M tile) over the s-th of SPLIT runs of whole K steps (SPLIT > 1: the
     down launch only); a pair whose id is outside [0, num_experts) computes nothing.
@@ -382,25 +573,83 @@ def _pair_gemm_kernel(
     k_len = tl.maximum(tl.minimum(K - k0, run), 0)
     res = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if valid:
-        res = _gemm_tile(a_ptr + k0 * stride_ak, w_ptr + k0 * stride_wk, bias_ptr, topk_w_ptr, a_ptr, a_ptr,
-                         expert.to(tl.int32), 0, rows, pid_n, num_valid, N, k_len, a_div, up_offset, 0, stride_am,
-                         stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, gate_alpha, gate_limit,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GATED, INTERLEAVED, ACT, GATE, HAS_BIAS and SPLIT == 1, MUL_W,
-                         EVEN_K, EVEN_N, DOT_PREC, False, False)  # fmt: skip
+        res = _gemm_tile(
+            a_ptr + k0 * stride_ak,
+            w_ptr + k0 * stride_wk,
+            bias_ptr,
+            topk_w_ptr,
+            a_ptr,
+            a_ptr,
+            expert.to(tl.int32),
+            0,
+            rows,
+            pid_n,
+            num_valid,
+            N,
+            k_len,
+            a_div,
+            up_offset,
+            0,
+            stride_am,
+            stride_ak,
+            stride_we,
+            stride_wn,
+            stride_wk,
+            stride_be,
+            stride_bn,
+            gate_alpha,
+            gate_limit,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GATED,
+            INTERLEAVED,
+            ACT,
+            GATE,
+            HAS_BIAS and SPLIT == 1,
+            MUL_W,
+            EVEN_K,
+            EVEN_N,
+            DOT_PREC,
+            False,
+            False,
+        )
         if HAS_BIAS and SPLIT > 1:
-            res = _first_split_bias(res, pid_s, pid_n, expert, pair, bias_ptr, topk_w_ptr, N, stride_be, stride_bn,
-                                    BLOCK_N)  # fmt: skip
+            res = _first_split_bias(
+                res, pid_s, pid_n, expert, pair, bias_ptr, topk_w_ptr, N, stride_be, stride_bn, BLOCK_N
+            )
     if COMBINE:
-        _combine_pair(res, pair, pid_s, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr,
-                      num_experts, top_k, limit, N, stride_om, stride_on, BLOCK_M, BLOCK_N, K_PAD, SPLIT,
-                      GUARD)  # fmt: skip
+        _combine_pair(
+            res,
+            pair,
+            pid_s,
+            valid,
+            pid_n,
+            part_ptr,
+            count_ptr,
+            ids_ptr,
+            topk_w_ptr,
+            out_ptr,
+            num_experts,
+            top_k,
+            limit,
+            N,
+            stride_om,
+            stride_on,
+            BLOCK_M,
+            BLOCK_N,
+            K_PAD,
+            SPLIT,
+            GUARD,
+        )
     elif valid:
         _store_tile(out_ptr, res, rows, 0, pid_n, num_valid, N, stride_om, stride_on, BLOCK_M, BLOCK_N, False)
 
 
 @triton.jit
-def _first_split_bias(res, pid_s, pid_n, expert, pair, bias_ptr, topk_w_ptr, N, stride_be, stride_bn,
-                      BLOCK_N: tl.constexpr):  # fmt: skip
+def _first_split_bias(
+    res, pid_s, pid_n, expert, pair, bias_ptr, topk_w_ptr, N, stride_be, stride_bn, BLOCK_N: tl.constexpr
+):
     """A down split's tile (already scaled by the routing weight) with the weighted bias added on split 0 only."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_lim = tl.where(pid_s == 0, N, 0)
@@ -409,9 +658,29 @@ def _first_split_bias(res, pid_s, pid_n, expert, pair, bias_ptr, topk_w_ptr, N, 
 
 
 @triton.jit
-def _combine_pair(res, pair, pid_s, valid, pid_n, part_ptr, count_ptr, ids_ptr, topk_w_ptr, out_ptr, num_experts,
-                  top_k, limit, N, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  K_PAD: tl.constexpr, SPLIT: tl.constexpr, GUARD: tl.constexpr):  # fmt: skip
+def _combine_pair(
+    res,
+    pair,
+    pid_s,
+    valid,
+    pid_n,
+    part_ptr,
+    count_ptr,
+    ids_ptr,
+    topk_w_ptr,
+    out_ptr,
+    num_experts,
+    top_k,
+    limit,
+    N,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    GUARD: tl.constexpr,
+):
     """``_pair_gemm_kernel``'s COMBINE epilogue for split `pid_s` of pair `pair` (its result in row 0 of `res`)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -430,8 +699,12 @@ def _combine_pair(res, pair, pid_s, valid, pid_n, part_ptr, count_ptr, ids_ptr, 
         r_ok = r < top_k * SPLIT
         e = tl.load(ids_ptr + token * top_k + r // SPLIT, mask=r_ok, other=-1)
         ok = r_ok & (e >= 0) & (e < num_experts)
-        v = tl.load(part_ptr + (token * top_k * SPLIT + r).to(tl.int64)[:, None] * N + offs_n[None, :],
-                    mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip  # past the L1
+        v = tl.load(
+            part_ptr + (token * top_k * SPLIT + r).to(tl.int64)[:, None] * N + offs_n[None, :],
+            mask=ok[:, None] & n_ok[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # past the L1
         acc = tl.sum(v, axis=0)
         if GUARD:
             j = tl.arange(0, K_PAD)
@@ -440,17 +713,39 @@ def _combine_pair(res, pair, pid_s, valid, pid_n, part_ptr, count_ptr, ids_ptr, 
             e_j = tl.load(ids_ptr + slots, mask=j_ok, other=-1)
             bad_id, bad_w = check_slots(e_j, tl.load(topk_w_ptr + slots, mask=j_ok, other=0.0), j_ok, limit)
             acc = tl.where(tl.max((bad_id | bad_w).to(tl.int32), axis=0) > 0, float("nan"), acc)
-        tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty),
-                 mask=n_ok)  # fmt: skip
+        tl.store(
+            out_ptr + token.to(tl.int64) * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=n_ok
+        )
 
 
 @triton.jit(do_not_specialize=["limit"])
 def _token_down_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, topk_w_ptr, num_experts, top_k, limit, N, K,
-    stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr, K_PAD: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    ids_ptr,
+    topk_w_ptr,
+    num_experts,
+    top_k,
+    limit,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    GUARD: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
     """The down projection of one token, k-way sum included: out[n] = sum_j a[j] . W[ids[j], n, :] (+ w[j] *
     bias[ids[j], n]) for output channels of tile program_id(0), the k experts' K ranges read one after another
     as one K loop. `a` [k, K] holds the token's intermediate rows, already scaled by their routing weights (the
@@ -475,8 +770,11 @@ def _token_down_kernel(
         rows = tl.sum(tl.where(pick, ok_all.to(tl.int32), 0), axis=0)  # 1: the slot's row is read, 0: none
         expert = tl.sum(tl.where(pick & ok_all, e_all, 0), axis=0).to(tl.int64)  # 0 for a slot that adds nothing
         k_ok = offs_k < K - k0
-        a = tl.load(a_ptr + slot * K + k0 + offs_m[:, None] * 0 + offs_k[None, :],
-                    mask=(offs_m < rows)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        a = tl.load(
+            a_ptr + slot * K + k0 + offs_m[:, None] * 0 + offs_k[None, :],
+            mask=(offs_m < rows)[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
         if EVEN_N:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
@@ -497,114 +795,20 @@ def _token_down_kernel(
     tl.store(out_ptr + offs_n * stride_on, res.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def token_down(i_dim: int, stride_wk: int) -> bool:
-    """Whether a one-token call runs its down projection through ``_token_down_kernel``: large intermediates
-    stored K-contiguous (``configs.TOKEN_DOWN_MIN_I``)."""
-    return i_dim >= _configs.TOKEN_DOWN_MIN_I and stride_wk == 1
-
-
-def _launch_token_down(inter, w, bias, out, ids, topk_w, guard, *, num_experts, top_k, n_out, k_dim, stride_wn,
-                       stride_wk, cfg, dot_prec):  # fmt: skip
-    """One ``_token_down_kernel`` launch: the layer's output row `out` [1, n_out] from `inter` [k, k_dim]."""
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    has_bias = bias is not None
-    _, _, _, limit, _ = guard_args(guard, topk_w, ids)
-    launch(
-        _token_down_kernel, (cdiv(n_out, bn),),
-        (inter, w, bias if has_bias else w, out, ids, topk_w, num_experts, top_k, limit, n_out, k_dim,
-         w.stride(0), stride_wn, stride_wk, bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-         out.stride(1)),
-        dict(BLOCK_M=PAIR_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=has_bias, EVEN_N=(n_out % bn == 0),
-             DOT_PREC=dot_prec, GUARD=guard is not None, K_PAD=max(2, next_pow2(top_k))),
-        cfg["num_warps"], cfg["num_stages"],
-    )  # fmt: skip
-
-
-def _launch_pair_gemm(a, w, bias, out, ids, topk_w, part, counts, guard, *, num_experts, top_k, n_out, k_dim,
-                      a_div, stride_wn, stride_wk, up_offset, gated, interleaved, act, cfg, dot_prec, gate=0,
-                      gate_alpha=1.0, gate_limit=0.0, first, combine_out, mul_w=False):  # fmt: skip
-    """One ``_pair_gemm_kernel`` launch: `first` for gate_up (zeroes `counts`; with a RoutingGuard `guard` checks
-    the routing), `combine_out` for down (out is the layer's output, `part` its fp32 rows per pair and K split:
-    cfg's SPLIT_K); `mul_w`: scale the rows by their routing weights (gate_up ahead of ``_token_down_kernel``)."""
-    n_pairs = ids.numel()
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    split = cfg.get("SPLIT_K", 1) if combine_out else 1
-    has_bias = bias is not None
-    _, flag, host, limit, tag = guard_args(guard, topk_w, ids)
-    launch(
-        _pair_gemm_kernel, (n_pairs, cdiv(n_out, bn), split),
-        (a, w, bias if has_bias else w, out, ids, topk_w, part, counts, flag, host,
-         n_pairs, num_experts, top_k, limit, tag, counts.numel(), n_out, k_dim, a_div, up_offset,
-         a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
-         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-         out.stride(0), out.stride(1), float(gate_alpha), float(gate_limit)),
-        dict(BLOCK_M=PAIR_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, GATED=gated, INTERLEAVED=interleaved, ACT=act,
-             GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=combine_out or mul_w, EVEN_K=(k_dim % bk == 0),
-             EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, FIRST=first, COMBINE=combine_out, GUARD=guard is not None,
-             PAIRS_PAD=max(16, next_pow2(n_pairs)), COUNTS_PAD=max(16, next_pow2(counts.numel())),
-             K_PAD=max(2, next_pow2(top_k)), SPLIT=split),
-        cfg["num_warps"], cfg["num_stages"],
-    )  # fmt: skip
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs follow torch's float32 matmul setting: "highest" -> exact fp32 FMA dots, else tf32."""
-    if dtype != torch.float32:
-        return "tf32"  # ignored by Triton for 16-bit operands
-    try:
-        prec = torch.get_float32_matmul_precision()
-    except Exception:  # pragma: no cover - very old/new torch
-        prec = "highest"
-    return "ieee" if prec == "highest" else "tf32"
-
-
-def _launch_gemm(
-    a, w, bias, out, sorted_rows, block_expert, topk_w, *, num_valid, n_out, k_dim, a_div, block_m,
-    stride_wn, stride_wk, up_offset, gated, interleaved, act, mul_w, cfg, dot_prec, gate=0, gate_alpha=1.0,
-    gate_limit=0.0, w_tma=False, a_tma=False, out_blocked=False,
-):  # fmt: skip
-    """One grouped GEMM launch. `w_tma`: weight tiles through a TMA descriptor (``tma_fits`` said yes);
-    `a_tma`: `a` holds the rows in block order (the gate_up launch's `out_blocked` output); `out_blocked`: write
-    rows in block order, `out` holding ``sorted_rows.numel()`` rows. Blocks of HALF_TAIL_MIN_BLOCK_M rows or
-    more run half-empty blocks as half-height tiles (the kernel's HALF_TAIL)."""
-    num_blocks_m = block_expert.numel()
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (num_blocks_m * cdiv(n_out, bn),)
-    has_bias = bias is not None
-    half_tail = block_m >= _configs.HALF_TAIL_MIN_BLOCK_M
-    a_desc = a_desc_half = w_desc = a  # placeholders, unused without TMA
-    if w_tma:
-        tile_c = bn * (2 if gated and interleaved else 1)
-        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tile_c, bk])
-    if a_tma:
-        a_desc = TensorDescriptor.from_tensor(a, [block_m, bk])
-        if half_tail:
-            a_desc_half = TensorDescriptor.from_tensor(a, [block_m // 2, bk])
-    launch(
-        _moe_gemm_kernel, grid,
-        (a, w, bias if has_bias else w, out, sorted_rows, block_expert, topk_w if mul_w else a, a_desc,
-         a_desc_half, w_desc,
-         num_valid, n_out, k_dim, a_div, num_blocks_m, up_offset, w.shape[1],
-         a.stride(0), a.stride(1), w.stride(0), stride_wn, stride_wk,
-         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-         out.stride(0), out.stride(1), float(gate_alpha), float(gate_limit)),
-        dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], GATED=gated, INTERLEAVED=interleaved,
-             ACT=act, GATE=gate if gated else 0, HAS_BIAS=has_bias, MUL_W=mul_w, EVEN_K=(k_dim % bk == 0),
-             EVEN_N=(n_out % bn == 0), DOT_PREC=dot_prec, A_TMA=a_tma, W_TMA=w_tma,
-             OUT_BLOCKED=out_blocked, HALF_TAIL=half_tail),
-        cfg["num_warps"], cfg["num_stages"],
-    )  # fmt: skip
-
-
 # From this intermediate size up, x is also copied into block order so that gate_up reads it by TMA: the copy
 # costs T*k*H, the GEMM T*k*H*I (Mixtral's I=14336 gained 3-10%; I <= 2048 nothing, or lost 3-4%).
 SORTED_X_MIN_I = 4096
+
+
 def tma_fits(w: torch.Tensor, block_m: int, cfg: dict, tile_c: int) -> bool:
     """Whether one GEMM's weights `w` [E, channels, K] (K-contiguous: transposed storage keeps pointer loads) can
     come through a TMA descriptor with these tiles: ``launch.tma_weights`` and ``configs.tma_tiles``, on a device
     with TMA."""
-    return (_configs.tma_tiles(block_m, cfg["BLOCK_K"], tile_c, w.element_size()) and tma_weights(w)
-            and _tma_device(w.device))  # fmt: skip
+    return (
+        _configs.tma_tiles(block_m, cfg["BLOCK_K"], tile_c, w.element_size())
+        and tma_weights(w)
+        and _tma_device(w.device)
+    )
 
 
 def inter_rows_bound(num_pairs: int, num_experts: int) -> int:
@@ -613,8 +817,9 @@ def inter_rows_bound(num_pairs: int, num_experts: int) -> int:
     return max(num_pairs, max_blocks_for(num_pairs, num_experts, box) * box)
 
 
-def rows_in_block_order(hidden_states: torch.Tensor, sorted_rows: torch.Tensor, num_pairs: int,
-                        top_k: int) -> torch.Tensor:  # fmt: skip
+def rows_in_block_order(
+    hidden_states: torch.Tensor, sorted_rows: torch.Tensor, num_pairs: int, top_k: int
+) -> torch.Tensor:
     """x's row of each slot of the sorted blocks ([sorted_rows.numel(), H]); padding slots and the unused tail
     (never written by the align) read row 0."""
     real = (sorted_rows >= 0) & (sorted_rows < num_pairs)
@@ -625,8 +830,17 @@ def rows_in_block_order(hidden_states: torch.Tensor, sorted_rows: torch.Tensor, 
 NO_TMA: dict[str, bool] = {"w_tma": False, "a_tma": False, "out_blocked": False}
 
 
-def part_layout(part: str, w: torch.Tensor, block_m: int, cfg: dict, *, i_dim: int, gated: bool = True,
-                interleaved: bool = False, transposed: bool = False) -> dict[str, bool]:  # fmt: skip
+def part_layout(
+    part: str,
+    w: torch.Tensor,
+    block_m: int,
+    cfg: dict,
+    *,
+    i_dim: int,
+    gated: bool = True,
+    interleaved: bool = False,
+    transposed: bool = False,
+) -> dict[str, bool]:
     """The TMA switches (``_launch_gemm``'s w_tma, a_tma, out_blocked) of one GEMM, "gate_up" or "down", with
     weights `w` as stored and tiles `cfg`: weights by descriptor where ``tma_fits``; the intermediate (rows of
     a multiple of 16 bytes) written in block order and read back by descriptor; from SORTED_X_MIN_I up, x in
@@ -644,8 +858,9 @@ def part_layout(part: str, w: torch.Tensor, block_m: int, cfg: dict, *, i_dim: i
     return {"w_tma": True, "a_tma": x_sorted, "out_blocked": True}
 
 
-def persistent_fits(hidden_states: torch.Tensor, cfg: dict, *, gated: bool, interleaved: bool, gate: int,
-                    tma: bool) -> bool:  # fmt: skip
+def persistent_fits(
+    hidden_states: torch.Tensor, cfg: dict, *, gated: bool, interleaved: bool, gate: int, tma: bool
+) -> bool:
     """Whether a layer's sorted-block GEMMs run through ``hopper_gemm`` (cfg's PERSISTENT asks for it, with
     blocks of ``configs.PERSISTENT_BLOCK_M`` rows): Gluon importable, an sm_90 device (wgmma; Blackwell has
     none), 16-bit inputs, weights through TMA (`tma`, ``part_layout``), gate and up concatenated with the act_mul
@@ -665,196 +880,378 @@ def x_copy_fits(num_tokens: int, top_k: int, hidden: int, intermediate: int, row
     return need <= 2 * num_tokens * top_k * max(2 * intermediate, hidden)
 
 
-def _dims(hidden_states, gate_up_proj, down_proj, gated, transposed):
-    """(I, gate_up output channels, strides) from the stored layouts."""
-    if transposed:  # gate_up [E, H, C], down [E, I, H]
-        c1 = gate_up_proj.shape[2]
-        s1n, s1k = gate_up_proj.stride(2), gate_up_proj.stride(1)
-        i_dim = down_proj.shape[1]
-        s2n, s2k = down_proj.stride(2), down_proj.stride(1)
-    else:  # gate_up [E, C, H], down [E, H, I]
-        c1 = gate_up_proj.shape[1]
-        s1n, s1k = gate_up_proj.stride(1), gate_up_proj.stride(2)
-        i_dim = down_proj.shape[2]
-        s2n, s2k = down_proj.stride(1), down_proj.stride(2)
-    return i_dim, c1, (s1n, s1k), (s2n, s2k)
+def token_down(i_dim: int, stride_wk: int) -> bool:
+    """Whether a one-token call runs its down projection through ``_token_down_kernel``: large intermediates
+    stored K-contiguous (``configs.TOKEN_DOWN_MIN_I``)."""
+    return i_dim >= _configs.TOKEN_DOWN_MIN_I and stride_wk == 1
 
 
-def _validate_gate(gate, gate_alpha, gate_limit, gated):
-    if gate not in SUPPORTED_GATES:
-        raise ValueError(f"triton_fused: gate {gate!r} is not supported; supported: {sorted(SUPPORTED_GATES)}")
-    if gate == "act_mul":
-        return
-    if not gated:
-        raise ValueError(f"triton_fused: gate {gate!r} needs gated experts (gate_up_proj holds gate and up)")
-    for name, value in (("gate_alpha", gate_alpha), ("gate_limit", gate_limit)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"triton_fused: gate {gate!r} needs a finite number {name}, got {value!r}")
+class Route(NamedTuple):
+    """One call's routing as the launches read it: flat ids and routing weights [T*k], the routing guard (None:
+    unguarded), the experts' count and k."""
+
+    ids: torch.Tensor
+    topk_w: torch.Tensor
+    guard: object | None  # a selector.guard.RoutingGuard
+    num_experts: int
+    top_k: int
 
 
-def _validate(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation,
-              gated, transposed, gate_up_bias, down_bias, gate="act_mul", gate_alpha=None,
-              gate_limit=None):  # fmt: skip
-    _validate_gate(gate, gate_alpha, gate_limit, gated)
-    if activation not in SUPPORTED_ACTIVATIONS and (gate == "act_mul" or not gated):
-        raise ValueError(
-            f"triton_fused: activation {activation!r} is not supported; supported: {sorted(SUPPORTED_ACTIVATIONS)}"
-        )
-    if hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"triton_fused: dtype {hidden_states.dtype} is not supported; supported: bf16, fp16, fp32")
-    if hidden_states.dim() != 2:
-        raise ValueError(f"triton_fused: hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
-    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if w.dim() != 3:
-            raise ValueError(f"triton_fused: {name} must be 3-D [E, ., .], got shape {tuple(w.shape)}")
-        if w.dtype != hidden_states.dtype:
-            raise ValueError(f"triton_fused: {name} dtype {w.dtype} differs from hidden_states {hidden_states.dtype}")
-        if w.shape[0] != num_experts:
-            raise ValueError(f"triton_fused: {name} has {w.shape[0]} experts, num_experts={num_experts}")
-        if w.device != hidden_states.device:
-            raise ValueError(f"triton_fused: {name} is on {w.device}, hidden_states on {hidden_states.device}")
-    t, h = hidden_states.shape
-    i_dim, c1, _, _ = _dims(hidden_states, gate_up_proj, down_proj, gated, transposed)
-    want_c1 = 2 * i_dim if gated else i_dim
-    k_in = gate_up_proj.shape[1] if transposed else gate_up_proj.shape[2]
-    h_out = down_proj.shape[2] if transposed else down_proj.shape[1]
-    if c1 != want_c1 or k_in != h or h_out != h:
-        raise ValueError(
-            "triton_fused: weight shapes do not fit: hidden_states "
-            f"{tuple(hidden_states.shape)}, gate_up_proj {tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}"
-            f" (gated={gated}, transposed={transposed})"
-        )
-    if top_k_index.dim() != 2 or top_k_index.shape[0] != t or top_k_weights.shape != top_k_index.shape:
-        raise ValueError(
-            f"triton_fused: top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)}"
-            f" must both be [T={t}, k]"
-        )
-    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
-        raise ValueError(f"triton_fused: top_k_index must be an integer tensor, got {top_k_index.dtype}")
-    if gate_up_bias is not None and tuple(gate_up_bias.shape) != (num_experts, c1):
-        raise ValueError(f"triton_fused: gate_up_bias must be [{num_experts}, {c1}], got {tuple(gate_up_bias.shape)}")
-    if down_bias is not None and tuple(down_bias.shape) != (num_experts, h):
-        raise ValueError(f"triton_fused: down_bias must be [{num_experts}, {h}], got {tuple(down_bias.shape)}")
+class Blocks(NamedTuple):
+    """The align's grouping of a call's pairs (triton_common.align): the pair of each block slot, each block's
+    expert, BLOCK_M and the number of pairs."""
+
+    sorted_rows: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+    num_valid: int
+
+
+def _bias_args(bias: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The kernels' (bias pointer, its strides): the weights stand in for an absent bias (never read)."""
+    return (w, 0, 0) if bias is None else (bias, bias.stride(0), bias.stride(1))
+
+
+def _launch_token_down(
+    gemm: Gemm, inter: torch.Tensor, out: torch.Tensor, route: Route, cfg: dict, *, dot_prec: str
+) -> None:
+    """One ``_token_down_kernel`` launch: the layer's output row `out` [1, n_out] from `inter` [k, k_dim]."""
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    w, guard = gemm.w, route.guard
+    bias, stride_be, stride_bn = _bias_args(gemm.bias, w)
+    _, _, _, limit, _ = guard_args(guard, route.topk_w, route.ids)
+    args = (
+        inter,
+        w,
+        bias,
+        out,
+        route.ids,
+        route.topk_w,
+        route.num_experts,
+        route.top_k,
+        limit,
+        gemm.n_out,
+        gemm.k_dim,
+        w.stride(0),
+        gemm.stride_wn,
+        gemm.stride_wk,
+        stride_be,
+        stride_bn,
+        out.stride(1),
+    )
+    consts = dict(
+        BLOCK_M=PAIR_BLOCK_M,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        HAS_BIAS=gemm.bias is not None,
+        EVEN_N=(gemm.n_out % bn == 0),
+        DOT_PREC=dot_prec,
+        GUARD=guard is not None,
+        K_PAD=max(2, next_pow2(route.top_k)),
+    )
+    launch(_token_down_kernel, (cdiv(gemm.n_out, bn),), args, consts, cfg["num_warps"], cfg["num_stages"])
+
+
+def _launch_pair_gemm(
+    gemm: Gemm,
+    a: torch.Tensor,
+    out: torch.Tensor,
+    route: Route,
+    scratch: tuple[torch.Tensor, torch.Tensor],
+    cfg: dict,
+    *,
+    a_div: int,
+    dot_prec: str,
+    first: bool,
+    combine_out: bool,
+    mul_w: bool = False,
+) -> None:
+    """One ``_pair_gemm_kernel`` launch: `first` for gate_up (zeroes the counters; with a RoutingGuard checks the
+    routing), `combine_out` for down (out is the layer's output; `scratch` (part, counts): its fp32 rows per pair
+    and K split, cfg's SPLIT_K, and the counters); `mul_w`: scale the rows by their routing weights (gate_up ahead
+    of ``_token_down_kernel``)."""
+    part, counts = scratch
+    ids, topk_w = route.ids, route.topk_w
+    n_pairs = ids.numel()
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split = cfg.get("SPLIT_K", 1) if combine_out else 1
+    w = gemm.w
+    bias, stride_be, stride_bn = _bias_args(gemm.bias, w)
+    _, flag, host, limit, tag = guard_args(route.guard, topk_w, ids)
+    args = (
+        a,
+        w,
+        bias,
+        out,
+        ids,
+        topk_w,
+        part,
+        counts,
+        flag,
+        host,
+        n_pairs,
+        route.num_experts,
+        route.top_k,
+        limit,
+        tag,
+        counts.numel(),
+        gemm.n_out,
+        gemm.k_dim,
+        a_div,
+        gemm.up_offset,
+        a.stride(0),
+        a.stride(1),
+        w.stride(0),
+        gemm.stride_wn,
+        gemm.stride_wk,
+        stride_be,
+        stride_bn,
+        out.stride(0),
+        out.stride(1),
+        gemm.gate_alpha,
+        gemm.gate_limit,
+    )
+    consts = dict(
+        BLOCK_M=PAIR_BLOCK_M,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GATED=gemm.gated,
+        INTERLEAVED=gemm.interleaved,
+        ACT=gemm.act,
+        GATE=gemm.gate,
+        HAS_BIAS=gemm.bias is not None,
+        MUL_W=combine_out or mul_w,
+        EVEN_K=(gemm.k_dim % bk == 0),
+        EVEN_N=(gemm.n_out % bn == 0),
+        DOT_PREC=dot_prec,
+        FIRST=first,
+        COMBINE=combine_out,
+        GUARD=route.guard is not None,
+        PAIRS_PAD=max(16, next_pow2(n_pairs)),
+        COUNTS_PAD=max(16, next_pow2(counts.numel())),
+        K_PAD=max(2, next_pow2(route.top_k)),
+        SPLIT=split,
+    )
+    grid = (n_pairs, cdiv(gemm.n_out, bn), split)
+    launch(_pair_gemm_kernel, grid, args, consts, cfg["num_warps"], cfg["num_stages"])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow torch's float32 matmul setting: "highest" -> exact fp32 FMA dots, else tf32."""
+    if dtype != torch.float32:
+        return "tf32"  # ignored by Triton for 16-bit operands
+    try:
+        prec = torch.get_float32_matmul_precision()
+    except Exception:  # pragma: no cover - very old/new torch
+        prec = "highest"
+    return "ieee" if prec == "highest" else "tf32"
+
+
+def _launch_gemm(
+    gemm: Gemm,
+    a: torch.Tensor,
+    out: torch.Tensor,
+    blocks: Blocks,
+    topk_w: torch.Tensor | None,
+    cfg: dict,
+    *,
+    a_div: int,
+    dot_prec: str,
+    tma: Mapping[str, bool] = NO_TMA,
+) -> None:
+    """One grouped GEMM launch; `topk_w`: scale the rows by their routing weights (the down GEMM). `tma`
+    (``part_layout``): `w_tma` weight tiles through a TMA descriptor (``tma_fits`` said yes); `a_tma`: `a` holds
+    the rows in block order (the gate_up launch's `out_blocked` output); `out_blocked`: write rows in block
+    order, `out` holding ``sorted_rows.numel()`` rows. Blocks of HALF_TAIL_MIN_BLOCK_M rows or more run
+    half-empty blocks as half-height tiles (the kernel's HALF_TAIL)."""
+    w, block_m = gemm.w, blocks.block_m
+    w_tma, a_tma = tma["w_tma"], tma["a_tma"]
+    num_blocks_m = blocks.block_expert.numel()
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    half_tail = block_m >= _configs.HALF_TAIL_MIN_BLOCK_M
+    a_desc = a_desc_half = w_desc = a  # placeholders, unused without TMA
+    if w_tma:
+        tile_c = bn * (2 if gemm.interleaved else 1)
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tile_c, bk])
+    if a_tma:
+        a_desc = TensorDescriptor.from_tensor(a, [block_m, bk])
+        if half_tail:
+            a_desc_half = TensorDescriptor.from_tensor(a, [block_m // 2, bk])
+    bias, stride_be, stride_bn = _bias_args(gemm.bias, w)
+    args = (
+        a,
+        w,
+        bias,
+        out,
+        blocks.sorted_rows,
+        blocks.block_expert,
+        a if topk_w is None else topk_w,
+        a_desc,
+        a_desc_half,
+        w_desc,
+        blocks.num_valid,
+        gemm.n_out,
+        gemm.k_dim,
+        a_div,
+        num_blocks_m,
+        gemm.up_offset,
+        w.shape[1],
+        a.stride(0),
+        a.stride(1),
+        w.stride(0),
+        gemm.stride_wn,
+        gemm.stride_wk,
+        stride_be,
+        stride_bn,
+        out.stride(0),
+        out.stride(1),
+        gemm.gate_alpha,
+        gemm.gate_limit,
+    )
+    consts = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg["GROUP_M"],
+        GATED=gemm.gated,
+        INTERLEAVED=gemm.interleaved,
+        ACT=gemm.act,
+        GATE=gemm.gate,
+        HAS_BIAS=gemm.bias is not None,
+        MUL_W=topk_w is not None,
+        EVEN_K=(gemm.k_dim % bk == 0),
+        EVEN_N=(gemm.n_out % bn == 0),
+        DOT_PREC=dot_prec,
+        A_TMA=a_tma,
+        W_TMA=w_tma,
+        OUT_BLOCKED=tma["out_blocked"],
+        HALF_TAIL=half_tail,
+    )
+    grid = (num_blocks_m * cdiv(gemm.n_out, bn),)
+    launch(_moe_gemm_kernel, grid, args, consts, cfg["num_warps"], cfg["num_stages"])
+
+
+def _dims(hidden_states, gate_up_proj, down_proj, gated, transposed):  # noqa: ANN001, ANN202
+    """(I, gate_up output channels, strides) from the stored layouts (``records.layer_dims``)."""
+    return layer_dims(gate_up_proj, down_proj, transposed)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
 
 
 def fused_experts_impl(
+    layer: FusedLayer,
     hidden_states: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    num_experts: int,
-    activation: str = "silu",
-    gated: bool = True,
-    interleaved: bool = False,
-    transposed: bool = False,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
     config: dict | None = None,
     guard: int = 0,
-    gate: str = "act_mul",
-    gate_alpha: float | None = None,
-    gate_limit: float | None = None,
 ) -> torch.Tensor:
-    """The kernels, without validation and without the custom-op wrapper. `guard`: a selector.guard code (0: off)
-    that the align and combine launches check the routing against; `gate`: a name of SUPPORTED_GATES, with its
-    parameters (the clamped SwiGLU's alpha and limit)."""
+    """The kernels, without validation and without the custom-op wrapper. `config`: tiles (``configs.normalize``
+    form), else this shape's from the tables or the heuristics; `guard`: a selector.guard code (0: off) that the
+    align and combine launches check the routing against."""
     t, h = hidden_states.shape
     top_k = top_k_index.shape[1]
     out = empty((t, h), hidden_states.dtype, hidden_states.device, float("nan"))
     if t == 0 or top_k == 0:
         return out.zero_()
-    i_dim, _, (s1n, s1k), (s2n, s2k) = _dims(hidden_states, gate_up_proj, down_proj, gated, transposed)
+    num_experts, up, dn, i_dim = layer.num_experts, layer.up, layer.dn, layer.inter
     if config is None:  # cached and already normalised
-        cfg = _configs.get_config(
-            num_experts, h, i_dim, t, top_k, hidden_states.dtype, gated=gated, device=hidden_states.device,
-            transposed=transposed, interleaved=interleaved and gated,
-        )
+        cfg = _configs.layer_config(layer.shape, t, top_k, hidden_states.device)
     else:
         cfg = _configs.normalize(config)
-    bm = cfg["BLOCK_M"]
-    n_pairs = t * top_k
-    ids = top_k_index.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    tw = top_k_weights.reshape(-1)
-    if not tw.is_contiguous():
-        tw = tw.contiguous()
+    ids, tw = _flat(top_k_index), _flat(top_k_weights)
     dot_prec = _dot_precision(hidden_states.dtype)
-
     checks = resolve_guard(guard, ids.device, num_experts)
-    gate_code = GATE_CODE[gate] if gated else 0
-    act_code = ACT_CODE[activation] if gate_code == 0 else 0  # the clamped SwiGLU brings its own activation
-    gate_args = dict(gate=gate_code, gate_alpha=1.0 if gate_alpha is None else gate_alpha,
-                     gate_limit=0.0 if gate_limit is None else gate_limit)  # fmt: skip
+    route = Route(ids, tw, checks, num_experts, top_k)
+    n_pairs = t * top_k
     if t <= PAIR_BLOCK_MAX_TOKENS:  # decode: a block per pair, then the down launch: two launches
-        dev = hidden_states.device
-        by_token = token_down(i_dim, s2k)  # down by output tile (no counters, no fp32 rows), else by pair
-        n_counts = 0 if by_token else t * cdiv(h, cfg["down"]["BLOCK_N"])
-        counts = empty(n_counts, torch.int32, dev, 1 << 20)  # zeroed by gate_up
-        part = empty((0 if by_token else n_pairs * cfg["down"]["SPLIT_K"], h), torch.float32, dev, float("nan"))
-        inter = empty((n_pairs, i_dim), hidden_states.dtype, dev, float("nan"))
-        both = dict(num_experts=num_experts, top_k=top_k, dot_prec=dot_prec)
-        _launch_pair_gemm(
-            hidden_states, gate_up_proj, gate_up_bias, inter, ids, tw, part, counts, checks, n_out=i_dim, k_dim=h,
-            a_div=top_k, stride_wn=s1n, stride_wk=s1k, up_offset=i_dim, gated=gated,
-            interleaved=interleaved and gated, act=act_code, cfg=cfg["gate_up"], first=True, combine_out=False,
-            mul_w=by_token, **gate_args, **both,
-        )  # fmt: skip
-        if by_token:
-            _launch_token_down(inter, down_proj, down_bias, out, ids, tw, checks, num_experts=num_experts,
-                               top_k=top_k, n_out=h, k_dim=i_dim, stride_wn=s2n, stride_wk=s2k, cfg=cfg["down"],
-                               dot_prec=dot_prec)  # fmt: skip
-            return out
-        _launch_pair_gemm(
-            inter, down_proj, down_bias, out, ids, tw, part, counts, checks, n_out=h, k_dim=i_dim, a_div=1,
-            stride_wn=s2n, stride_wk=s2k, up_offset=0, gated=False, interleaved=False, act=0, cfg=cfg["down"],
-            first=False, combine_out=True, **both,
-        )  # fmt: skip
-        return out
-    # through TMA the intermediate is written in block order (padding rows too) and read back by descriptor
-    gu = part_layout("gate_up", gate_up_proj, bm, cfg["gate_up"], i_dim=i_dim, gated=gated,
-                     interleaved=interleaved and gated, transposed=transposed)  # fmt: skip
-    dn = part_layout("down", down_proj, bm, cfg["down"], i_dim=i_dim, transposed=transposed)
-    if not (gu["w_tma"] and dn["w_tma"]):
-        gu = dn = NO_TMA
-    persistent = persistent_fits(hidden_states, cfg, gated=gated, interleaved=interleaved and gated,
-                                 gate=gate_code, tma=gu["w_tma"]) and x_copy_fits(
-        t, top_k, h, i_dim, hopper_gemm.compact_rows(n_pairs, num_experts))  # fmt: skip
+        return _one_token(layer, hidden_states, route, cfg, out, dot_prec)
+    bm = cfg["BLOCK_M"]
+    gu = part_layout(
+        "gate_up",
+        up.w,
+        bm,
+        cfg["gate_up"],
+        i_dim=i_dim,
+        gated=layer.gated,
+        interleaved=up.interleaved,
+        transposed=layer.transposed,
+    )
+    dl = part_layout("down", dn.w, bm, cfg["down"], i_dim=i_dim, transposed=layer.transposed)
+    if not (gu["w_tma"] and dl["w_tma"]):
+        gu = dl = NO_TMA
+    persistent = persistent_fits(
+        hidden_states, cfg, gated=layer.gated, interleaved=up.interleaved, gate=up.gate, tma=gu["w_tma"]
+    ) and x_copy_fits(t, top_k, h, i_dim, hopper_gemm.compact_rows(n_pairs, num_experts))
     routing = plan_align(ids, num_experts, bm, checks, tw, row_grain=hopper_gemm.ROW_GRAIN if persistent else 0)
     run_align(routing)
-    sorted_rows, block_expert = routing.sorted_rows, routing.block_expert
+    blocks = Blocks(routing.sorted_rows, routing.block_expert, bm, n_pairs)
     if persistent:  # None where the installed Triton does not build the Gluon kernel: the Triton kernel below
         y = hopper_gemm.layer_gemms(
-            hidden_states, gate_up_proj, gate_up_bias, down_proj, down_bias, (sorted_rows, block_expert,
-            routing.block_row), tw, num_experts=num_experts, top_k=top_k, gated=gated, act=act_code,
-        )  # fmt: skip
+            hidden_states,
+            up.w,
+            up.bias,
+            dn.w,
+            dn.bias,
+            (blocks.sorted_rows, blocks.block_expert, routing.block_row),
+            tw,
+            num_experts=num_experts,
+            top_k=top_k,
+            gated=layer.gated,
+            act=up.act,
+        )
         if y is not None:
             combine(y, ids, out, top_k, num_experts, guard=checks, weights=tw)
             return out
 
-    inter_rows = sorted_rows.numel() if gu["out_blocked"] else n_pairs
+    inter_rows = blocks.sorted_rows.numel() if gu["out_blocked"] else n_pairs
     inter = empty((inter_rows, i_dim), hidden_states.dtype, hidden_states.device, float("nan"))
     x_sorted = gu["a_tma"]
-    a1 = rows_in_block_order(hidden_states, sorted_rows, n_pairs, top_k) if x_sorted else hidden_states
-    # y takes the copy's memory once gate_up has read it (a launch later on the same stream): the copy costs
-    # T*k*H once, not twice
+    a1 = rows_in_block_order(hidden_states, blocks.sorted_rows, n_pairs, top_k) if x_sorted else hidden_states
     y = a1[:n_pairs] if x_sorted else empty((n_pairs, h), hidden_states.dtype, hidden_states.device, float("nan"))
-    _launch_gemm(
-        a1, gate_up_proj, gate_up_bias, inter, sorted_rows, block_expert, None,
-        num_valid=n_pairs, n_out=i_dim, k_dim=h, a_div=1 if x_sorted else top_k, block_m=bm, stride_wn=s1n,
-        stride_wk=s1k, up_offset=i_dim, gated=gated, interleaved=interleaved and gated, act=act_code,
-        mul_w=False, cfg=cfg["gate_up"], dot_prec=dot_prec, **gate_args, **gu,
-    )  # fmt: skip
+    a_div = 1 if x_sorted else top_k
+    _launch_gemm(up, a1, inter, blocks, None, cfg["gate_up"], a_div=a_div, dot_prec=dot_prec, tma=gu)
     if x_sorted:
         repoison(y, float("nan"))
-    _launch_gemm(
-        inter, down_proj, down_bias, y, sorted_rows, block_expert, tw,
-        num_valid=n_pairs, n_out=h, k_dim=i_dim, a_div=1, block_m=bm, stride_wn=s2n, stride_wk=s2k,
-        up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=cfg["down"], dot_prec=dot_prec,
-        **dn,
-    )  # fmt: skip
+    _launch_gemm(dn, inter, y, blocks, tw, cfg["down"], a_div=1, dot_prec=dot_prec, tma=dl)
     combine(y, ids, out, top_k, num_experts, guard=checks, weights=tw)
+    return out
+
+
+def _one_token(
+    layer: FusedLayer, hidden_states: torch.Tensor, route: Route, cfg: dict, out: torch.Tensor, dot_prec: str
+) -> torch.Tensor:
+    """A one-token call: a block per pair (no align, no combine), gate_up then down."""
+    up, dn, h, i_dim = layer.up, layer.dn, layer.hidden, layer.inter
+    n_pairs, dev = route.ids.numel(), hidden_states.device
+    by_token = token_down(i_dim, dn.stride_wk)  # down by output tile (no counters, no fp32 rows), else by pair
+    n_counts = 0 if by_token else hidden_states.shape[0] * cdiv(h, cfg["down"]["BLOCK_N"])
+    counts = empty(n_counts, torch.int32, dev, 1 << 20)  # zeroed by gate_up
+    part = empty((0 if by_token else n_pairs * cfg["down"]["SPLIT_K"], h), torch.float32, dev, float("nan"))
+    inter = empty((n_pairs, i_dim), hidden_states.dtype, dev, float("nan"))
+    scratch = (part, counts)
+    _launch_pair_gemm(
+        up,
+        hidden_states,
+        inter,
+        route,
+        scratch,
+        cfg["gate_up"],
+        a_div=route.top_k,
+        dot_prec=dot_prec,
+        first=True,
+        combine_out=False,
+        mul_w=by_token,
+    )
+    if by_token:
+        _launch_token_down(dn, inter, out, route, cfg["down"], dot_prec=dot_prec)
+        return out
+    _launch_pair_gemm(
+        dn, inter, out, route, scratch, cfg["down"], a_div=1, dot_prec=dot_prec, first=False, combine_out=True
+    )
     return out
 
 
@@ -883,20 +1280,80 @@ def _triton_fused_experts_op(
     gate_alpha: float = 1.0,
     gate_limit: float = 0.0,
 ) -> torch.Tensor:
+    # a custom op's schema is flat tensors and scalars: the record is built again from them (checked when first
+    # built, by the caller)
+    layer = fused_layer(
+        gate_up_proj,
+        down_proj,
+        num_experts=num_experts,
+        activation=activation,
+        gated=gated,
+        interleaved=interleaved,
+        transposed=transposed,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        gate=gate,
+        gate_alpha=gate_alpha,
+        gate_limit=gate_limit,
+    )
     cfg = _configs.decode_config(config) if config is not None else None
-    return fused_experts_impl(
-        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-        interleaved, transposed, gate_up_bias, down_bias, cfg, guard, gate, gate_alpha, gate_limit,
-    )  # fmt: skip
+    return fused_experts_impl(layer, hidden_states, top_k_index, top_k_weights, cfg, guard)
 
 
 @_triton_fused_experts_op.register_fake
 def _triton_fused_experts_fake(
-    hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-    interleaved, transposed, gate_up_bias, down_bias, config, guard=0, gate="act_mul", gate_alpha=1.0,
+    hidden_states,
+    gate_up_proj,
+    down_proj,
+    top_k_index,
+    top_k_weights,
+    num_experts,
+    activation,
+    gated,
+    interleaved,
+    transposed,
+    gate_up_bias,
+    down_bias,
+    config,
+    guard=0,
+    gate="act_mul",
+    gate_alpha=1.0,
     gate_limit=0.0,
-):  # fmt: skip
+):
     return hidden_states.new_empty(hidden_states.shape)
+
+
+def run_op(
+    layer: FusedLayer,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    config: dict | None = None,
+    guard: int = 0,
+) -> torch.Tensor:
+    """The layer through the custom op ``selector::triton_fused_experts``: opaque to torch.compile, and its
+    autograd formula (plugins/triton_fused/backward.py) differentiates every input. The record is unpacked into
+    the op's flat schema."""
+    up = layer.up
+    return torch.ops.selector.triton_fused_experts(
+        hidden_states,
+        layer.gate_up,
+        layer.down,
+        top_k_index,
+        top_k_weights,
+        layer.num_experts,
+        layer.activation,
+        layer.gated,
+        layer.interleaved,
+        layer.transposed,
+        layer.gate_up_bias,
+        layer.down_bias,
+        _configs.encode_config(config) if config is not None else None,
+        guard,
+        layer.gate,
+        up.gate_alpha,
+        up.gate_limit,
+    )
 
 
 def fused_experts(
@@ -907,19 +1364,14 @@ def fused_experts(
     top_k_weights: torch.Tensor,
     *,
     num_experts: int,
-    activation: str = "silu",
-    gated: bool = True,
-    interleaved: bool = False,
-    transposed: bool = False,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
     config: dict | None = None,
     guard: int = 0,
-    gate: str = "act_mul",
-    gate_alpha: float | None = None,
-    gate_limit: float | None = None,
+    **layout: Any,
 ) -> torch.Tensor:
     """MoE experts forward: returns [T, H] in hidden_states' dtype (fp32 accumulation).
+
+    `layout`: ``fused_layer``'s keywords: activation ("silu"), gated (True), interleaved, transposed (False),
+    gate_up_bias, down_bias (None), gate ("act_mul"), gate_alpha, gate_limit (None).
 
     Weights as a Transformers experts module stores them:
       gated:     gate_up_proj [E, 2I, H] ([E, H, 2I] if transposed); concatenated (gate rows first, then up)
@@ -935,26 +1387,15 @@ def fused_experts(
     fullgraph-safe); in eager mode, and while a CUDA graph captures, it calls the same implementation directly,
     unless autograd records (the op carries the backward of plugins/triton_fused/backward.py).
     `guard`: ``selector.guard.guard_code`` of the calling layer (0: no routing guard).
+    A layer called many times builds its record once (``fused_layer``) and runs ``fused_experts_impl`` or
+    ``run_op``, as the backend's plan does.
     """
-    _validate(
-        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-        transposed, gate_up_bias, down_bias, gate, gate_alpha, gate_limit,
-    )  # fmt: skip
-    # through the op whenever autograd records anything: its registered backward covers every tensor input
+    layer = fused_layer(gate_up_proj, down_proj, num_experts=num_experts, **layout)
+    check_call(layer, hidden_states, top_k_index, top_k_weights)
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad
-        for t in (hidden_states, gate_up_proj, down_proj, top_k_weights, gate_up_bias, down_bias)
+        for t in (hidden_states, gate_up_proj, down_proj, top_k_weights, layer.gate_up_bias, layer.down_bias)
     )
     if not torch.compiler.is_compiling() and not grad:
-        # Eager (and CUDA-graph capture): the op's dispatcher costs ~50 us of host time per call on the H200
-        # machine (measured), more than the whole decode step; the op only matters to torch.compile.
-        return fused_experts_impl(
-            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-            interleaved, transposed, gate_up_bias, down_bias, config, guard, gate, gate_alpha, gate_limit,
-        )  # fmt: skip
-    return torch.ops.selector.triton_fused_experts(
-        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, num_experts, activation, gated,
-        interleaved, transposed, gate_up_bias, down_bias,
-        _configs.encode_config(config) if config is not None else None, guard, gate,
-        1.0 if gate_alpha is None else float(gate_alpha), 0.0 if gate_limit is None else float(gate_limit),
-    )  # fmt: skip
+        return fused_experts_impl(layer, hidden_states, top_k_index, top_k_weights, config, guard)
+    return run_op(layer, hidden_states, top_k_index, top_k_weights, config, guard)

@@ -42,8 +42,15 @@ TOKEN_COUNTS = (1, 8, 64, 512, 4096, 16384)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N of the gated gate_up GEMM counts intermediate channels
 # (the program reads twice as many weight rows).
-_SMALL_M = [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 4, 3), (64, 64, 4, 5),
-            (128, 128, 4, 3)]
+_SMALL_M = [
+    (16, 128, 4, 4),
+    (32, 128, 4, 4),
+    (64, 128, 4, 4),
+    (32, 256, 4, 3),
+    (64, 256, 4, 3),
+    (64, 64, 4, 5),
+    (128, 128, 4, 3),
+]
 _LARGE_M = [
     (64, 64, 4, 4),
     (128, 64, 4, 4),
@@ -116,8 +123,7 @@ def token_down_candidates(elem: int = 2) -> list[dict[str, int]]:
     for bn, bk, warps, stages in _TOKEN_DOWN:
         if (16 * bk + bn * bk) * elem * stages > 225 * 1024:
             continue
-        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": warps, "num_stages": stages,
-                    "SPLIT_K": 1})  # fmt: skip
+        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": warps, "num_stages": stages, "SPLIT_K": 1})
     return out
 
 
@@ -153,8 +159,9 @@ def tune_cell(
     if num_tokens <= _k.PAIR_BLOCK_MAX_TOKENS:
         if not gated:
             raise ValueError("triton_fused tune: the tile tables hold gated experts only")
-        problem = Problem(num_experts=e, hidden_size=h, intermediate_size=i_dim, top_k=top_k,
-                          dtype=str(dt).replace("torch.", ""))  # fmt: skip
+        problem = Problem(
+            num_experts=e, hidden_size=h, intermediate_size=i_dim, top_k=top_k, dtype=str(dt).replace("torch.", "")
+        )
         bench = LayerBench(problem, dev, lambda fn: _bench(fn, warmup_ms, rep_ms), weights=(w1, w2))
         return _tune_pair_cell(bench, num_tokens, log)
     elem = w1.element_size()
@@ -165,9 +172,11 @@ def tune_cell(
     inter = torch.randn(_k.inter_rows_bound(n_pairs, e), i_dim, device=dev, dtype=dt)  # block order fits too
     y = torch.empty(n_pairs, h, device=dev, dtype=dt)
     prec = _k._dot_precision(dt)
+    layer = _k.fused_layer(w1, w2, num_experts=e, gated=gated)  # silu: the tables' tiles are per shape
     best: dict[str, Any] | None = None
     for bm in block_m_candidates(num_tokens, top_k, e):
         sorted_rows, block_expert = _k.align(ids_flat, e, bm)
+        blocks = _k.Blocks(sorted_rows, block_expert, bm, n_pairs)
         t_align = _bench(lambda: _k.align(ids_flat, e, bm), warmup_ms, rep_ms)
         parts: dict[str, tuple[float, dict[str, int]]] = {}
         for part in ("gate_up", "down"):
@@ -178,19 +187,20 @@ def tune_cell(
                 tma = _k.part_layout(part, w1 if part == "gate_up" else w2, bm, full, i_dim=i_dim, gated=gated)
                 if part == "gate_up":  # x copied into block order where the layer copies it, the copy timed
                     fn = lambda: _k._launch_gemm(  # noqa: E731
-                        _k.rows_in_block_order(x, sorted_rows, n_pairs, top_k) if tma["a_tma"] else x, w1, None,
-                        inter, sorted_rows, block_expert, None, num_valid=n_pairs, n_out=i_dim,
-                        k_dim=h, a_div=1 if tma["a_tma"] else top_k, block_m=bm, stride_wn=w1.stride(1),
-                        stride_wk=w1.stride(2), up_offset=i_dim, gated=gated, interleaved=False, act=1, mul_w=False,
-                        cfg=full, dot_prec=prec, **tma,
-                    )  # fmt: skip
+                        layer.up,
+                        _k.rows_in_block_order(x, sorted_rows, n_pairs, top_k) if tma["a_tma"] else x,
+                        inter,
+                        blocks,
+                        None,
+                        full,
+                        a_div=1 if tma["a_tma"] else top_k,
+                        dot_prec=prec,
+                        tma=tma,
+                    )
                 else:
                     fn = lambda: _k._launch_gemm(  # noqa: E731
-                        inter, w2, None, y, sorted_rows, block_expert, tw_flat, num_valid=n_pairs, n_out=h,
-                        k_dim=i_dim, a_div=1, block_m=bm, stride_wn=w2.stride(1), stride_wk=w2.stride(2),
-                        up_offset=0, gated=False, interleaved=False, act=0, mul_w=True, cfg=full, dot_prec=prec,
-                        **tma,
-                    )  # fmt: skip
+                        layer.dn, inter, y, blocks, tw_flat, full, a_div=1, dot_prec=prec, tma=tma
+                    )
                 _keep_fastest(parts, part, cfg, lambda fn=fn: _bench(fn, warmup_ms, rep_ms), log, f"BM={bm}")
         if len(parts) < 2:
             continue
@@ -212,8 +222,14 @@ def tune_cell(
     return best
 
 
-def _keep_fastest(best: dict[str, tuple[float, dict[str, int]]], part: str, cfg: dict[str, int],
-                  run: Callable[[], float], log, label: str) -> None:  # fmt: skip
+def _keep_fastest(
+    best: dict[str, tuple[float, dict[str, int]]],
+    part: str,
+    cfg: dict[str, int],
+    run: Callable[[], float],
+    log,
+    label: str,
+) -> None:
     """Times one tile config (`run()`: seconds) and keeps it as best[part] when fastest; a config that does not
     compile or run here (resources) is logged and left out."""
     try:
@@ -243,11 +259,17 @@ def _tune_pair_cell(bench: LayerBench, num_tokens: int, log=print) -> dict[str, 
             _keep_fastest(best, part, cfg, lambda task=task: bench(task), log, "pair blocks")
     if len(best) < 2:
         raise RuntimeError(f"no candidate config ran for T={num_tokens}")
-    log(f"  T={num_tokens} pair blocks: gate_up {best['gate_up'][0] * 1e6:.1f}us {best['gate_up'][1]} "
-        f"down {best['down'][0] * 1e6:.1f}us {best['down'][1]}")  # fmt: skip
-    return {"config": {"BLOCK_M": bm, "gate_up": best["gate_up"][1], "down": best["down"][1]},
-            "time_s": best["gate_up"][0] + best["down"][0], "gate_up_s": best["gate_up"][0],
-            "down_s": best["down"][0], "align_s": 0.0}  # fmt: skip
+    log(
+        f"  T={num_tokens} pair blocks: gate_up {best['gate_up'][0] * 1e6:.1f}us {best['gate_up'][1]} "
+        f"down {best['down'][0] * 1e6:.1f}us {best['down'][1]}"
+    )
+    return {
+        "config": {"BLOCK_M": bm, "gate_up": best["gate_up"][1], "down": best["down"][1]},
+        "time_s": best["gate_up"][0] + best["down"][0],
+        "gate_up_s": best["gate_up"][0],
+        "down_s": best["down"][0],
+        "align_s": 0.0,
+    }
 
 
 def tune(
@@ -350,9 +372,16 @@ def prior_winners(table: Mapping[str, Mapping[int, Mapping[str, Any]]], block_m:
 
 
 def candidate_plan(
-    num_experts: int, hidden: int, intermediate: int, top_k: int, num_tokens: int, *, elem: int = 2,
-    prior: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None, num_sms: int = 132,
-) -> dict[int, dict[str, list[dict[str, int]]]]:  # fmt: skip
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    top_k: int,
+    num_tokens: int,
+    *,
+    elem: int = 2,
+    prior: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None,
+    num_sms: int = 132,
+) -> dict[int, dict[str, list[dict[str, int]]]]:
     """{BLOCK_M: {"gate_up": [tiles], "down": [tiles]}}, the heuristics' BLOCK_M first, each list most promising
     first: the heuristics' own tiles (the baseline every tuned entry must beat), then the shipped tables'
     winners for that BLOCK_M, then the rest of the tuner's candidates."""
@@ -586,8 +615,15 @@ def run_search(
             try:
                 seconds = float(measure(task))
             except Exception as exc:  # noqa: BLE001 - tiles this GPU cannot run (resources): the others count
-                _log.info("T=%d BM=%d %s %s: skipped (%s: %s)", task.num_tokens, task.block_m, task.part,
-                          task.config, type(exc).__name__, str(exc)[:120])  # fmt: skip
+                _log.info(
+                    "T=%d BM=%d %s %s: skipped (%s: %s)",
+                    task.num_tokens,
+                    task.block_m,
+                    task.part,
+                    task.config,
+                    type(exc).__name__,
+                    str(exc)[:120],
+                )
                 seconds = math.inf
             cost.observe(task, clock() - before)
             cell.record(task, seconds)
@@ -617,11 +653,14 @@ class LayerBench:
     """Times a problem's align and GEMMs on random weights laid out as the problem stores them (transposed,
     interleaved, biases): `bench(task) -> seconds`. Inputs for one token count at a time are kept."""
 
-    def __init__(self, problem: Problem, device: torch.device, timer: Callable[[Callable[[], None]], float],
-                 weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        problem: Problem,
+        device: torch.device,
+        timer: Callable[[Callable[[], None]], float],
+        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """`weights`: (gate_up, down) as the problem stores them, instead of random ones."""
-        from selector.plugins.triton_common.activation import ACT_CODE, GATE_CODE
-
         from . import kernels as _k
 
         self._k, self.timer, self.device = _k, timer, device
@@ -632,19 +671,30 @@ class LayerBench:
         shape1 = (e, h, 2 * i_dim) if problem.is_transposed else (e, 2 * i_dim, h)
         shape2 = (e, i_dim, h) if problem.is_transposed else (e, h, i_dim)
         if weights is None:
-            weights = (torch.randn(shape1, device=device, dtype=self.dtype, generator=g) / math.sqrt(h),
-                       torch.randn(shape2, device=device, dtype=self.dtype, generator=g) / math.sqrt(i_dim))  # fmt: skip
+            weights = (
+                torch.randn(shape1, device=device, dtype=self.dtype, generator=g) / math.sqrt(h),
+                torch.randn(shape2, device=device, dtype=self.dtype, generator=g) / math.sqrt(i_dim),
+            )
         self.w1, self.w2 = weights
         self.b1 = torch.randn(e, 2 * i_dim, device=device, dtype=self.dtype) if problem.has_bias else None
         self.b2 = torch.randn(e, h, device=device, dtype=self.dtype) if problem.has_bias else None
-        probe = torch.empty(1, h, device=device, dtype=self.dtype)
-        _, _, self.s1, self.s2 = _k._dims(probe, self.w1, self.w2, True, problem.is_transposed)
         self.interleaved, self.transposed = problem.interleaved, problem.is_transposed
-        self.act = ACT_CODE.get(problem.activation, ACT_CODE["silu"]) if problem.gate.is_default else 0
+        gate = problem.gate
         # the layer's own gate in the gate_up epilogue (the clamped SwiGLU's alpha and limit as runtime scalars)
-        self.gate = GATE_CODE[problem.gate.name]
-        self.gate_args = {"gate": self.gate, "gate_alpha": problem.gate.alpha,
-                          "gate_limit": problem.gate.limit} if self.gate else {}  # fmt: skip
+        plain = gate.is_default and problem.activation in _k.SUPPORTED_ACTIVATIONS
+        self.layer = _k.fused_layer(
+            self.w1,
+            self.w2,
+            num_experts=e,
+            activation=problem.activation if plain else "silu",
+            interleaved=self.interleaved,
+            transposed=self.transposed,
+            gate_up_bias=self.b1,
+            down_bias=self.b2,
+            gate=gate.name,
+            gate_alpha=gate.alpha,
+            gate_limit=gate.limit,
+        )
         self.prec = _k._dot_precision(self.dtype)
         self.activation = problem.activation
         self._cell: tuple[int, dict[str, Any]] | None = None
@@ -655,13 +705,24 @@ class LayerBench:
             g = torch.Generator(device=self.device).manual_seed(num_tokens)
             ids, tw = _routing(num_tokens, self.top_k, self.e, self.device, g)
             pairs = num_tokens * self.top_k
-            self._cell = (num_tokens, {
-                "x": torch.randn(num_tokens, self.h, device=self.device, dtype=self.dtype, generator=g),
-                "ids": ids.reshape(-1).contiguous(), "tw": tw.reshape(-1).contiguous(), "pairs": pairs,
-                "inter": torch.randn(self._k.inter_rows_bound(pairs, self.e), self.i_dim, device=self.device,
-                                     dtype=self.dtype, generator=g),  # rows in pair order or in block order
-                "y": torch.empty(pairs, self.h, device=self.device, dtype=self.dtype), "aligned": {},
-            })  # fmt: skip
+            self._cell = (
+                num_tokens,
+                {
+                    "x": torch.randn(num_tokens, self.h, device=self.device, dtype=self.dtype, generator=g),
+                    "ids": ids.reshape(-1).contiguous(),
+                    "tw": tw.reshape(-1).contiguous(),
+                    "pairs": pairs,
+                    "inter": torch.randn(
+                        self._k.inter_rows_bound(pairs, self.e),
+                        self.i_dim,
+                        device=self.device,
+                        dtype=self.dtype,
+                        generator=g,
+                    ),  # rows in pair order or in block order
+                    "y": torch.empty(pairs, self.h, device=self.device, dtype=self.dtype),
+                    "aligned": {},
+                },
+            )
         return self._cell[1]
 
     def __call__(self, task: Task) -> float:
@@ -679,29 +740,53 @@ class LayerBench:
             c["aligned"][bm] = k.align(c["ids"], self.e, bm)
         rows, blocks = c["aligned"][bm]
         # the TMA layout the layer would run these tiles with (kernels.part_layout)
-        tma = k.part_layout(task.part, self.w1 if task.part == "gate_up" else self.w2, bm, cfg, i_dim=self.i_dim,
-                            interleaved=self.interleaved, transposed=self.transposed)  # fmt: skip
+        tma = k.part_layout(
+            task.part,
+            self.w1 if task.part == "gate_up" else self.w2,
+            bm,
+            cfg,
+            i_dim=self.i_dim,
+            interleaved=self.interleaved,
+            transposed=self.transposed,
+        )
         sort_x = task.part == "gate_up" and tma["a_tma"]  # the layer's copy of x into block order, timed with it
-        args = self._part_args(task.part, c, sort_x)
-        return self.timer(lambda: k._launch_gemm(
-            k.rows_in_block_order(args["a"], rows, c["pairs"], self.top_k) if sort_x else args["a"], args["w"],
-            args["bias"], args["out"], rows, blocks, args["topk_w"], num_valid=c["pairs"],
-            n_out=args["n_out"], k_dim=args["k_dim"], a_div=args["a_div"], block_m=bm, stride_wn=args["stride_wn"],
-            stride_wk=args["stride_wk"], up_offset=args["up_offset"], gated=args["gated"],
-            interleaved=args["interleaved"], act=args["act"], mul_w=args["mul_w"], cfg=cfg, dot_prec=self.prec,
-            **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args}, **tma,
-        ))  # fmt: skip
+        gemm, a, out, topk_w, a_div = self._part_args(task.part, c, sort_x)
+        grouping = k.Blocks(rows, blocks, bm, c["pairs"])
+        return self.timer(
+            lambda: k._launch_gemm(
+                gemm,
+                k.rows_in_block_order(a, rows, c["pairs"], self.top_k) if sort_x else a,
+                out,
+                grouping,
+                topk_w,
+                cfg,
+                a_div=a_div,
+                dot_prec=self.prec,
+                tma=tma,
+            )
+        )
 
     def _time_layer(self, task: Task, c: dict[str, Any]) -> float:
         """The whole layer (align, copies, GEMMs, combine) with the task's configuration, the persistent GEMM
         asked for or not (LAYER_PARTS). Only for layers ``persistent_candidate`` lets through: act_mul gates."""
         cfg = {**_configs.decode_config(list(task.layer)), "PERSISTENT": int(task.part == "layer_persistent")}
         ids, tw = c["ids"].view(-1, self.top_k), c["tw"].view(-1, self.top_k)
-        return self.timer(lambda: self._k.fused_experts(
-            c["x"], self.w1, self.w2, ids, tw, num_experts=self.e, activation=self.activation,
-            interleaved=self.interleaved, transposed=self.transposed, gate_up_bias=self.b1, down_bias=self.b2,
-            config=cfg,
-        ))  # fmt: skip
+        return self.timer(
+            lambda: self._k.fused_experts(
+                c["x"],
+                self.w1,
+                self.w2,
+                ids,
+                tw,
+                num_experts=self.e,
+                activation=self.activation,
+                interleaved=self.interleaved,
+                transposed=self.transposed,
+                gate_up_bias=self.b1,
+                down_bias=self.b2,
+                config=cfg,
+            )
+        )
 
     def _time_pair_blocks(self, part: str, cfg: dict[str, int], c: dict[str, Any]) -> float:
         """One token: the layer's two launches, gate_up or down, as the layer runs them: down as
@@ -709,56 +794,54 @@ class LayerBench:
         sum in its epilogue, into the layer's output (each call leaves the counters at zero for the next)."""
         k = self._k
         if "counts" not in c:  # enough counters for any BLOCK_N of the down GEMM
-            c["counts"] = torch.zeros(c["pairs"] // self.top_k * k.cdiv(self.h, 16), dtype=torch.int32,
-                                      device=self.device)  # fmt: skip
-            c["part"] = torch.empty(c["pairs"] * max(PAIR_DOWN_SPLITS), self.h, dtype=torch.float32,
-                                    device=self.device)  # fmt: skip
+            c["counts"] = torch.zeros(
+                c["pairs"] // self.top_k * k.cdiv(self.h, 16), dtype=torch.int32, device=self.device
+            )
+            c["part"] = torch.empty(c["pairs"] * max(PAIR_DOWN_SPLITS), self.h, dtype=torch.float32, device=self.device)
             c["out"] = torch.empty(c["pairs"] // self.top_k, self.h, dtype=self.dtype, device=self.device)
-        args = self._part_args(part, c, False)
+        gemm, a, out, _, a_div = self._part_args(part, c, False)
         first = part == "gate_up"
-        by_token = k.token_down(self.i_dim, self.s2[1])
+        by_token = k.token_down(self.i_dim, self.layer.dn.stride_wk)
+        route = k.Route(c["ids"], c["tw"], None, self.e, self.top_k)
         if by_token and not first:
-            launch = lambda: k._launch_token_down(  # noqa: E731
-                args["a"], args["w"], args["bias"], c["out"], c["ids"], c["tw"], None, num_experts=self.e,
-                top_k=self.top_k, n_out=args["n_out"], k_dim=args["k_dim"], stride_wn=args["stride_wn"],
-                stride_wk=args["stride_wk"], cfg=cfg, dot_prec=self.prec,
-            )  # fmt: skip
-            return self.timer(launch)
+            return self.timer(lambda: k._launch_token_down(gemm, a, c["out"], route, cfg, dot_prec=self.prec))
+        scratch = (c["part"], c["counts"])
         launch = lambda: k._launch_pair_gemm(  # noqa: E731
-            args["a"], args["w"], args["bias"], args["out"] if first else c["out"], c["ids"], c["tw"], c["part"],
-            c["counts"], None, num_experts=self.e, top_k=self.top_k, n_out=args["n_out"], k_dim=args["k_dim"],
-            a_div=args["a_div"], stride_wn=args["stride_wn"], stride_wk=args["stride_wk"],
-            up_offset=args["up_offset"], gated=args["gated"], interleaved=args["interleaved"], act=args["act"],
-            cfg=cfg, dot_prec=self.prec, first=first, combine_out=not first, mul_w=first and by_token,
-            **{k: args[k] for k in ("gate", "gate_alpha", "gate_limit") if k in args},
-        )  # fmt: skip
+            gemm,
+            a,
+            out if first else c["out"],
+            route,
+            scratch,
+            cfg,
+            a_div=a_div,
+            dot_prec=self.prec,
+            first=first,
+            combine_out=not first,
+            mul_w=first and by_token,
+        )
         return self.timer(launch)
 
-    def _part_args(self, part: str, c: dict[str, Any], sort_x: bool) -> dict[str, Any]:
-        """One GEMM's operands and flags as the layer passes them."""
+    def _part_args(self, part: str, c: dict[str, Any], sort_x: bool) -> tuple:
+        """One GEMM's (record, input, output, routing weights, a_div) as the layer passes them."""
         if part == "gate_up":
-            args = {"a": c["x"], "w": self.w1, "bias": self.b1, "out": c["inter"], "topk_w": None, "n_out": self.i_dim,
-                    "k_dim": self.h, "a_div": 1 if sort_x else self.top_k, "stride_wn": self.s1[0],
-                    "stride_wk": self.s1[1], "up_offset": self.i_dim, "gated": True, "interleaved": self.interleaved,
-                    "act": self.act,
-                    "mul_w": False, **self.gate_args}  # fmt: skip
-        else:
-            args = {"a": c["inter"], "w": self.w2, "bias": self.b2, "out": c["y"], "topk_w": c["tw"], "n_out": self.h,
-                    "k_dim": self.i_dim, "a_div": 1, "stride_wn": self.s2[0], "stride_wk": self.s2[1], "up_offset": 0,
-                    "gated": False, "interleaved": False, "act": 0, "mul_w": True}  # fmt: skip
-        return args
+            return self.layer.up, c["x"], c["inter"], None, 1 if sort_x else self.top_k
+        return self.layer.dn, c["inter"], c["y"], c["tw"], 1
 
 
 # --- the entry point --------------------------------------------------------------------------------------------
 
-NEEDS_CUDA = ("triton_fused tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the tiles "
-              "are for); run it on that GPU's node")  # fmt: skip
+NEEDS_CUDA = (
+    "triton_fused tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the tiles "
+    "are for); run it on that GPU's node"
+)
 
 
 def _not_tunable(problem: Problem) -> str | None:
     if problem.weight_format != "dense":
-        return (f"{problem.weight_format} experts run plugins/quant_kernels' tiles; tune them with "
-                "`python -m selector.plugins.quant_kernels.tune`")  # fmt: skip
+        return (
+            f"{problem.weight_format} experts run plugins/quant_kernels' tiles; tune them with "
+            "`python -m selector.plugins.quant_kernels.tune`"
+        )
     if not problem.gated:
         return "the tile tables hold gated experts only; non-gated layers run the heuristics' tiles"
     if problem.dtype not in ("bfloat16", "float16"):
@@ -769,8 +852,7 @@ def _not_tunable(problem: Problem) -> str | None:
     return None
 
 
-def persistent_candidate(problem: Problem, num_tokens: int, capability: tuple[int, int] | None,
-                         gluon: bool) -> bool:  # fmt: skip
+def persistent_candidate(problem: Problem, num_tokens: int, capability: tuple[int, int] | None, gluon: bool) -> bool:
     """Whether the tuner times the layer with the persistent Hopper GEMM at this token count: what
     ``kernels.persistent_fits`` asks of a layer (Gluon built, an sm_90 GPU of `capability`, 16-bit, weights as
     stored read by TMA, concatenated gate and up with the act_mul gate), above the one-token path, and its copies
@@ -829,14 +911,26 @@ def tune_kernels(
     start = clock()
     key = _configs.layout_key(
         _configs.shape_key(problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k),
-        transposed=problem.is_transposed, interleaved=problem.interleaved,
+        transposed=problem.is_transposed,
+        interleaved=problem.interleaved,
     )
     summary: dict[str, Any] = {
-        "backend": "triton_fused", "shape": key, "device": device_name, "budget_s": float(budget_s),
-        "tokens_tuned": [], "tokens_partial": [], "tokens_default": [], "configs": {}, "time_us": {},
-        "default_us": {}, "layer_us": {}, "seconds": 0.0, "cut_short": False, "written_to": None,
+        "backend": "triton_fused",
+        "shape": key,
+        "device": device_name,
+        "budget_s": float(budget_s),
+        "tokens_tuned": [],
+        "tokens_partial": [],
+        "tokens_default": [],
+        "configs": {},
+        "time_us": {},
+        "default_us": {},
+        "layer_us": {},
+        "seconds": 0.0,
+        "cut_short": False,
+        "written_to": None,
         "skipped": _not_tunable(problem),
-    }  # fmt: skip
+    }
     if summary["skipped"]:
         return summary
     device = torch.device("cuda", problem.device_index)
@@ -864,11 +958,23 @@ def tune_kernels(
 
     prior = _prior()
     cells = [
-        CellSearch(t, candidate_plan(problem.num_experts, problem.hidden_size, problem.intermediate_size,
-                                     problem.top_k, t, elem=elem, prior=prior, num_sms=num_sms), token_weight(t),
-                   persistent=persistent_candidate(problem, t, capability, hopper_gemm.AVAILABLE))
+        CellSearch(
+            t,
+            candidate_plan(
+                problem.num_experts,
+                problem.hidden_size,
+                problem.intermediate_size,
+                problem.top_k,
+                t,
+                elem=elem,
+                prior=prior,
+                num_sms=num_sms,
+            ),
+            token_weight(t),
+            persistent=persistent_candidate(problem, t, capability, hopper_gemm.AVAILABLE),
+        )
         for t in todo
-    ]  # fmt: skip
+    ]
     if measure is None:
         measure = LayerBench(problem, device, _do_bench_timer)
     outcome = run_search(cells, measure, budget_s - (clock() - start), clock=clock)
@@ -890,20 +996,39 @@ def tune_kernels(
         else:
             summary["tokens_default"].append(t)
             if t not in existing:  # what would run without the user table (a token count tuned before stays)
-                entries[t] = _configs.lookup({key: shipped}, key, t) if shipped else _configs.normalize(
-                    _configs.default_config(problem.num_experts, problem.hidden_size, problem.intermediate_size,
-                                            t, problem.top_k, dtype, num_sms=num_sms))  # fmt: skip
+                entries[t] = (
+                    _configs.lookup({key: shipped}, key, t)
+                    if shipped
+                    else _configs.normalize(
+                        _configs.default_config(
+                            problem.num_experts,
+                            problem.hidden_size,
+                            problem.intermediate_size,
+                            t,
+                            problem.top_k,
+                            dtype,
+                            num_sms=num_sms,
+                        )
+                    )
+                )
         if t in entries:
             summary["configs"][t] = entries[t]
     if summary["tokens_tuned"] or summary["tokens_partial"]:
         # only finished searches count as tuned: a later run picks up where a budget cut stopped
-        path = _configs.write_user_entries(name, key, entries, summary["tokens_tuned"], dtype=problem.dtype,
-                                           directory=directory)  # fmt: skip
+        path = _configs.write_user_entries(
+            name, key, entries, summary["tokens_tuned"], dtype=problem.dtype, directory=directory
+        )
         summary["written_to"] = str(path)
     summary["cut_short"] = outcome.cut_short
     summary["seconds"] = round(clock() - start, 3)
-    _log.info("%s on %s: tuned T=%s in %.1fs%s", key, name, summary["tokens_tuned"], summary["seconds"],
-              " (budget cut it short)" if outcome.cut_short else "")  # fmt: skip
+    _log.info(
+        "%s on %s: tuned T=%s in %.1fs%s",
+        key,
+        name,
+        summary["tokens_tuned"],
+        summary["seconds"],
+        " (budget cut it short)" if outcome.cut_short else "",
+    )
     return summary
 
 
@@ -926,8 +1051,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(len(s) != 4 or min(s) < 1 for s in extra) or not tokens or min(tokens) < 1:
         p.error("--shape takes four positive integers E,H,I,k and --tokens positive integers")
     if not torch.cuda.is_available():
-        print("triton_fused tune: needs a CUDA GPU and none is visible (it times the kernel on the GPU the "
-              "table is for); run it on that GPU's node", file=sys.stderr)
+        print(
+            "triton_fused tune: needs a CUDA GPU and none is visible (it times the kernel on the GPU the "
+            "table is for); run it on that GPU's node",
+            file=sys.stderr,
+        )
         return 1
     shapes = list(PRESETS[a.preset]) + extra
     try:
@@ -936,8 +1064,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one line with the fix; --debug shows where it came from
         if a.debug:
             raise
-        print(f"triton_fused tune: {type(exc).__name__}: {' '.join(str(exc).split())} "
-              "(rerun with --debug for the traceback)", file=sys.stderr)
+        print(
+            f"triton_fused tune: {type(exc).__name__}: {' '.join(str(exc).split())} "
+            "(rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return 1
     print(f"wrote {out}")
     return 0

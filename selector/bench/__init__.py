@@ -34,7 +34,7 @@ from selector.bench.cells import (
     measured_rows,
 )
 from selector.bench.cli import register
-from selector.bench.grid import fill_peer_ratios, peer_functions, run_bench
+from selector.bench.grid import BenchOptions, fill_peer_ratios, peer_functions, run_bench
 from selector.bench.layer import (
     bytes_moved,
     compute_ceiling,
@@ -66,6 +66,7 @@ __all__ = [
     "FORMATS",
     "PEER_PREFIX",
     "SCHEMA",
+    "BenchOptions",
     "BenchResult",
     "Cell",
     "Timing",

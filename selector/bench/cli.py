@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, MODES, BenchResult, measured_rows
+from selector.bench.grid import BenchOptions
 
 DEFAULT_MODES = ["eager", "graph"]
 
@@ -83,8 +84,8 @@ def _cmd_compiled(args: argparse.Namespace) -> int:
     print(compiled_table(result))
     for key, why in result.skipped.items():
         print(f"skipped {key}: {why}")
-    print("first calls (trace, compile, record) per preset/backend/mode: " + ", ".join(
-        f"{k} {v:.1f} s" for k, v in result.compile_s.items()))  # fmt: skip
+    firsts = ", ".join(f"{k} {v:.1f} s" for k, v in result.compile_s.items())
+    print(f"first calls (trace, compile, record) per preset/backend/mode: {firsts}")
     print(f"wrote {out / 'compiled.json'}")
     return 0
 
@@ -103,6 +104,20 @@ def _progress() -> Callable[[str], None]:
     return step
 
 
+def bench_options(args: argparse.Namespace) -> BenchOptions:
+    """The grid's options as the flags give them."""
+    return BenchOptions(
+        dtype_name=args.dtype,
+        backends=args.backends,
+        modes=args.modes,
+        formats=args.formats,
+        graph_max_tokens=args.graph_max_tokens,
+        memory_cap_gb=args.memory_cap_gb,
+        with_peers=not args.no_peers,
+        rounds=args.rounds,
+    )
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -110,13 +125,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print("selector bench: --stack goes with --compile (layers per compiled module)", file=sys.stderr)
         return 2
     if args.compile and args.modes not in (DEFAULT_MODES, ["train"]):
-        print("selector bench: with --compile, --modes is train (a training step per call) or left out (a forward)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "selector bench: with --compile, --modes is train (a training step per call) or left out (a forward)",
+            file=sys.stderr,
+        )
         return 2
     if not torch.cuda.is_available():  # before any cell: the run times kernels against the GPU's floor
         build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
-        print(f"selector bench: needs a CUDA GPU and none is visible (torch {torch.__version__}, {build}); "
-              "run it on a GPU node, `selector doctor` says what this machine lacks", file=sys.stderr)
+        print(
+            f"selector bench: needs a CUDA GPU and none is visible (torch {torch.__version__}, {build}); "
+            "run it on a GPU node, `selector doctor` says what this machine lacks",
+            file=sys.stderr,
+        )
         return 1
     if args.compile and (args.merge or args.resume):
         print("selector bench: --merge and --resume go with the grid, not --compile", file=sys.stderr)
@@ -141,17 +161,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     written: list[list[Path]] = []  # the files of each finished shape
 
     result = run_bench(
-        presets=args.preset or list(DEFAULT_PRESETS),
-        tokens=args.tokens or list(DEFAULT_TOKENS),
-        dtype_name=args.dtype,
-        backends=args.backends,
-        modes=args.modes,
-        graph_max_tokens=args.graph_max_tokens,
-        memory_cap_gb=args.memory_cap_gb,
-        with_peers=not args.no_peers,
+        args.preset or list(DEFAULT_PRESETS),
+        args.tokens or list(DEFAULT_TOKENS),
+        bench_options(args),
         progress=_progress(),
-        formats=args.formats,
-        rounds=args.rounds,
         skip=skip,
         after_shape=lambda partial: written.append(write_outputs(whole(partial), out)),  # a stopped run keeps them
     )
@@ -192,36 +205,63 @@ def previous_result(out: Path, device: str) -> BenchResult | str | None:
 def register(sub: Any) -> None:
     """Add the `bench` subcommand to the CLI's subparsers."""
     bench = sub.add_parser("bench", help="time every backend per cell against the floor and Transformers' backends")
-    bench.add_argument("--preset", action="append", help=f"shape preset (repeatable); default: {', '.join(DEFAULT_PRESETS)}")
-    bench.add_argument("--tokens", type=_ints, help=f"comma list of token counts; default: {_ints_text(DEFAULT_TOKENS)} "
-                       "(with --compile: 1,8,64,512,4096)")  # fmt: skip
+    bench.add_argument(
+        "--preset", action="append", help=f"shape preset (repeatable); default: {', '.join(DEFAULT_PRESETS)}"
+    )
+    bench.add_argument(
+        "--tokens",
+        type=_ints,
+        help=f"comma list of token counts; default: {_ints_text(DEFAULT_TOKENS)} (with --compile: 1,8,64,512,4096)",
+    )
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--backends", type=_names, help="comma list of selector backends (default: all registered)")
-    bench.add_argument("--modes", type=_modes, default=DEFAULT_MODES,
-                       help="comma list of eager,graph,compile,train; train: one training step per call (forward "
-                       "under autograd, then the backward of a fixed gradient; the differentiable backends only, "
-                       "their gradients checked against float64; never saved as tuning records); with --compile "
-                       "only train, to time training steps compiled against uncompiled")  # fmt: skip
+    bench.add_argument(
+        "--modes",
+        type=_modes,
+        default=DEFAULT_MODES,
+        help="comma list of eager,graph,compile,train; train: one training step per call (forward "
+        "under autograd, then the backward of a fixed gradient; the differentiable backends only, "
+        "their gradients checked against float64; never saved as tuning records); with --compile "
+        "only train, to time training steps compiled against uncompiled",
+    )
     bench.add_argument("--graph-max-tokens", type=int, default=4096)
     bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (all backends each round)")
     bench.add_argument("--memory-cap-gb", type=float, default=40.0, help="skip cells needing more temporaries")
     bench.add_argument("--no-peers", action="store_true", help="leave out Transformers' backends")
-    bench.add_argument("--formats", type=_formats, default=["dense"],
-                       help=f"comma list of weight formats to time side by side: {', '.join(FORMATS)}")  # fmt: skip
+    bench.add_argument(
+        "--formats",
+        type=_formats,
+        default=["dense"],
+        help=f"comma list of weight formats to time side by side: {', '.join(FORMATS)}",
+    )
     bench.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png, tuning.json")
     bench.add_argument("--save-tuning", action="store_true", help="let auto use these timings on this machine")
-    bench.add_argument("--merge", action="store_true",
-                       help="keep the result --out holds: this run's rows replace the same rows there, the others "
-                       "stay (each row's backends still timed together in one run)")  # fmt: skip
-    bench.add_argument("--resume", action="store_true",
-                       help="as --merge, but rows --out already holds are not measured again: repeat the same "
-                       "command until the grid is done (the files are written after every shape)")  # fmt: skip
-    bench.add_argument("--compile", type=_compile_modes, metavar="MODES",
-                       help="instead of the grid: each backend compiled in these torch.compile modes (comma list, e.g. "
-                       "default,reduce-overhead) against itself uncompiled; default presets qwen3-30b-a3b, "
-                       "qwen1.5-moe-a2.7b, backends auto, triton_fused, grouped_mm; writes compiled.json")  # fmt: skip
-    bench.add_argument("--stack", type=_layers, metavar="N",
-                       help="with --compile: N layers of the shape, each with its own weights, in one module "
-                       "(x = x + layer_i(x, ...)) compiled as one, as in a model; times per layer (default 1: the "
-                       "layer alone); holds N layers' weights per preset")  # fmt: skip
+    bench.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the result --out holds: this run's rows replace the same rows there, the others "
+        "stay (each row's backends still timed together in one run)",
+    )
+    bench.add_argument(
+        "--resume",
+        action="store_true",
+        help="as --merge, but rows --out already holds are not measured again: repeat the same "
+        "command until the grid is done (the files are written after every shape)",
+    )
+    bench.add_argument(
+        "--compile",
+        type=_compile_modes,
+        metavar="MODES",
+        help="instead of the grid: each backend compiled in these torch.compile modes (comma list, e.g. "
+        "default,reduce-overhead) against itself uncompiled; default presets qwen3-30b-a3b, "
+        "qwen1.5-moe-a2.7b, backends auto, triton_fused, grouped_mm; writes compiled.json",
+    )
+    bench.add_argument(
+        "--stack",
+        type=_layers,
+        metavar="N",
+        help="with --compile: N layers of the shape, each with its own weights, in one module "
+        "(x = x + layer_i(x, ...)) compiled as one, as in a model; times per layer (default 1: the "
+        "layer alone); holds N layers' weights per preset",
+    )
     bench.set_defaults(func=_cmd_bench)

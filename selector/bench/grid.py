@@ -49,54 +49,62 @@ def peer_functions() -> dict[str, Forward]:
     return peers
 
 
+@dataclass(frozen=True)
+class BenchOptions:
+    """How `run_bench` times the grid. The CLI builds one from its flags (`selector.bench.cli.bench_options`);
+    the defaults are the CLI's."""
+
+    dtype_name: str = "bfloat16"
+    backends: Sequence[str] | None = None  # selector backends to time; default every registered one
+    modes: Sequence[str] = ("eager", "graph")  # some of cells.MODES
+    formats: Sequence[str] = ("dense",)  # weight formats timed side by side, some of cells.FORMATS
+    graph_max_tokens: int = 4096
+    memory_cap_gb: float = 40.0  # a backend needing more temporaries gets a skipped cell
+    with_peers: bool = True  # Transformers' own backends timed beside
+    device: str = "cuda"
+    ceilings: Mapping[str, float] | None = None  # measured on the GPU when None; a CPU run must pass them
+    rounds: int = 5
+    sample_s: float = 0.02
+
+
 def run_bench(
     presets: Sequence[str] | Mapping[str, Any],
     tokens: Sequence[int],
-    dtype_name: str = "bfloat16",
-    backends: Sequence[str] | None = None,
-    modes: Sequence[str] = ("eager", "graph"),
-    graph_max_tokens: int = 4096,
-    memory_cap_gb: float = 40.0,
-    with_peers: bool = True,
+    options: BenchOptions = BenchOptions(),
+    *,
     progress: Callable[[str], None] | None = None,
-    formats: Sequence[str] = ("dense",),
-    device: str = "cuda",
-    ceilings: dict[str, float] | None = None,
-    rounds: int = 5,
-    sample_s: float = 0.02,
     skip: Collection[tuple[str, str, int]] = (),
     after_shape: Callable[[BenchResult], None] | None = None,
 ) -> BenchResult:
     """Time the grid, with the per-call value checks off (`SELECTOR_VALIDATE=shapes` unless set): the layer is
     timed, not them. `presets`: preset names, or shape names mapped to their `Problem`.
 
-    Per (cell, mode) every backend, the peers and `auto` are timed together, `rounds` interleaved rounds of
-    samples of about `sample_s` each (`time_interleaved`); each cell records the median and the spread.
+    Per (cell, mode) every backend, the peers and `auto` are timed together, `options.rounds` interleaved rounds
+    of samples of about `options.sample_s` each (`time_interleaved`); each cell records the median and the spread.
 
     Mode `train`: one sample is one training step (`train_step`); a backend without a backward for the
     hidden states, the routing weights and the expert weights gets a skipped cell; the layer's weights require
     grad during that mode only.
 
-    `device="cpu"` (with `ceilings` given) runs the same grid on the CPU to check the harness, e.g. the Triton
-    kernels under the interpreter: one call per sample on the host clock, no graph mode; its times mean nothing.
+    `options.device="cpu"` (with `options.ceilings` given) runs the same grid on the CPU to check the harness,
+    e.g. the Triton kernels under the interpreter: one call per sample on the host clock, no graph mode; its
+    times mean nothing.
 
     `skip`: (shape, format, tokens) not to measure (a resumed run's rows already measured; `measured_rows`).
     `after_shape`: called with the result so far after every shape, so that a run stopped by a job's time limit
     keeps what it finished (the CLI writes its files there).
     Raises ValueError for an unknown format or mode or a CPU run without ceilings, RuntimeError without a CUDA
     GPU."""
-    unknown = [f for f in formats if f not in FORMATS]
+    unknown = [f for f in options.formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"unknown format(s) {unknown}: expected some of {', '.join(FORMATS)}")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in options.modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}: expected some of {', '.join(MODES)}")
     before = os.environ.get("SELECTOR_VALIDATE")
     os.environ["SELECTOR_VALIDATE"] = before or "shapes"
     try:
-        grid = _Grid(dtype_name, backends, modes, graph_max_tokens, memory_cap_gb, with_peers, progress, formats,
-                     device, ceilings)  # fmt: skip
-        grid.rounds, grid.sample_s = max(1, rounds), sample_s
+        grid = _Grid(options, progress)
         shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
         for shape, problem in shapes.items():
             if grid.run_shape(shape, tokens, problem, skip) and after_shape is not None:
@@ -190,8 +198,9 @@ def trainable(layer: Any) -> Iterator[list[Any]]:
             p.requires_grad_(flag)
 
 
-def train_step(fn: Forward, layer: Any, x: Any, index: Any, weights: Any, grad_out: Any,
-               params: Sequence[Any]) -> Callable[[], Any]:  # fmt: skip
+def train_step(
+    fn: Forward, layer: Any, x: Any, index: Any, weights: Any, grad_out: Any, params: Sequence[Any]
+) -> Callable[[], Any]:
     """One training step of the layer as a runner: gradients reset as `optimizer.zero_grad(set_to_none=True)`
     does (so that they do not accumulate from step to step), the forward under autograd with `x` and `weights`
     leaves requiring grad, then the backward of the fixed `grad_out`. The runner returns the forward's output."""
@@ -210,14 +219,13 @@ def train_step(fn: Forward, layer: Any, x: Any, index: Any, weights: Any, grad_o
 class _Grid:
     """The state of one run: options, the environment, the registry, the peers and the result so far."""
 
-    def __init__(self, dtype_name: str, backends: Sequence[str] | None, modes: Sequence[str], graph_max_tokens: int,
-                 memory_cap_gb: float, with_peers: bool, progress: Callable[[str], None] | None,
-                 formats: Sequence[str], device: str = "cuda", ceilings: dict[str, float] | None = None) -> None:  # fmt: skip
+    def __init__(self, options: BenchOptions, progress: Callable[[str], None] | None) -> None:
         import torch
 
         from selector.environment import current_environment
         from selector.registry import get_registry
 
+        device, ceilings = options.device, options.ceilings
         self.cuda = device == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError("selector bench needs a CUDA GPU (it times kernels against the GPU's floor)")
@@ -225,17 +233,17 @@ class _Grid:
             raise ValueError(f"selector bench on {device}: pass the ceilings (they are measured on a GPU only)")
         self.torch = torch
         self.device = torch.device(device)
-        self.dtype_name, self.dtype = dtype_name, getattr(torch, dtype_name)
-        self.backends, self.modes, self.formats = backends, tuple(modes), tuple(formats)
-        self.graph_max_tokens, self.memory_cap_gb = graph_max_tokens, memory_cap_gb
+        self.dtype_name, self.dtype = options.dtype_name, getattr(torch, options.dtype_name)
+        self.backends, self.modes, self.formats = options.backends, tuple(options.modes), tuple(options.formats)
+        self.graph_max_tokens, self.memory_cap_gb = options.graph_max_tokens, options.memory_cap_gb
         self.env = current_environment()
         self.registry = get_registry()
-        self.peers = peer_functions() if with_peers else {}
+        self.peers = peer_functions() if options.with_peers else {}
         self.say = progress or (lambda _msg: None)
-        self.rounds, self.sample_s = 5, 0.02
+        self.rounds, self.sample_s = max(1, options.rounds), options.sample_s
         self.train_skips: dict[str, str] = {}  # per cell: why a backend gets no train cell
         if ceilings is None:
-            ceilings = measure_ceilings(torch, self.device, fp8=any(FORMATS[f] for f in formats))
+            ceilings = measure_ceilings(torch, self.device, fp8=any(FORMATS[f] for f in self.formats))
         self.result = BenchResult(
             device=torch.cuda.get_device_name() if self.cuda else device,
             ceilings=dict(ceilings),
@@ -247,8 +255,11 @@ class _Grid:
         from selector.dispatch import AUTO
 
         reason = f"{what}: {type(exc).__name__}: {str(exc)[:160]}"
-        self.result.cells.extend(Cell(shape, t, self.dtype_name, AUTO, mode, format=fmt, skipped=reason)
-                                 for t in token_counts for mode in self.modes)  # fmt: skip
+        self.result.cells.extend(
+            Cell(shape, t, self.dtype_name, AUTO, mode, format=fmt, skipped=reason)
+            for t in token_counts
+            for mode in self.modes
+        )
 
     def sync(self) -> None:
         if self.cuda:
@@ -258,8 +269,9 @@ class _Grid:
         if self.cuda:
             self.torch.cuda.empty_cache()
 
-    def run_shape(self, shape: str, tokens: Sequence[int], problem: Any = None,
-                  skip: Collection[tuple[str, str, int]] = ()) -> bool:  # fmt: skip
+    def run_shape(
+        self, shape: str, tokens: Sequence[int], problem: Any = None, skip: Collection[tuple[str, str, int]] = ()
+    ) -> bool:
         """Every format and token count of one shape (a preset's unless `problem` is given) but those in `skip`;
         one quantised copy alive at a time. False when there was nothing left to measure (no layer was built)."""
         from selector.presets import preset
@@ -270,8 +282,11 @@ class _Grid:
         torch = self.torch
         base = replace(problem or preset(shape), dtype=self.dtype_name, device=self.device.type)
         # a plain layer as quantising expects; other layouts (GPT-OSS's) in their own layout, dense only
-        dense = make_layer(torch, base, self.dtype, self.device, seed=0) if is_plain(base) else \
-            make_problem_layer(torch, base, self.device, seed=0)
+        dense = (
+            make_layer(torch, base, self.dtype, self.device, seed=0)
+            if is_plain(base)
+            else make_problem_layer(torch, base, self.device, seed=0)
+        )
         for fmt, fmt_tokens in todo.items():
             if not fmt_tokens:
                 continue
@@ -311,8 +326,9 @@ class _Grid:
             step_moved, step_flops = train_costs(moved, flops, problem, t, x.element_size())
             step_floor = floor_seconds(self.result.ceilings, problem, step_moved, step_flops)
             train_floor = (step_floor, step_flops, step_moved)
-        return _Inputs(shape, fmt, problem, layer, x, index, weights, floor, flops, moved, sample, ref, grad_out,
-                       train_floor)  # fmt: skip
+        return _Inputs(
+            shape, fmt, problem, layer, x, index, weights, floor, flops, moved, sample, ref, grad_out, train_floor
+        )
 
     def candidates(self, cell: _Inputs) -> dict[str, Forward | None]:
         """Every backend to time for this cell (None: excluded, its reason already recorded), the peers, and
@@ -352,7 +368,8 @@ class _Grid:
             if temp_bytes_estimate(name, t, cell.problem, elem) > self.memory_cap_gb * 2**30:
                 self.result.cells.extend(
                     self.new_cell(cell, name, mode, skipped=f"needs more than {self.memory_cap_gb:g} GB of temporaries")
-                    for mode in self.modes)  # fmt: skip
+                    for mode in self.modes
+                )
                 continue
             timed[name] = fn
         self.train_skips = self.no_training(cell, timed) if TRAIN in self.modes else {}
@@ -389,8 +406,10 @@ class _Grid:
         t, elem, cap = cell.x.shape[0], cell.x.element_size(), self.memory_cap_gb * 2**30
         for name in names:
             if name not in skips and temp_bytes_estimate(name, t, cell.problem, elem, train=True) > cap:
-                skips[name] = (f"a training step needs more than {self.memory_cap_gb:g} GB of temporaries, kept "
-                               "activations and gradients")  # fmt: skip
+                skips[name] = (
+                    f"a training step needs more than {self.memory_cap_gb:g} GB of temporaries, kept "
+                    "activations and gradients"
+                )
         return skips
 
     def mode_skip(self, name: str, mode: str, tokens: int) -> str | None:
@@ -425,9 +444,15 @@ class _Grid:
         if not runners:
             return
         timer_mode = "eager" if mode == TRAIN else mode  # a training step is called as it is, like an eager call
-        timings = time_interleaved(self.torch, runners, timer_mode, rounds=self.rounds,
-                                   sample_s=self.sample_s if self.cuda else 0.0, device=self.device.type,
-                                   errors=errors)  # fmt: skip
+        timings = time_interleaved(
+            self.torch,
+            runners,
+            timer_mode,
+            rounds=self.rounds,
+            sample_s=self.sample_s if self.cuda else 0.0,
+            device=self.device.type,
+            errors=errors,
+        )
         self.sync()
         for p in params:  # the last step's gradients are not needed: free them before the next mode or cell
             p.grad = None
@@ -503,8 +528,7 @@ class _Grid:
         self.sync()
         grads = {name: p.grad for name, p in cell.layer.named_parameters() if p.is_floating_point()}
         grads.update(hidden_states=x.grad, routing_weights=weights.grad)
-        errors = grad_errors(self.torch, cell.layer, cell.problem, x.detach(), index, weights.detach(),
-                             grad_out, grads)  # fmt: skip
+        errors = grad_errors(self.torch, cell.layer, cell.problem, x.detach(), index, weights.detach(), grad_out, grads)
         for p in params:
             p.grad = None
         out.grad_rel_errors = errors

@@ -25,7 +25,7 @@ from selector.tune.inputs import (
     token_counts,
 )
 from selector.tune.plan import ModePlan, Timed, build_plan, render_plan
-from selector.tune.runner import TuneCell, TuneResult, TuneUnavailable, plan_cells, run_tune
+from selector.tune.runner import TuneCell, TuneOptions, TuneResult, TuneUnavailable, plan_cells, run_tune
 from selector.tune.store import TuneStore
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Timed",
     "TuneCell",
     "TuneInputError",
+    "TuneOptions",
     "TuneResult",
     "TuneStore",
     "TuneTarget",

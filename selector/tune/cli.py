@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from selector.bench.grid import BenchOptions
 from selector.tune.inputs import DTYPES, FORMATS, GRID
+from selector.tune.runner import TuneOptions
 
 
 def _ints(text: str) -> list[int]:
@@ -116,6 +118,34 @@ def summary_lines(result: Any) -> list[str]:
     return lines
 
 
+def tune_options(args: argparse.Namespace) -> TuneOptions:
+    """The run's options as the flags give them."""
+    return TuneOptions(
+        tokens=args.tokens,
+        batch_sizes=args.batch_sizes or (),
+        modes=args.modes,
+        graph_max_tokens=args.graph_max_tokens,
+        backends=args.backends,
+        kernel_budget_s=args.kernel_budget_s,
+        memory_cap_gb=args.memory_cap_gb,
+        force=args.force,
+        dry_run=args.dry_run,
+        rounds=args.rounds,
+        lock_timeout_s=args.lock_timeout,
+    )
+
+
+def check_options(args: argparse.Namespace) -> BenchOptions:
+    """The options of `--check`'s bench run: the tuned cells' backends, modes and budgets."""
+    return BenchOptions(
+        backends=args.backends,
+        modes=args.modes,
+        graph_max_tokens=args.graph_max_tokens,
+        memory_cap_gb=args.memory_cap_gb,
+        rounds=args.rounds,
+    )
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     from selector.cli import UsageError
     from selector.tune.inputs import TuneInputError
@@ -124,12 +154,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     progress = _Progress()
     try:
         targets = targets_from_args(args, "cuda")
-        result = run_tune(
-            targets, tokens=args.tokens, batch_sizes=args.batch_sizes or (), modes=args.modes,
-            graph_max_tokens=args.graph_max_tokens, backends=args.backends, kernel_budget_s=args.kernel_budget_s,
-            force=args.force, dry_run=args.dry_run, rounds=args.rounds, progress=progress, log=progress.line,
-            lock_timeout_s=args.lock_timeout, memory_cap_gb=args.memory_cap_gb,
-        )  # fmt: skip
+        result = run_tune(targets, tune_options(args), progress=progress, log=progress.line)
     except TuneInputError as exc:
         raise UsageError(str(exc)) from exc
     except TuneUnavailable as exc:
@@ -158,9 +183,7 @@ def check_choice(args: argparse.Namespace, targets: Sequence[Any], tokens: Seque
     reset_selection_caches()
     progress = _Progress()
     try:
-        bench = run_bench({t.name: t.problem for t in targets}, tokens, backends=args.backends, modes=args.modes,
-                          graph_max_tokens=args.graph_max_tokens, memory_cap_gb=args.memory_cap_gb,
-                          rounds=args.rounds, progress=progress.line)  # fmt: skip
+        bench = run_bench({t.name: t.problem for t in targets}, tokens, check_options(args), progress=progress.line)
     finally:
         progress.close()
     paths = write_outputs(bench, Path(args.check))

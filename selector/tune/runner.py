@@ -48,8 +48,15 @@ class TuneCell:
     left_out: dict[str, str] = field(default_factory=dict)  # runnable here, but not timed: why
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "tokens": self.tokens, "mode": self.mode, "backends": self.backends,
-                "static": self.static, "already_measured": self.measured, "left_out": self.left_out}  # fmt: skip
+        return {
+            "target": self.target,
+            "tokens": self.tokens,
+            "mode": self.mode,
+            "backends": self.backends,
+            "static": self.static,
+            "already_measured": self.measured,
+            "left_out": self.left_out,
+        }
 
 
 @dataclass
@@ -73,18 +80,31 @@ class TuneResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA, "device": self.device, "gpu": self.gpu, "fingerprints": self.fingerprint.to_dict(),
+            "schema": SCHEMA,
+            "device": self.device,
+            "gpu": self.gpu,
+            "fingerprints": self.fingerprint.to_dict(),
             "dry_run": self.dry_run,
             "targets": [{"name": t.name, "problem": asdict(t.problem), "notes": list(t.notes)} for t in self.targets],
-            "cells": [c.to_dict() for c in self.cells], "kernel_tuning": self.kernel_tuning,
-            "first_call_s": self.first_calls, "errors": self.errors, "records_stored": self.stored,
+            "cells": [c.to_dict() for c in self.cells],
+            "kernel_tuning": self.kernel_tuning,
+            "first_call_s": self.first_calls,
+            "errors": self.errors,
+            "records_stored": self.stored,
             "seconds": {"total": self.total_s, "per_target": self.durations},
             "plans": [p.to_dict() for p in self.plans],
-            "timings": [{"target": target, "mode": mode, "tokens": t, "backend": b, "time_s": m.time_s,
-                         "spread": m.spread}
-                        for (target, mode), by_t in self.timings.items() for t, by_b in sorted(by_t.items())
-                        for b, m in sorted(by_b.items(), key=lambda item: item[1].time_s)],
-        }  # fmt: skip
+            "timings": self.timing_rows(),
+        }
+
+    def timing_rows(self) -> list[dict[str, Any]]:
+        """One row per timed (target, mode, token count, backend), fastest backend first within a token count."""
+        rows = []
+        for (target, mode), by_t in self.timings.items():
+            for t, by_b in sorted(by_t.items()):
+                for b, m in sorted(by_b.items(), key=lambda item: item[1].time_s):
+                    cell = {"target": target, "mode": mode, "tokens": t, "backend": b}
+                    rows.append({**cell, "time_s": m.time_s, "spread": m.spread})
+        return rows
 
 
 def cell_problem(problem: Problem, tokens: int, mode: str) -> Problem:
@@ -138,29 +158,38 @@ def plan_cells(
     return cells
 
 
+@dataclass(frozen=True)
+class TuneOptions:
+    """How `run_tune` measures: the cells (token counts, modes, backends) and the budgets. The CLI builds one
+    from its flags (`selector.tune.cli.tune_options`); the defaults are the CLI's."""
+
+    tokens: Sequence[int] | None = None  # default: every power of two 1..16384
+    batch_sizes: Sequence[int] = ()  # the model's own batch sizes, added to the token counts
+    modes: Sequence[str] = ("eager", "graph")
+    graph_max_tokens: int = 512
+    backends: Sequence[str] | None = None  # default: every registered backend that can run a cell
+    kernel_budget_s: float = 60.0  # per layer, for the backends' kernel tuning hooks
+    memory_cap_gb: float = 40.0  # a backend needing more temporaries is left out of a cell
+    force: bool = False  # measure cells already measured under this fingerprint
+    dry_run: bool = False  # list the cells, measure nothing
+    rounds: int = 5
+    sample_s: float = 0.02
+    device: str = "cuda"
+    lock_timeout_s: float = 600.0  # how long to wait for another process measuring on the GPU
+
+
 def run_tune(
     targets: Sequence[TuneTarget],
-    tokens: Iterable[int] | None = None,
-    batch_sizes: Iterable[int] = (),
-    modes: Sequence[str] = ("eager", "graph"),
-    graph_max_tokens: int = 512,
-    backends: Sequence[str] | None = None,
-    kernel_budget_s: float = 60.0,
-    force: bool = False,
-    dry_run: bool = False,
-    rounds: int = 5,
-    sample_s: float = 0.02,
-    device: str = "cuda",
+    options: TuneOptions = TuneOptions(),
+    *,
     store: TuneStore | None = None,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
-    lock_timeout_s: float = 600.0,
-    memory_cap_gb: float = 40.0,
 ) -> TuneResult:
-    """Tune `targets` (their problems on `device`) at the token counts (default every power of two 1..16384,
-    plus `batch_sizes`) in `modes`; cells already measured under this fingerprint are skipped unless `force`.
-    `dry_run` lists the cells and measures nothing. Raises TuneInputError (an unknown backend, a bad mode),
-    TuneUnavailable (no CUDA, the GPU's lock held elsewhere)."""
+    """Tune `targets` (their problems on `options.device`) at the token counts (default every power of two
+    1..16384, plus `options.batch_sizes`) in `options.modes`; cells already measured under this fingerprint are
+    skipped unless `options.force`. `options.dry_run` lists the cells and measures nothing. Raises
+    TuneInputError (an unknown backend, a bad mode), TuneUnavailable (no CUDA, the GPU's lock held elsewhere)."""
     from selector.config import load_config
     from selector.environment import current_environment
     from selector.registry import get_registry
@@ -168,25 +197,19 @@ def run_tune(
     started = time.perf_counter()
     store = store or TuneStore()
     say = log or (lambda _msg: None)
-    counts = token_counts(tokens, batch_sizes)
+    counts = token_counts(options.tokens, options.batch_sizes)
+    modes = options.modes
     bad_modes = [m for m in modes if m not in ("eager", "graph")]
     if bad_modes or not modes:
         raise TuneInputError(f"--modes {','.join(bad_modes) or 'nothing'}: expected eager and/or graph")
     registry = get_registry()
-    unknown = [b for b in backends or () if b not in registry.specs]
+    unknown = [b for b in options.backends or () if b not in registry.specs]
     if unknown:
-        raise TuneInputError(f"--backends {', '.join(unknown)}: no such backend; registered: {', '.join(registry.names)}")
-    cuda = device == "cuda"
-    torch = None
-    if not dry_run:
-        import torch
-
-        if cuda and not torch.cuda.is_available():
-            build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
-            raise TuneUnavailable(f"needs a CUDA GPU and none is visible (torch {torch.__version__}, {build}); run "
-                                  "it on the GPU node (--dry-run lists the cells anywhere), `selector doctor` says "
-                                  "what this machine lacks")  # fmt: skip
-    if not cuda:
+        registered = ", ".join(registry.names)
+        raise TuneInputError(f"--backends {', '.join(unknown)}: no such backend; registered: {registered}")
+    device = options.device
+    torch = None if options.dry_run else _torch_for(device)
+    if device != "cuda":
         modes = [m for m in modes if m != "graph"]  # captured graphs need CUDA
     env = current_environment()
     try:
@@ -198,26 +221,53 @@ def run_tune(
     targets = _unique_names([replace(t, problem=replace(t.problem, device=device)) for t in targets])
     for t in targets:
         if t.problem.weight_format != "dense" and not is_plain(t.problem):
-            raise TuneInputError(f"{t.name}: quantised weights ({t.problem.weight_format}) are built in the plain "
-                                 "layout only, and this layer has another: pass --format dense")  # fmt: skip
-    cells = plan_cells(targets, counts, modes, graph_max_tokens, backends, env, registry, store, fingerprint, gpu, config,
-                       memory_cap_gb)  # fmt: skip
-    result = TuneResult(device, gpu, fingerprint, list(targets), cells, dry_run=dry_run, force=force)
-    if not dry_run:
-        assert torch is not None
-        run = _Run(torch, result, registry, store, rounds, sample_s, progress, say)
+            raise TuneInputError(
+                f"{t.name}: quantised weights ({t.problem.weight_format}) are built in the plain layout only, and "
+                "this layer has another: pass --format dense"
+            )
+    cells = plan_cells(
+        targets,
+        counts,
+        modes,
+        options.graph_max_tokens,
+        options.backends,
+        env,
+        registry,
+        store,
+        fingerprint,
+        gpu,
+        config=config,
+        memory_cap_gb=options.memory_cap_gb,
+    )
+    result = TuneResult(device, gpu, fingerprint, list(targets), cells, dry_run=options.dry_run, force=options.force)
+    if torch is not None:  # not a dry run
+        run = _Run(torch, result, registry, store, options, progress, say)
         lock = lock_name(env, device)
-        with store.measurement_lock(lock, lock_timeout_s) as got:
+        with store.measurement_lock(lock, options.lock_timeout_s) as got:
             if not got:
-                raise TuneUnavailable(f"another process is measuring on {gpu} (lock {lock!r} beside the tuning store "
-                                      f"{store.path}), or the lock cannot be taken there: wait for it to finish, "
-                                      "raise --lock-timeout, or set SELECTOR_TUNING_STORE to a folder you may "
-                                      "write")  # fmt: skip
+                raise TuneUnavailable(
+                    f"another process is measuring on {gpu} (lock {lock!r} beside the tuning store {store.path}), "
+                    "or the lock cannot be taken there: wait for it to finish, raise --lock-timeout, or set "
+                    "SELECTOR_TUNING_STORE to a folder you may write"
+                )
             for target in targets:
-                run.target(target, counts, kernel_budget_s, force)
+                run.target(target, counts, options.kernel_budget_s, options.force)
     result.plans = plans_of(result, store)
     result.total_s = time.perf_counter() - started
     return result
+
+
+def _torch_for(device: str) -> Any:
+    """torch, to measure on `device`; TuneUnavailable for CUDA when no GPU is visible."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        raise TuneUnavailable(
+            f"needs a CUDA GPU and none is visible (torch {torch.__version__}, {build}); run it on the GPU node "
+            "(--dry-run lists the cells anywhere), `selector doctor` says what this machine lacks"
+        )
+    return torch
 
 
 def lock_name(env: Any, device: str) -> str:
@@ -283,10 +333,18 @@ def plans_of(result: TuneResult, store: TuneStore) -> list[ModePlan]:
 class _Run:
     """The measuring state of one run: torch, the result so far, the store, the options."""
 
-    def __init__(self, torch: Any, result: TuneResult, registry: Any, store: TuneStore, rounds: int, sample_s: float,
-                 progress: Progress | None, say: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        torch: Any,
+        result: TuneResult,
+        registry: Any,
+        store: TuneStore,
+        options: TuneOptions,
+        progress: Progress | None,
+        say: Callable[[str], None],
+    ) -> None:
         self.torch, self.result, self.registry, self.store = torch, result, registry, store
-        self.rounds, self.sample_s = max(1, rounds), sample_s
+        self.rounds, self.sample_s = max(1, options.rounds), options.sample_s
         self.cuda = result.device == "cuda"
         self.device = torch.device(result.device)
         self.progress, self.say = progress, say
@@ -333,12 +391,15 @@ class _Run:
                 if why is None:
                     valid.append(r)
                 else:
-                    self.result.errors.append({"target": target.name, "tokens": r["tokens"], "mode": r["mode"],
-                                               "backend": r["backend"], "error": f"record refused: {why}"})  # fmt: skip
+                    self.result.errors.append(
+                        _error(target.name, r["tokens"], r["mode"], r["backend"], f"record refused: {why}")
+                    )
             saved = self.store.save(valid)  # what was measured is kept, even after a failure
             self.result.stored += saved.stored
-            self.result.errors += [{"target": target.name, "tokens": None, "mode": None, "backend": None,
-                                    "error": f"the tuning store refused a record: {why}"} for why in saved.refused]  # fmt: skip
+            for why in saved.refused:
+                self.result.errors.append(
+                    _error(target.name, None, None, None, f"the tuning store refused a record: {why}")
+                )
             self.result.records += valid
             self.result.durations[target.name] = time.perf_counter() - started
 
@@ -378,13 +439,12 @@ class _Run:
         return x, index, weights, ref
 
     def drop(self, cell: TuneCell, backend: str, why: str) -> None:
-        self.result.errors.append({"target": cell.target, "tokens": cell.tokens, "mode": cell.mode,
-                                   "backend": backend, "error": why})  # fmt: skip
+        self.result.errors.append(_error(cell.target, cell.tokens, cell.mode, backend, why))
 
     def measure(self, target: TuneTarget, cell: TuneCell, layer: Any, inputs: tuple[Any, ...]) -> list[dict[str, Any]]:
         """One cell: each backend's first call (timed: JIT, autotuning) checked against the reference, then all
         of them in interleaved rounds; the records of those that finished."""
-        from selector.bench.timing import time_interleaved
+        from selector.bench.timing import Timing, time_interleaved
         from selector.dispatch import backend_runner
         from selector.tuning import problem_key
 
@@ -395,7 +455,7 @@ class _Run:
         for name in cell.backends:
             try:
                 fn = backend_runner(name)
-                runner = (lambda fn=fn: fn(layer, x, index, weights))
+                runner = lambda fn=fn: fn(layer, x, index, weights)
                 self.sync()
                 start = time.perf_counter()
                 out = runner()
@@ -410,8 +470,17 @@ class _Run:
             except Exception as exc:
                 self.drop(cell, name, f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
         errors: dict[str, str] = {}
-        timings = time_interleaved(torch, runners, cell.mode, rounds=self.rounds, sample_s=self.sample_s,
-                                   device=self.device.type, errors=errors) if runners else {}  # fmt: skip
+        timings: dict[str, Timing] = {}
+        if runners:
+            timings = time_interleaved(
+                torch,
+                runners,
+                cell.mode,
+                rounds=self.rounds,
+                sample_s=self.sample_s,
+                device=self.device.type,
+                errors=errors,
+            )
         self.sync()
         for name, why in errors.items():
             self.drop(cell, name, f"failed while timed: {why}")
@@ -420,12 +489,28 @@ class _Run:
         records = []
         for name, timing in timings.items():
             by_t[name] = Timed(timing.median_s, timing.spread)
-            records.append({
-                "fingerprint": self.result.fingerprint.of(name), "gpu": self.result.gpu, "problem": key, "mode": cell.mode,
-                "tokens": cell.tokens, "backend": name, "time_s": timing.median_s, "spread": timing.spread,
-                "rounds": timing.rounds, "first_call_s": firsts.get(name, 0.0), "measured_at": now, "tool": TOOL,
-            })  # fmt: skip
+            records.append(
+                {
+                    "fingerprint": self.result.fingerprint.of(name),
+                    "gpu": self.result.gpu,
+                    "problem": key,
+                    "mode": cell.mode,
+                    "tokens": cell.tokens,
+                    "backend": name,
+                    "time_s": timing.median_s,
+                    "spread": timing.spread,
+                    "rounds": timing.rounds,
+                    "first_call_s": firsts.get(name, 0.0),
+                    "measured_at": now,
+                    "tool": TOOL,
+                }
+            )
         return records
+
+
+def _error(target: str, tokens: int | None, mode: str | None, backend: str | None, error: str) -> dict[str, Any]:
+    """One entry of `TuneResult.errors`: a backend dropped from a cell (or a record refused), and why."""
+    return {"target": target, "tokens": tokens, "mode": mode, "backend": backend, "error": error}
 
 
 def force_or_new(cell: TuneCell, force: bool) -> bool:
