@@ -244,19 +244,17 @@ def _forget_libraries() -> None:
     for name in list(sys.modules):
         if name.split(".")[0] in ("liger_kernel", "flashinfer", "triton_kernels"):
             del sys.modules[name]
-    from selector.plugins.flashinfer_cutlass import forward as fi
-    from selector.plugins.liger import forward as lg
-    from selector.plugins.triton_kernels import forward as tk
-
-    for module in (fi, lg, tk):
-        module.forget_loaded()
     import selector.plugins.flashinfer_cutlass as fic
     import selector.plugins.liger as lig
     import selector.plugins.triton_kernels as tkp
+    from selector.plugins.flashinfer_cutlass.forward import FLASHINFER
+    from selector.plugins.liger.forward import LIGER
+    from selector.plugins.triton_kernels.forward import TRITON_KERNELS
 
-    lig.forget_tuned()
-    fic.forget_built()
-    tkp.forget_compiled()
+    for library in (FLASHINFER, LIGER, TRITON_KERNELS):
+        library.forget()
+    for ledger in (lig.TUNED, fic.BUILT, tkp.COMPILED):
+        ledger.forget()
 
 
 @pytest.fixture(autouse=True)
@@ -447,9 +445,11 @@ def test_first_call_costs_are_counted_until_the_shape_ran() -> None:
     cold = {name: get_registry().get(name).pending_cost(prob, env) for name in BACKENDS}
     assert cold == {"liger": lig.AUTOTUNE_SECONDS, "flashinfer_cutlass": fic.JIT_SECONDS,
                     "triton_kernels": tkp.JIT_SECONDS}  # fmt: skip
-    lig.record_tuned(lig.state.shape_key(2048, 768))
-    fic.record_built("90")
-    tkp.record_compiled(tkp.shape_key(prob))
+    from selector.plugins.adapter import shape_key
+
+    lig.TUNED.record(shape_key(prob, lig.SHAPE))
+    fic.BUILT.record("90")
+    tkp.COMPILED.record(shape_key(prob, tkp.SHAPE))
     assert all(get_registry().get(name).pending_cost(prob, env) == 0.0 for name in BACKENDS)
     assert get_registry().get("liger").estimate(prob, env) < get_registry().get("liger").estimate(
         replace(prob, intermediate_size=1024), env)
@@ -533,19 +533,24 @@ def test_liger_takes_the_standard_layout_without_a_copy(fakes: Path) -> None:
 @pytest.mark.parametrize(("backend", "layout"), [("liger", Layout(transposed=True)),
                                                  ("flashinfer_cutlass", Layout())])  # fmt: skip
 def test_weight_copies_are_made_once_per_set_of_weights(fakes: Path, backend: str, layout: Layout) -> None:
-    plugin = importlib.import_module(f"selector.plugins.{backend}.forward")
+    """The copy is made at prepare and reused by every run of the plan (the dispatch core keeps the plan, and
+    prepares again when the parameters change in place: its key covers their in-place version)."""
+    from selector.problem import problem_from_module
+
     module = make_experts(4, 16, 8, layout, seed=4)
     x = torch.randn(3, 16)
     index, weights = random_routing(3, 4, 2)
-    forward = _forward(backend)
+    prepare = get_registry().get(backend).prepare
+    plan = prepare(module, problem_from_module(module, top_k=2))
+    first = plan.weights[0]
+    assert first.data_ptr() not in (module.gate_up_proj.data_ptr(), module.down_proj.data_ptr())  # a copy
     with torch.no_grad():
-        forward(module, x, index, weights)
-        first = plugin.kernel_weights(module)[0]
-        forward(module, x, index, weights)
-        assert plugin.kernel_weights(module)[0] is first  # cached, not rebuilt per call
-        module.gate_up_proj.mul_(2.0)  # the parameters changed: the copy is rebuilt
-        out = forward(module, x, index, weights)
-    assert plugin.kernel_weights(module)[0] is not first
+        plan.run(x, index, weights)
+        assert plan.weights[0] is first  # held by the plan, not rebuilt per call
+        module.gate_up_proj.mul_(2.0)  # the parameters changed: a new plan copies them again
+        again = prepare(module, problem_from_module(module, top_k=2))
+        out = again.run(x, index, weights)
+    assert again.weights[0] is not first
     assert relative_error(out, reference_experts(module, x, index, weights)) < 1e-5
 
 

@@ -665,7 +665,7 @@ def test_deepgemm_estimate_charges_download_and_jit(fake_kernels: None) -> None:
     env = make_env(H100, torch_cuda="")  # the fake's torch-cpu variant fits: the kernel is local
     prob = problem(num_tokens=4096)
     cold = dg._estimate(prob, env)
-    dg.record_compiled(dg.problem_key(prob))
+    dg.COMPILED.record(dg.problem_key(prob))
     try:
         assert cold - dg._estimate(prob, env) == pytest.approx(dg.JIT_SECONDS / 1000)
         assert dg._estimate(prob, make_env(H100)) - dg._estimate(prob, env) == pytest.approx(hub.DOWNLOAD_SECONDS / 1000)
@@ -913,6 +913,7 @@ def test_sonicmoe_forward_refuses_other_activations(fake_kernels: None, layout: 
 def test_sonicmoe_kernel_without_concat_flag_gets_interleaved_weights(fake_kernels: None,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import selector.plugins.sonicmoe.forward as forward
+    from selector.problem import problem_from_module
 
     bundle = forward.load_sonicmoe()
     monkeypatch.setattr(forward, "_SONICMOE", replace(bundle, concat_flag=None))
@@ -920,11 +921,13 @@ def test_sonicmoe_kernel_without_concat_flag_gets_interleaved_weights(fake_kerne
     module = make_experts(4, 64, 32, Layout(bias=True), dtype=torch.bfloat16, seed=4)
     x = torch.randn(5, 64).bfloat16()
     idx, w = random_routing(5, 4, 2)
+    plan = forward.prepare(module, problem_from_module(module, top_k=2))
     with torch.no_grad():
-        out = forward.sonicmoe_experts_forward(module, x, idx, w)
-        cached = forward._WEIGHTS.kept(module)[0]
-        assert forward.sonicmoe_experts_forward(module, x, idx, w).equal(out)
-        assert forward._WEIGHTS.kept(module)[0] is cached  # the interleaved copy is made once
+        out = plan.run(x, idx, w)
+        copy = plan.weights[0]
+        assert copy.data_ptr() != module.gate_up_proj.data_ptr()  # interleaved: a copy, made at prepare
+        assert plan.run(x, idx, w).equal(out)
+        assert plan.weights[0] is copy  # the interleaved copy is made once
     assert _fake_module("sonic-moe").CALLS[-1]["concat_layout"] is False
     assert relative_error(out, reference_experts(module, x, idx, w)) < 2e-2
 

@@ -14,20 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from selector.plugins.deepgemm.warmth import (
-    KERNEL,
-    forget_compiled,
-    is_compiled,
-    problem_key,
-    record_compiled,
-    shape_key,
-)
+from dataclasses import replace
+
+from selector.plugins.adapter import FirstCalls, lazy, shape_key
 from selector.probes import Environment
 
 from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
 from selector.costmodel import floor_seconds
 from selector.types import EVERY_LAYOUT
 
+KERNEL = hub.PINS["deep-gemm"]
 HOPPER = ToolkitRule(min_cc=(9, 0), max_cc=(10, 0), nvcc=(12, 3), family="Hopper")
 BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 9), family="Blackwell")
 
@@ -94,6 +90,20 @@ def config_check(problem: Problem, env: Environment) -> Availability | None:
 # layer shape JIT-compiles its two GEMMs in 5-6 s (bf16) or 11-12 s (FP8); a token count that picks other tiles
 # later adds ~7 s. DeepGEMM keeps its builds on disk across processes, which this in-process record does not see.
 JIT_SECONDS = 12.0
+SHAPE = ("num_experts", "hidden_size", "intermediate_size", "gated", "is_transposed", "weight_format", "scale_format")
+COMPILED = FirstCalls(JIT_SECONDS)  # layer shapes this process has run
+
+
+def problem_key(problem: Problem) -> tuple:
+    """The ledger key of a layer (dense experts have no scale format)."""
+    dense = problem.weight_format == "dense"
+    return shape_key(replace(problem, scale_format=None) if dense else problem, SHAPE)
+
+
+def forget_compiled() -> None:
+    COMPILED.forget()
+
+
 def _estimate(problem: Problem, env: Environment) -> float:
     """Fitted to the H200 cells of benchmarks/results/h200/deepgemm.json (Qwen3-30B-A3B and DeepSeek-V3, bf16
     and FP8, T = 1 to 16384): ~1.1 ms per call of host-side launches around the two GEMMs (eager; the layout,
@@ -106,18 +116,15 @@ def _estimate(problem: Problem, env: Environment) -> float:
 
 def _pending(problem: Problem, env: Environment) -> float:
     """Seconds of JIT and download still ahead in this process before `problem` runs at steady speed."""
-    return (0.0 if is_compiled(problem) else JIT_SECONDS) + hub.pending_download_seconds(KERNEL, env)
+    return COMPILED.pending(problem_key(problem)) + hub.pending_download_seconds(KERNEL, env)
 
 
-def _load():  # noqa: ANN202
-    from selector.plugins.deepgemm.forward import deepgemm_experts_forward
-
-    return deepgemm_experts_forward
-
+FORWARD = "selector.plugins.deepgemm.forward"
 
 SPEC = BackendSpec(
     name="deepgemm",
-    load=_load,
+    load=lazy(FORWARD, "load"),
+    prepare=lazy(FORWARD, "prepare"),
     requirements=REQUIREMENTS,
     description=f"DeepGEMM M-grouped GEMMs from {KERNEL} (bf16, FP8; FP4 on Blackwell)",
     check=hub.kernel_check(KERNEL, machine=machine_check, config=config_check),
@@ -138,6 +145,4 @@ def selector_backends() -> Sequence[BackendSpec]:
     return [SPEC]
 
 
-# what the forward records and the tests read, kept reachable from the backend's package
-__all__ = ["KERNEL", "SPEC", "forget_compiled", "is_compiled", "problem_key", "record_compiled", "selector_backends",
-           "shape_key"]
+__all__ = ["COMPILED", "KERNEL", "SPEC", "forget_compiled", "problem_key", "selector_backends"]

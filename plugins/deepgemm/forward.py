@@ -24,17 +24,20 @@ there) it is the compute capability the probe facts report for GPU 0.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from selector.plugins.deepgemm.warmth import KERNEL, record_compiled, shape_key
+from selector.plugins.adapter import KernelPlan, forward_of
+from selector.plugins.deepgemm import COMPILED, KERNEL, problem_key
 import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
 
 from selector import hub, layers
-from selector.guard import sanitize_routing
 from selector.environment import current_environment
+from selector.guard import sanitize_routing
 from selector.quant import is_ue8m0_tensor, ue8m0_bytes, ue8m0_to_float
+from selector.types import ExpertsForward, Problem
 
 BF16_SYMBOLS = (
     "m_grouped_bf16_gemm_nt_contiguous",
@@ -271,73 +274,98 @@ def _gemm(dg: DeepGemm, quantised: bool, transposed: bool) -> Callable:
     return gemm
 
 
-def deepgemm_experts_forward(
-    module: torch.nn.Module,
-    hidden_states: torch.Tensor,  # [T, H]
-    top_k_index: torch.Tensor,  # [T, k]
-    top_k_weights: torch.Tensor,  # [T, k]
-) -> torch.Tensor:  # [T, H]
-    num_tokens, top_k = top_k_index.shape
-    hidden = hidden_states.shape[-1]
-    if num_tokens == 0:
-        return hidden_states.new_zeros(0, hidden)
-    fmt = weight_format(module)
-    quantised = fmt != "dense"
+def kernel_weights(module: torch.nn.Module, blackwell: bool) -> tuple:
+    """(up weight, down weight, up scales, down scales): the weights as they are, quantised experts' block scales in
+    the layout the kernel reads on this architecture (None for dense experts)."""
     up_w, down_w = layers.up_weight(module), module.down_proj
-    if not quantised and up_w.dtype != torch.bfloat16:
-        raise ValueError(f"experts backend 'deepgemm' runs dense experts in bfloat16 only, got {up_w.dtype}")
-    blackwell = arch_major(hidden_states.device) >= 10
-    if quantised:
-        up_name = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
-        up_s, down_s = _scale_of(module, up_name), _scale_of(module, "down_proj")
-        check_quantised(module, down_s, blackwell)
-        cast = cast_options(module, blackwell)
-        recipe = (1, 1, cast["gran_k"]) if cast.get("use_packed_ue8m0") else None
-
-    dg = load_deepgemm()
-    num_experts = module.num_experts
+    if weight_format(module) == "dense":
+        return up_w, down_w, None, None
     transposed = bool(getattr(module, "is_transposed", False))
-    # bad slots -> expert 0 with weight NaN (selector.guard): an id of -1 would sort first and shift other rows
-    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
-    gemm = _gemm(dg, quantised, transposed)
-    lay = contiguous_layout(top_k_index, num_experts, dg.alignment, psum=blackwell)
-    # Hopper calls pass no `use_psum_layout`: releases before the Blackwell psum layout do not take it.
-    psum = {"use_psum_layout": True} if blackwell else {}
+    up_name = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
 
-    def project(a: torch.Tensor, a_sf: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor | None,
-                out_dim: int) -> torch.Tensor:
+    def rows(weight: torch.Tensor) -> int:
+        return weight.shape[-1] if transposed else weight.shape[-2]
+
+    return (up_w, down_w, scales_for_kernel(_scale_of(module, up_name), blackwell, rows(up_w)),
+            scales_for_kernel(_scale_of(module, "down_proj"), blackwell, rows(down_w)))  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepGemmPlan(KernelPlan):
+    dg: DeepGemm
+    gemm: Callable  # the NT or NN grouped GEMM, bf16 or FP8/FP4
+    blackwell: bool
+    transposed: bool
+    cast: dict | None  # per_token_cast_to_fp8's arguments; None for dense experts
+    num_experts: int
+
+    def project(self, lay: GroupedLayout, a: torch.Tensor, a_sf: torch.Tensor | None, weight: torch.Tensor,
+                scale: torch.Tensor | None, out_dim: int) -> torch.Tensor:  # fmt: skip
         """[M, K] padded rows (FP8 with per-row scales when quantised) -> [M, out_dim] bf16."""
         out = torch.empty(lay.num_rows, out_dim, dtype=torch.bfloat16, device=a.device)
+        # Hopper calls pass no `use_psum_layout`: releases before the Blackwell psum layout do not take it.
+        psum = {"use_psum_layout": True} if self.blackwell else {}
         if scale is None:
-            gemm(a, weight, out, lay.layout, **psum)
+            self.gemm(a, weight, out, lay.layout, **psum)
             return out
-        n_rows = weight.shape[-1] if transposed else weight.shape[-2]
-        gemm((a, scales_for_kernel(a_sf, blackwell, lay.num_rows)), (weight, scales_for_kernel(scale, blackwell, n_rows)),
-             out, lay.layout, recipe=recipe, **psum)
+        recipe = (1, 1, self.cast["gran_k"]) if self.cast.get("use_packed_ue8m0") else None
+        self.gemm((a, scales_for_kernel(a_sf, self.blackwell, lay.num_rows)), (weight, scale), out, lay.layout,
+                  recipe=recipe, **psum)  # fmt: skip
         return out
 
-    # Quantise each token once (T rows, not T*k), then place its rows on the expert blocks. Only the S real
-    # rows are written: M can be ~E*128 rows at decode (33k for DeepSeek-V3 at T=64), far more than S.
-    x = hidden_states.to(torch.bfloat16)
-    token_of = lay.order // top_k  # [S] token of each sorted pair
+    def launch(self, module: torch.nn.Module, weights: tuple, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        up_w, down_w, up_s, down_s = weights
+        (num_tokens, top_k), hidden = top_k_index.shape, hidden_states.shape[-1]
+        quantised = self.cast is not None
+        # bad slots -> expert 0 with weight NaN (selector.guard): an id of -1 would sort first and shift other rows
+        top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
+        lay = contiguous_layout(top_k_index, self.num_experts, self.dg.alignment, psum=self.blackwell)
+        # Quantise each token once (T rows, not T*k), then place its rows on the expert blocks. Only the S real
+        # rows are written: M can be ~E*128 rows at decode (33k for DeepSeek-V3 at T=64), far more than S.
+        x = hidden_states.to(torch.bfloat16)
+        token_of = lay.order // top_k  # [S] token of each sorted pair
+        if quantised:
+            xq, x_sf = self.dg.per_token_cast_to_fp8(x, **self.cast)
+            a, a_sf = lay.scatter(xq[token_of]), lay.scatter(x_sf[token_of])
+        else:
+            a, a_sf = lay.scatter(x[token_of]), None
+        up_dim = up_w.shape[-1] if self.transposed else up_w.shape[-2]
+        h = self.project(lay, a, a_sf, up_w, up_s, up_dim)[lay.rows]  # [S, up_dim]: real rows only
+        up_b = layers.up_bias(module)
+        if up_b is not None:  # sentinels read E-1, zeroed later
+            h = h + up_b[lay.expert_ids.clamp(max=self.num_experts - 1)].to(h.dtype)
+        h = layers.activate(module, h).to(torch.bfloat16)
+        if quantised:
+            hq, h_sf = self.dg.per_token_cast_to_fp8(h, **self.cast)
+            out = self.project(lay, lay.scatter(hq), lay.scatter(h_sf), down_w, down_s, hidden)  # [M, H]
+        else:
+            out = self.project(lay, lay.scatter(h), None, down_w, None, hidden)
+        return combine(out, top_k_index, top_k_weights, lay, module, hidden_states.dtype)
+
+
+def prepare(module: torch.nn.Module, problem: Problem) -> KernelPlan:
+    """The kernel loaded, the format checked, the GEMM picked and the weight scales in the kernel's layout, once
+    per weights and call mode (forward only)."""
+    quantised = weight_format(module) != "dense"
+    up_w = layers.up_weight(module)
+    if not quantised and up_w.dtype != torch.bfloat16:
+        raise ValueError(f"experts backend 'deepgemm' runs dense experts in bfloat16 only, got {up_w.dtype}")
+    blackwell = arch_major(up_w.device) >= 10
     if quantised:
-        xq, x_sf = dg.per_token_cast_to_fp8(x, **cast)
-        a, a_sf = lay.scatter(xq[token_of]), lay.scatter(x_sf[token_of])
-    else:
-        a, a_sf = lay.scatter(x[token_of]), None
-    up_dim = up_w.shape[-1] if transposed else up_w.shape[-2]
-    h = project(a, a_sf, up_w, up_s if quantised else None, up_dim)[lay.rows]  # [S, up_dim]: real rows only
-    up_b = layers.up_bias(module)
-    if up_b is not None:
-        h = h + up_b[lay.expert_ids.clamp(max=num_experts - 1)].to(h.dtype)  # sentinels read E-1, zeroed later
-    h = layers.activate(module, h).to(torch.bfloat16)
-    if quantised:
-        hq, h_sf = dg.per_token_cast_to_fp8(h, **cast)
-        out = project(lay.scatter(hq), lay.scatter(h_sf), down_w, down_s, hidden)  # [M, H]
-    else:
-        out = project(lay.scatter(h), None, down_w, None, hidden)
-    result = combine(out, top_k_index, top_k_weights, lay, module, hidden_states.dtype)
-    inter = layers.dims(module)[2]
-    record_compiled(shape_key(num_experts, hidden, inter, bool(getattr(module, "has_gate", True)), transposed, fmt,
-                              getattr(module, "selector_scale_format", None)))
-    return result
+        check_quantised(module, _scale_of(module, "down_proj"), blackwell)
+    dg = load_deepgemm()
+    transposed = bool(getattr(module, "is_transposed", False))
+    return DeepGemmPlan.prepared(
+        module, functools.partial(kernel_weights, blackwell=blackwell), False, backend="deepgemm", dg=dg,
+        gemm=_gemm(dg, quantised, transposed), blackwell=blackwell, transposed=transposed,
+        cast=cast_options(module, blackwell) if quantised else None, num_experts=int(module.num_experts),
+        ledger=COMPILED, shape=problem_key(problem),
+    )  # fmt: skip
+
+
+deepgemm_experts_forward = forward_of(prepare)
+
+
+def load() -> ExpertsForward:
+    return deepgemm_experts_forward

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from selector.plugins.adapter import UNTRACED, lazy
 from selector.plugins.deepgemm import KERNEL
 from selector.probes import Environment
 
@@ -61,23 +62,17 @@ def process_group_check(problem: Problem, env: Environment) -> Availability | No
     )
 
 
-def _load():  # noqa: ANN202
-    from selector.plugins.deepgemm_megamoe.forward import megamoe_experts_forward
-
-    return megamoe_experts_forward
-
+FORWARD = "selector.plugins.deepgemm_megamoe.forward"
 
 SPEC = BackendSpec(
     name="deepgemm_megamoe",
-    load=_load,
+    load=lazy(FORWARD, "load"),
+    prepare=lazy(FORWARD, "prepare"),
     requirements=REQUIREMENTS,
     description=f"DeepGEMM Mega MoE: fused FP8 x FP4 EP MoE on Blackwell, from {KERNEL}",
     check=hub.kernel_check(KERNEL, config=process_group_check),
     estimate=None,  # never measured: sorts after every backend that has an estimate
-    compile_compatible=False,
-    compile_modes=frozenset(),  # not verified under torch.compile: declared unsupported until it is
-    fullgraph=False,
-    cuda_graph_safe=False,
+    **UNTRACED,  # not verified under torch.compile nor in CUDA graphs: declared unsupported until it is
     differentiable=frozenset(),  # inference-only fused kernel (its forward raises while autograd records)
     first_call_cost=(
         f"downloads {KERNEL} unless cached; JIT-compiles with nvcc on the first call of a shape; allocates its "

@@ -3,17 +3,22 @@
 Module convention (Transformers' FP8/FP4 experts): `gate_up_proj` int8-packed FP4 [E_local, 2I, H/2] with
 `gate_up_proj_scale_inv` UE8M0 [E_local, 2I, H/32]; `down_proj` [E_local, H, I/2] with `down_proj_scale_inv`
 [E_local, H, I/32]. The kernel's weight layout (interleaved gate/up, packed scales transposed for UTCCP) is
-built on the first forward and kept on the module beside the parameters, which stay as they are, so switching
-to another backend later still works (at the price of a second copy of the expert weights).
+built at prepare time and held by the plan beside the parameters, which stay as they are, so switching to
+another backend later still works (at the price of a second copy of the expert weights).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
-from selector.plugins.deepgemm.forward import load_deepgemm
+from selector.plugins.adapter import KernelPlan, forward_of
+from selector.plugins.deepgemm.forward import DeepGemm, load_deepgemm
 
 from selector import layers
 from selector.guard import sanitize_routing
+from selector.types import ExpertsForward, Problem
 
 MEGA_SYMBOLS = (
     "transform_sf_into_required_layout",
@@ -21,7 +26,6 @@ MEGA_SYMBOLS = (
     "get_symm_buffer_for_mega_moe",
     "fp8_fp4_mega_moe",
 )
-_PREPARED = "_selector_megamoe_weights"
 # symmetric buffers by group name, then shape: allocating one is a collective, so layers of a group share it
 _BUFFERS: dict[str, dict[tuple[int, ...], object]] = {}
 
@@ -54,8 +58,8 @@ def process_group(module: torch.nn.Module):  # noqa: ANN201
     )
 
 
-def _check_weights(module: torch.nn.Module, hidden_states: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
+def _check_weights(module: torch.nn.Module, problem: Problem) -> None:
+    if "hidden_states" in problem.grad_inputs:
         raise ValueError("experts backend 'deepgemm_megamoe' has no backward. fix: run under torch.no_grad().")
     if module.gate_up_proj.dtype != torch.int8:
         raise ValueError(
@@ -72,11 +76,8 @@ def _check_weights(module: torch.nn.Module, hidden_states: torch.Tensor) -> None
             )
 
 
-def prepare_weights(module: torch.nn.Module, dg_module: object) -> tuple[tuple, tuple]:
-    """((w1, sf1), (w2, sf2)) in the kernel's layout, built once per module."""
-    prepared = module.__dict__.get(_PREPARED)
-    if prepared is not None:
-        return prepared
+def kernel_weights(module: torch.nn.Module, dg_module: object) -> tuple[tuple, tuple]:
+    """((w1, sf1), (w2, sf2)) in the kernel's layout."""
     experts, two_inter = module.gate_up_proj.shape[:2]
     inter, hidden = two_inter // 2, module.down_proj.shape[1]
     if hidden % 128 or inter % 128:
@@ -84,11 +85,9 @@ def prepare_weights(module: torch.nn.Module, dg_module: object) -> tuple[tuple, 
     to_layout = dg_module.transform_sf_into_required_layout
     sf1 = to_layout(module.gate_up_proj_scale_inv.float(), two_inter, hidden, recipe=(1, 32), num_groups=experts)
     sf2 = to_layout(module.down_proj_scale_inv.float(), hidden, inter, recipe=(1, 32), num_groups=experts)
-    prepared = dg_module.transform_weights_for_mega_moe(
+    return dg_module.transform_weights_for_mega_moe(
         (module.gate_up_proj.contiguous(), sf1), (module.down_proj.contiguous(), sf2)
     )
-    module.__dict__[_PREPARED] = prepared
-    return prepared
 
 
 def _buffer(dg_module: object, group, hidden: int, top_k: int, experts: int, inter: int, tokens: int):  # noqa: ANN001,ANN202
@@ -109,40 +108,54 @@ def _buffer(dg_module: object, group, hidden: int, top_k: int, experts: int, int
     return buffer
 
 
-def megamoe_experts_forward(
-    module: torch.nn.Module,
-    hidden_states: torch.Tensor,  # [T, H]
-    top_k_index: torch.Tensor,  # [T, k] global expert ids
-    top_k_weights: torch.Tensor,  # [T, k]
-) -> torch.Tensor:  # [T, H]
-    _check_weights(module, hidden_states)
-    group = process_group(module)
-    dg = load_deepgemm(MEGA_SYMBOLS)
-    (w1, sf1), (w2, sf2) = prepare_weights(module, dg.module)
-    num_tokens, top_k = top_k_index.shape
-    hidden = hidden_states.shape[-1]
-    experts = module.gate_up_proj.shape[0] * group.size()
-    inter = module.gate_up_proj.shape[1] // 2
-    if num_tokens == 0:
-        return hidden_states.new_zeros(0, hidden)
-    buffer = _buffer(dg.module, group, hidden, top_k, experts, inter, num_tokens)
+@dataclass(frozen=True, kw_only=True)
+class MegaMoEPlan(KernelPlan):
+    dg: DeepGemm
 
-    x, x_sf = dg.per_token_cast_to_fp8(hidden_states.to(torch.bfloat16), use_ue8m0=True, gran_k=32,
-                                       use_packed_ue8m0=True)
-    sentinel = module.num_experts if group.size() == 1 else experts
-    # the routing guard over the ids the kernel reads (global across the group): a bad id -> expert 0 with weight
-    # NaN (the kernel's weighted sum turns that token's row NaN; it would read any other id as an expert or a
-    # rank), recorded and raised at the next call or selector.check(); the sentinel stays a sentinel
-    if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import)
-        import selector.plugins.triton_common.guard  # noqa: F401
-    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights, num_experts=sentinel)
-    ids = top_k_index.to(torch.int64)
-    ids = ids.masked_fill(ids >= sentinel, -1)  # the kernel skips -1 slots
-    buffer.x[:num_tokens].copy_(x)
-    buffer.x_sf[:num_tokens].copy_(x_sf)
-    buffer.topk_idx[:num_tokens].copy_(ids)
-    buffer.topk_weights[:num_tokens].copy_(top_k_weights)
-    y = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=hidden_states.device)
-    clamp = getattr(getattr(module, "config", None), "swiglu_limit", None)
-    dg.module.fp8_fp4_mega_moe(y, (w1, sf1), (w2, sf2), buffer, activation_clamp=clamp)
-    return y.to(hidden_states.dtype)
+    def launch(self, module: torch.nn.Module, weights: tuple, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """top_k_index: global expert ids."""
+        group = process_group(module)  # read per call: the module's group may be set after the first forward
+        (w1, sf1), (w2, sf2) = weights
+        (num_tokens, top_k), hidden = top_k_index.shape, hidden_states.shape[-1]
+        experts = module.gate_up_proj.shape[0] * group.size()
+        inter = module.gate_up_proj.shape[1] // 2
+        dg = self.dg
+        buffer = _buffer(dg.module, group, hidden, top_k, experts, inter, num_tokens)
+
+        x, x_sf = dg.per_token_cast_to_fp8(hidden_states.to(torch.bfloat16), use_ue8m0=True, gran_k=32,
+                                           use_packed_ue8m0=True)  # fmt: skip
+        sentinel = module.num_experts if group.size() == 1 else experts
+        # the routing guard over the ids the kernel reads (global across the group): a bad id -> expert 0 with
+        # weight NaN (the kernel's weighted sum turns that token's row NaN; it would read any other id as an expert
+        # or a rank), recorded and raised at the next call or selector.check(); the sentinel stays a sentinel
+        if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import)
+            import selector.plugins.triton_common.guard  # noqa: F401
+        top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights, num_experts=sentinel)
+        ids = top_k_index.to(torch.int64)
+        ids = ids.masked_fill(ids >= sentinel, -1)  # the kernel skips -1 slots
+        buffer.x[:num_tokens].copy_(x)
+        buffer.x_sf[:num_tokens].copy_(x_sf)
+        buffer.topk_idx[:num_tokens].copy_(ids)
+        buffer.topk_weights[:num_tokens].copy_(top_k_weights)
+        y = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=hidden_states.device)
+        clamp = getattr(getattr(module, "config", None), "swiglu_limit", None)
+        dg.module.fp8_fp4_mega_moe(y, (w1, sf1), (w2, sf2), buffer, activation_clamp=clamp)
+        return y.to(hidden_states.dtype)
+
+
+def prepare(module: torch.nn.Module, problem: Problem) -> KernelPlan:
+    """The weights and the group checked, the kernel loaded and the weights in its layout, once per weights and
+    call mode."""
+    _check_weights(module, problem)
+    process_group(module)
+    dg = load_deepgemm(MEGA_SYMBOLS)
+    convert = functools.partial(kernel_weights, dg_module=dg.module)
+    return MegaMoEPlan.prepared(module, convert, False, backend="deepgemm_megamoe", dg=dg)
+
+
+megamoe_experts_forward = forward_of(prepare)
+
+
+def load() -> ExpertsForward:
+    return megamoe_experts_forward

@@ -3,8 +3,8 @@
 One call runs the whole layer: routing permutation, grouped GEMM 1 with the fused gated activation, grouped GEMM
 2 and the weighted sum over the k slots. Its GEMM 1 weight is [E, 2I, H] with rows [up | gate] (the reverse of
 Transformers' [gate | up]: its activation reads the linear half first, read from `cutlass_fused_moe_kernels.cuh`),
-so the adapter keeps one reordered copy of `gate_up_proj` per set of weights (cached on the module: one more copy
-of the up weights in memory). SiLU-gated experts only (`ActivationType.Swiglu`); hidden and intermediate sizes
+so the adapter's plan holds one reordered copy of `gate_up_proj` per set of weights (one more copy of the up
+weights in memory). SiLU-gated experts only (`ActivationType.Swiglu`); hidden and intermediate sizes
 must be multiples of 8 (TMA's 16-byte alignment).
 
 First-call cost: the SM90 / SM100 module is built with the node's nvcc on first use: 182 objects (every dtype
@@ -27,17 +27,25 @@ from collections.abc import Sequence
 
 from selector.probes import Environment
 
+from selector.plugins.adapter import UNTRACED, FirstCalls, Package, lazy, package_verdict, steady_estimate
+from selector.probes import Environment, probe_packages
+
 from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
-from selector.costmodel import floor_seconds
-from selector.plugins.flashinfer_cutlass.state import (
-    DISTRIBUTION,
-    MIN_VERSION,
-    OFFLINE_DOC,
-    forget_built,
-    is_built,
-    package_verdict,
-    record_built,
+from selector.requirements import version_tuple
+
+DISTRIBUTION = "flashinfer-python"
+MIN_VERSION = "0.6.13"  # the release measured here (`flashinfer.fused_moe.cutlass_fused_moe`)
+OFFLINE_DOC = "docs/offline-kernels.md#flashinfer-cutlass-fused-moe"
+# FlashInfer, then what its JIT build and its TVM-FFI binding need beside it (read from its METADATA and imports)
+PACKAGES = (
+    Package(DISTRIBUTION, MIN_VERSION, "FlashInfer's fused MoE", OFFLINE_DOC),
+    Package("apache-tvm-ffi", "0.1.6", "FlashInfer's JIT build and kernel binding", OFFLINE_DOC),
+    Package("ninja", "", "FlashInfer's JIT build and kernel binding", OFFLINE_DOC),
 )
+INSTALL = PACKAGES[0].install()
+# Not needed by the fused MoE, but where installed FlashInfer's package __init__ imports its CuTe-DSL kernels,
+# which 0.6.13 writes for this version or newer (older: AttributeError at import, seen with 4.4.2)
+CUTLASS_DSL, CUTLASS_DSL_MIN = "nvidia-cutlass-dsl", "4.5.0"
 
 HOPPER = ToolkitRule(min_cc=(9, 0), max_cc=(10, 0), nvcc=(12, 3), family="Hopper")
 BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 8), family="Blackwell")
@@ -55,6 +63,7 @@ REQUIREMENTS = Requirements(
 )
 
 JIT_SECONDS = 2700.0  # H200 machine, 14 build jobs: 30 of 182 objects in 490 s
+BUILT = FirstCalls(JIT_SECONDS)  # architectures whose fused-MoE module this process has built or loaded
 HOST_SECONDS = 0.06e-3  # one fused launch sequence from Python
 EFFICIENCY = 1.5  # a guess until measured beside ours: a CUTLASS grouped GEMM pair with fused epilogues
 
@@ -72,16 +81,30 @@ def arch_of(problem: Problem, env: Environment) -> str | None:
 
 def _pending(problem: Problem, env: Environment) -> float:
     arch = arch_of(problem, env)
-    return 0.0 if arch is not None and is_built(arch) else JIT_SECONDS
+    return JIT_SECONDS if arch is None else BUILT.pending(arch)
 
 
-def _estimate(problem: Problem, env: Environment) -> float:
-    steady = max(HOST_SECONDS, EFFICIENCY * floor_seconds(problem, env))
-    return steady + _pending(problem, env) / hub.amortize_calls()
+def package_check(env: Environment) -> Availability | None:
+    """None when FlashInfer and its companions are installed (SELECTOR_PACKAGE_<NAME> overrides the probes) and
+    no nvidia-cutlass-dsl its import rejects is."""
+    verdict = package_verdict(PACKAGES, env)
+    if verdict is not None:
+        return verdict
+    dsl = env.package(CUTLASS_DSL) or probe_packages((CUTLASS_DSL,))[0]
+    if dsl.version is not None and version_tuple(dsl.version) < version_tuple(CUTLASS_DSL_MIN):
+        return Availability(
+            Status.PACKAGE_TOO_OLD,
+            f"{DISTRIBUTION} imports CuTe-DSL kernels that need {CUTLASS_DSL} >= {CUTLASS_DSL_MIN} where it is "
+            f"installed; {dsl.version} is (it fails at import)",
+            f"pip install -U '{CUTLASS_DSL}>={CUTLASS_DSL_MIN}', or run FlashInfer in an environment without "
+            f"{CUTLASS_DSL} (SonicMoE pins an older one)",
+            found=f"{CUTLASS_DSL} {dsl.version} ({dsl.source})",
+        )
+    return None
 
 
 def _check(problem: Problem, env: Environment) -> Availability | None:
-    verdict = package_verdict(env)
+    verdict = package_check(env)
     if verdict is not None:
         return verdict
     odd = [f"{name} {size}" for name, size in (("hidden size", problem.hidden_size),
@@ -97,25 +120,18 @@ def _check(problem: Problem, env: Environment) -> Availability | None:
     return None
 
 
-def _load():  # noqa: ANN202
-    from selector.plugins.flashinfer_cutlass.forward import flashinfer_cutlass_experts_forward, load_flashinfer
-
-    load_flashinfer()  # the library imports here, so a broken install is a load failure auto skips, not a failed call
-    return flashinfer_cutlass_experts_forward
-
+FORWARD = "selector.plugins.flashinfer_cutlass.forward"
 
 SPEC = BackendSpec(
     name="flashinfer_cutlass",
-    load=_load,
+    load=lazy(FORWARD, "load"),
+    prepare=lazy(FORWARD, "prepare"),
     requirements=REQUIREMENTS,
     description="FlashInfer CUTLASS fused MoE (grouped GEMMs with fused SwiGLU and combine)",
     check=_check,
-    estimate=_estimate,
+    estimate=steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),
     pending_cost=_pending,
-    compile_compatible=False,  # an opaque TVM-FFI call that JIT-builds on first use
-    compile_modes=frozenset(),
-    fullgraph=False,
-    cuda_graph_safe=False,  # nvcc build on first use; capture not verified
+    **UNTRACED,  # an opaque TVM-FFI call that builds with nvcc on first use; capture not verified
     differentiable=frozenset(),  # forward only
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/flashinfer-ai/flashinfer",
@@ -127,5 +143,4 @@ def selector_backends() -> Sequence[BackendSpec]:
     return [SPEC]
 
 
-__all__ = ["DISTRIBUTION", "MIN_VERSION", "OFFLINE_DOC", "SPEC", "arch_of", "forget_built", "record_built",
-           "selector_backends"]
+__all__ = ["BUILT", "DISTRIBUTION", "INSTALL", "MIN_VERSION", "OFFLINE_DOC", "SPEC", "arch_of", "selector_backends"]

@@ -3,7 +3,7 @@
 The kernel takes Transformers' own layout, `gate_up_proj` [E, 2I, H] with concatenated [gate | up] rows and
 `down_proj` [E, H, I], runs SiLU-gated experts only (its up kernel fuses silu(gate) * up), int32 expert ids and
 float routing weights; it has no bias, no other activation, no custom gate and no per-expert hook. Transposed
-and interleaved layouts are copied once into its layout (cached on the module). It has its own backward for the
+and interleaved layouts are copied once into its layout (held by the plan). It has its own backward for the
 input, the routing weights and both expert weights.
 
 Two things keep it away from `auto` where it would hurt (liger-kernel 0.8.5, read from its source):
@@ -23,20 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from selector.plugins.adapter import UNTRACED, FirstCalls, Package, lazy, packages_check, shape_key, steady_estimate
 from selector.probes import Environment
 
-from selector import Availability, BackendSpec, Problem, Requirements, hookimpl, hub
-from selector.costmodel import floor_seconds
-from selector.plugins.liger.state import (
-    DISTRIBUTION,
-    MIN_VERSION,
-    OFFLINE_DOC,
-    forget_tuned,
-    is_tuned,
-    package_verdict,
-    record_tuned,
-    shape_key,
-)
+from selector import BackendSpec, Problem, Requirements, hookimpl, hub
+
+DISTRIBUTION = "liger-kernel"
+MIN_VERSION = "0.8.5"  # the first release measured here with `ops.fused_moe`
+OFFLINE_DOC = "docs/offline-kernels.md#liger-kernel"
+PACKAGES = (Package(DISTRIBUTION, MIN_VERSION, "its fused MoE kernels, liger_kernel.ops.fused_moe", OFFLINE_DOC),)
+INSTALL = PACKAGES[0].install()
 
 REQUIREMENTS = Requirements(
     devices=frozenset({"cuda"}),
@@ -44,14 +40,16 @@ REQUIREMENTS = Requirements(
     packages={"triton": "3.0"},
     dtypes=frozenset({"bfloat16", "float16"}),
     activations=frozenset({"silu"}),  # the up kernel fuses silu(gate) * up and nothing else
-    transposed=True,  # copied once into [E, 2I, H] / [E, H, I], cached on the module
-    interleaved=True,  # de-interleaved once into [gate | up], cached on the module
+    transposed=True,  # copied once into [E, 2I, H] / [E, H, I], held by the plan
+    interleaved=True,  # de-interleaved once into [gate | up], held by the plan
     expert_parallel=True,  # sentinel slots go to expert 0 with weight 0
 )
 
 AUTOTUNE_SECONDS = 240.0  # 32 configs for each of its GEMMs, once per (H, I) per process (H200: > 200 s)
 HOST_SECONDS = 0.25e-3  # the host sync and about ten launches per call
 EFFICIENCY = 1.9  # measured: 1.23-1.8x our time at T >= 64, ours ~1.1-1.5x the floor
+SHAPE = ("hidden_size", "intermediate_size")  # Liger's autotuner keys its GEMM configs on (H, I)
+TUNED = FirstCalls(AUTOTUNE_SECONDS)
 
 FIRST_CALL_COST = (
     f"autotunes 32 Triton configs per GEMM on the first call of each (hidden, intermediate) shape (auto counts "
@@ -61,38 +59,21 @@ FIRST_CALL_COST = (
 
 
 def _pending(problem: Problem, env: Environment) -> float:
-    return 0.0 if is_tuned(shape_key(problem.hidden_size, problem.intermediate_size)) else AUTOTUNE_SECONDS
+    return TUNED.pending(shape_key(problem, SHAPE))
 
 
-def _estimate(problem: Problem, env: Environment) -> float:
-    """max(host time, 1.9 x the floor) + the autotuning still ahead / calls."""
-    steady = max(HOST_SECONDS, EFFICIENCY * floor_seconds(problem, env))
-    return steady + _pending(problem, env) / hub.amortize_calls()
-
-
-def _check(problem: Problem, env: Environment) -> Availability | None:
-    return package_verdict(env)
-
-
-def _load():  # noqa: ANN202
-    from selector.plugins.liger.forward import liger_experts_forward, load_liger
-
-    load_liger()  # the library imports here, so a broken install is a load failure auto skips, not a failed call
-    return liger_experts_forward
-
+FORWARD = "selector.plugins.liger.forward"
 
 SPEC = BackendSpec(
     name="liger",
-    load=_load,
+    load=lazy(FORWARD, "load"),
+    prepare=lazy(FORWARD, "prepare"),
     requirements=REQUIREMENTS,
     description="Liger-Kernel fused MoE (Triton grouped GEMMs with fused SwiGLU)",
-    check=_check,
-    estimate=_estimate,
+    check=packages_check(PACKAGES),
+    estimate=steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),  # max(host time, 1.9 x the floor) + autotuning
     pending_cost=_pending,
-    compile_compatible=False,  # `.item()` inside: a graph break at best
-    compile_modes=frozenset(),
-    fullgraph=False,
-    cuda_graph_safe=False,  # one host sync per call (the M-tile count)
+    **UNTRACED,  # `.item()` inside (a graph break at best): one host sync per call (the M-tile count)
     differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/linkedin/Liger-Kernel",
@@ -104,4 +85,4 @@ def selector_backends() -> Sequence[BackendSpec]:
     return [SPEC]
 
 
-__all__ = ["DISTRIBUTION", "MIN_VERSION", "OFFLINE_DOC", "SPEC", "forget_tuned", "record_tuned", "selector_backends"]
+__all__ = ["DISTRIBUTION", "INSTALL", "MIN_VERSION", "OFFLINE_DOC", "SHAPE", "SPEC", "TUNED", "selector_backends"]

@@ -26,24 +26,18 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from selector.probes import Environment, probe_packages
+from selector.plugins.adapter import UNTRACED, FirstCalls, Package, lazy, package_verdict, shape_key
+from selector.probes import Environment
 
-from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl, hub
+from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl, hub, settings
 from selector.costmodel import floor_seconds, tokens
-from selector.plugins.sonicmoe.warmth import (
-    ACTIVATION_TYPES,
-    KERNEL,
-    PAD_VARIABLE,
-    SHAPE_JIT_SECONDS,
-    TOKEN_JIT_SECONDS,
-    forget_compiled,
-    padded_tokens,
-    pending_compile_seconds,
-    problem_key,
-    record_compiled,
-    shape_key,
-)
+
+KERNEL = hub.PINS["sonic-moe"]
+# layer activation (selector.problem.activation_name) -> the kernel's ActivationType member
+ACTIVATION_TYPES = {"silu": "SWIGLU", "gelu": "GEGLU", "gelu_tanh": "GEGLU", "relu": "REGLU"}
+PAD_VARIABLE = "SELECTOR_SONICMOE_PAD_TOKENS"
 
 REQUIREMENTS = Requirements(
     devices=frozenset({"cuda"}),
@@ -56,22 +50,63 @@ REQUIREMENTS = Requirements(
     non_gated=True,  # claimed so that `_activation` refuses it with a clear ImportError, not a silent skip
     custom_gate=True,  # likewise refused by `_activation`
     bias=True,
-    transposed=True,  # copied once into the kernel's (E, 2I, H) layout, cached on the module
+    transposed=True,  # copied once into the kernel's (E, 2I, H) layout, held by the plan
     interleaved=True,  # the kernel's own default layout; concatenated gate|up is a flag
     post_expert_norm=False,  # the kernel fuses the weighted sum over experts: no per-expert hook
     expert_parallel=True,  # sentinel slots are routed to expert 0 with weight 0
 )
 
-TVM_FFI_MIN = "0.1.10"
+# not among the default probes: asked for here (SELECTOR_PACKAGE_APACHE_TVM_FFI works)
+PACKAGES = (Package("apache-tvm-ffi", "0.1.10", "SonicMoE's CuTe-DSL kernels call through it"),)
 HOST_SECONDS = 0.9e-3  # measured: ~0.75-1.5 ms per call at T <= 64 on the H200 (host-bound)
 EFFICIENCY = 1.65  # measured: 1.3-1.8x the floor at T >= 4096
 AMORTIZE_VARIABLE = hub.AMORTIZE_VARIABLE
+SHAPE_JIT_SECONDS = 60.0  # measured 25-144 s on the first call of a shape
+TOKEN_JIT_SECONDS = 2.0  # measured ~2 s for each new token count
+# what it compiles per: the layer's shape (its activation as the kernel's ActivationType), then each token count
+SHAPE = ("num_experts", "hidden_size", "intermediate_size", "top_k", "dtype", "activation", "has_bias", "interleaved")
+SHAPES = FirstCalls(SHAPE_JIT_SECONDS)
+TOKENS = FirstCalls(TOKEN_JIT_SECONDS)  # (shape key, padded token count)
 
 FIRST_CALL_COST = (
     f"downloads {KERNEL} on first use unless cached or local; JIT-compiles 25-144 s on the first call of a "
     "layer shape and ~2 s per new token bucket (token counts padded to quarter-octave buckets); auto spreads "
     f"that over {AMORTIZE_VARIABLE} (1000) calls, so it waits for a warm shape (selector.plugins.sonicmoe.warm_up)"
 )
+
+
+def padded_tokens(num_tokens: int) -> int:
+    """The token bucket the kernel sees: quarter-octave steps above 4 (<= 25 % padding), exact when disabled."""
+    if num_tokens <= 4 or not settings.get(PAD_VARIABLE):
+        return num_tokens
+    step = 1 << (num_tokens.bit_length() - 3)
+    return -(-num_tokens // step) * step
+
+
+def problem_key(problem: Problem) -> tuple:
+    """The ledger key of a layer (gelu and tanh-gelu run the same GEGLU kernel)."""
+    kernel_activation = ACTIVATION_TYPES.get(problem.activation, problem.activation)
+    return shape_key(replace(problem, activation=kernel_activation), SHAPE)
+
+
+def record_compiled(key: tuple, num_tokens: int) -> None:
+    """Called after a successful kernel call with `num_tokens` (already padded) rows."""
+    SHAPES.record(key)
+    TOKENS.record((key, num_tokens))
+
+
+def forget_compiled() -> None:
+    SHAPES.forget()
+    TOKENS.forget()
+
+
+def pending_compile_seconds(problem: Problem) -> float:
+    """Compile time still ahead of this problem in this process, by the measured figures."""
+    key = problem_key(problem)
+    if problem.num_tokens is None:  # a mix of token counts: one of them is new
+        return SHAPES.pending(key) + TOKEN_JIT_SECONDS
+    return SHAPES.pending(key) + TOKENS.pending((key, padded_tokens(problem.num_tokens)))
+
 
 def _pending(problem: Problem, env: Environment) -> float:
     """Seconds of compile and download still ahead in this process before `problem` runs at steady speed."""
@@ -86,26 +121,7 @@ def _estimate(problem: Problem, env: Environment) -> float:
 
 
 def _packages(problem: Problem, env: Environment) -> Availability | None:
-    """apache-tvm-ffi is not among the default probes: ask for it here (SELECTOR_PACKAGE_APACHE_TVM_FFI works)."""
-    from selector.requirements import version_tuple
-
-    facts = env.package("apache-tvm-ffi") or probe_packages(("apache-tvm-ffi",))[0]
-    if facts.version is None:
-        return Availability(
-            Status.MISSING_PACKAGE,
-            "needs the Python package 'apache-tvm-ffi' (SonicMoE's CuTe-DSL kernels call through it), which is not "
-            "installed",
-            f"pip install 'apache-tvm-ffi>={TVM_FFI_MIN}'",
-            found=f"apache-tvm-ffi: not found ({facts.source})",
-        )
-    if version_tuple(facts.version) < version_tuple(TVM_FFI_MIN):
-        return Availability(
-            Status.PACKAGE_TOO_OLD,
-            f"needs apache-tvm-ffi >= {TVM_FFI_MIN}; {facts.version} is installed",
-            f"pip install -U 'apache-tvm-ffi>={TVM_FFI_MIN}'",
-            found=f"apache-tvm-ffi {facts.version} ({facts.source})",
-        )
-    return None
+    return package_verdict(PACKAGES, env)
 
 
 def unsupported_activation(problem: Problem) -> str | None:
@@ -131,34 +147,24 @@ def _activation(problem: Problem, env: Environment) -> Availability | None:
     )
 
 
-def _load():  # noqa: ANN202
-    from selector.plugins.sonicmoe.forward import sonicmoe_experts_forward
-
-    return sonicmoe_experts_forward
-
-
-def warm_up(module: object, token_counts: Sequence[int], top_k: int) -> None:
-    """Compile SonicMoE for `module`'s shape and these token counts now (zeros in, nothing kept)."""
-    from selector.plugins.sonicmoe.forward import warm_up as _warm_up
-
-    _warm_up(module, token_counts, top_k)
+FORWARD = "selector.plugins.sonicmoe.forward"
+# warm_up(module, token_counts, top_k): compile SonicMoE for `module`'s shape and these token counts now
+warm_up = lazy(FORWARD, "warm_up")
 
 
 SPEC = BackendSpec(
     name="sonicmoe",
-    load=_load,
+    load=lazy(FORWARD, "load"),
+    prepare=lazy(FORWARD, "prepare"),
     requirements=REQUIREMENTS,
     description=f"SonicMoE fused gated MoE (CuTe DSL) from {KERNEL}",
     check=hub.kernel_check(KERNEL, machine=_packages, config=_activation),
     estimate=_estimate,
     pending_cost=_pending,
-    compile_compatible=False,  # the kernel asserts it is not being compiled
-    compile_modes=frozenset(),  # ... so no torch.compile mode runs it
-    fullgraph=False,
+    **UNTRACED,  # the kernel asserts it is not being compiled; JIT on the first call of a shape / token bucket
     # the hub kernel runs its own autograd Function when grad is enabled (is_inference_mode_enabled=False), and
-    # the forward skips its weight-copy cache then so the gradients reach the parameters
+    # the plan copies the weights per run then, so the gradients reach the parameters
     differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
-    cuda_graph_safe=False,  # JIT on first call of a shape/token bucket; capture not verified
     first_call_cost=FIRST_CALL_COST,
     url="https://huggingface.co/kernels-community/sonic-moe",
 )
@@ -169,9 +175,7 @@ def selector_backends() -> Sequence[BackendSpec]:
     return [SPEC]
 
 
-# what the forward records and the tests read, kept reachable from the backend's package
 __all__ = [
     "ACTIVATION_TYPES", "KERNEL", "PAD_VARIABLE", "SHAPE_JIT_SECONDS", "TOKEN_JIT_SECONDS", "forget_compiled",
-    "padded_tokens", "pending_compile_seconds", "problem_key", "record_compiled", "selector_backends", "shape_key",
-    "warm_up",
+    "padded_tokens", "pending_compile_seconds", "problem_key", "record_compiled", "selector_backends", "warm_up",
 ]

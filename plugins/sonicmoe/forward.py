@@ -3,9 +3,9 @@
 The kernel takes the flat (token, expert) pairs with token indices sorted ascending (int32), router scores,
 and the weights as w1 (2I, H, E) and w2 (H, I, E) in stride order (2, 0, 1), i.e. permuted views of
 contiguous (E, 2I, H) / (E, H, I) tensors. The standard layout [E, 2I, H] / [E, H, I] permutes to that for
-free; the transposed layout [E, H, 2I] / [E, I, H] is copied once into it and the copy is cached on the
-module (one more copy of the expert weights in memory; refreshed when the parameters change; not cached
-while the weights need gradients). Gate/up rows
+free; the transposed layout [E, H, 2I] / [E, I, H] is copied once into it at prepare time and held by the
+plan (one more copy of the expert weights in memory; copied per run while autograd differentiates the
+weights, so their gradients reach the parameters). Gate/up rows
 are interleaved by default; concatenated [gate | up] is the kernel's `concat_layout` flag, or, on a kernel
 without that flag, an interleaved copy. Expert-parallel sentinel slots go to expert 0 with weight 0 (no host
 sync, whatever the kernel does with out-of-range ids), and the token count is padded to the bucket of
@@ -14,19 +14,18 @@ sync, whatever the kernel does with out-of-range ids), and the token count is pa
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
+from selector.plugins.adapter import KernelPlan, differentiates_weights, forward_of, kernel_routing
+from selector.plugins.sonicmoe import ACTIVATION_TYPES, KERNEL, SHAPES, TOKENS, padded_tokens, problem_key
 
 from selector import hub, layers
-from selector.guard import sanitize_routing
-from selector.problem import activation_name, dtype_name, has_custom_gate
-from selector.weight_cache import DerivedWeights, fingerprint
-
-from selector.plugins.sonicmoe.warmth import ACTIVATION_TYPES, KERNEL, padded_tokens, record_compiled, shape_key
+from selector.problem import activation_name, has_custom_gate
+from selector.types import ExpertsForward, Problem
 
 REQUIRED = ("moe_general_routing_inputs", "enums.ActivationType")
 CONCAT_FLAGS = ("concat_layout", "is_concatenated_gate_up")  # 0.1.2.post1; later sources
@@ -42,10 +41,10 @@ class SonicMoE:
 
 
 _SONICMOE: SonicMoE | None = None
-_WEIGHTS: DerivedWeights[tuple] = DerivedWeights()  # (w1 (2I, H, E), w2 (H, I, E), b1 or None)
 
 
 def load_sonicmoe() -> SonicMoE:
+    """The hub kernel's entry points, read again when the hub hands out another module (tests swap fakes)."""
     global _SONICMOE
     module = hub.load_kernel(KERNEL, REQUIRED, backend="sonicmoe")
     if _SONICMOE is None or _SONICMOE.module is not module:
@@ -90,35 +89,49 @@ def _interleave_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
 
 
-def kernel_weights(module: torch.nn.Module, interleave: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(w1 (2I, H, E), w2 (H, I, E), b1 or None) in the kernel's stride order; copies cached on the module."""
+def kernel_weights(module: torch.nn.Module, interleave: bool) -> tuple:
+    """(w1 (2I, H, E), w2 (H, I, E), b1 or None, b2 or None) in the kernel's stride order: permuted views of the
+    parameters where they are in its layout, else copies."""
     up, down = module.gate_up_proj, module.down_proj
     bias = layers.up_bias(module)
     transposed = bool(getattr(module, "is_transposed", False))
-
-    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        w1 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
-        w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
-        b1 = bias
-        if interleave:
-            w1, b1 = _interleave_rows(w1, 1), None if bias is None else _interleave_rows(bias, 1)
-        return w1.contiguous().permute(1, 2, 0), w2.contiguous().permute(1, 2, 0), b1
-
-    def copied(value: tuple) -> bool:  # views of the parameters need no keeping; copies do
-        return interleave or value[0].data_ptr() != up.data_ptr() or value[1].data_ptr() != down.data_ptr()
-
-    # a kept copy would cut the weights' gradients: keep one only when none is wanted
-    cacheable = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (up, down, bias)))
-    key = fingerprint((up, down, bias)) + (interleave, transposed)
-    return _WEIGHTS.get(module, key, build, cache=cacheable, keep=copied)
+    w1 = up.transpose(1, 2) if transposed else up  # [E, 2I, H]
+    w2 = down.transpose(1, 2) if transposed else down  # [E, H, I]
+    if interleave:
+        w1, bias = _interleave_rows(w1, 1), None if bias is None else _interleave_rows(bias, 1)
+    return w1.contiguous().permute(1, 2, 0), w2.contiguous().permute(1, 2, 0), bias, layers.down_bias(module)
 
 
-def sonicmoe_experts_forward(
-    module: torch.nn.Module,
-    hidden_states: torch.Tensor,  # [T, H]
-    top_k_index: torch.Tensor,  # [T, k]
-    top_k_weights: torch.Tensor,  # [T, k]
-) -> torch.Tensor:  # [T, H]
+@dataclass(frozen=True, kw_only=True)
+class SonicMoEPlan(KernelPlan):
+    kernel: SonicMoE
+    activation: object  # the kernel's ActivationType member
+    num_experts: int
+    flags: tuple[tuple[str, object], ...]  # the kernel's keyword flags (stream, concatenated layout)
+
+    def launch(self, module: torch.nn.Module, weights: tuple, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        (w1, w2, b1, b2), (ids, routing) = weights, kernel_routing(module, top_k_index, top_k_weights)
+        (num_tokens, top_k), hidden = top_k_index.shape, hidden_states.shape[-1]
+        x = hidden_states.to(w1.dtype).contiguous()
+        rows = padded_tokens(num_tokens)
+        if rows > num_tokens:  # dummy tokens: zero input, distinct experts, weight 0
+            extra = rows - num_tokens
+            x = torch.cat([x, x.new_zeros(extra, hidden)])
+            dummy = torch.arange(top_k, device=ids.device, dtype=torch.int32) % self.num_experts
+            ids = torch.cat([ids, dummy.expand(extra, top_k)])
+            routing = torch.cat([routing, routing.new_zeros(extra, top_k)])
+        token_indices = torch.arange(rows, device=ids.device, dtype=torch.int32).repeat_interleave(top_k)
+        out, _ = self.kernel.run(x, routing.reshape(-1), token_indices, ids.reshape(-1), w1, b1, w2, b2,
+                                 E=self.num_experts, activation_type=self.activation,
+                                 is_inference_mode_enabled=not torch.is_grad_enabled(), **dict(self.flags))  # fmt: skip
+        TOKENS.record((self.shape, rows))
+        return out[:num_tokens].to(hidden_states.dtype)
+
+
+def prepare(module: torch.nn.Module, problem: Problem) -> KernelPlan:
+    """The kernel loaded, the layer checked and its weights in the kernel's layout, once per weights and call
+    mode (per run where autograd differentiates the weights)."""
     activation = kernel_activation(module)
     if getattr(module, "has_post_expert_norm", False):
         raise ValueError(
@@ -126,58 +139,19 @@ def sonicmoe_experts_forward(
             "fix: pick grouped_mm or eager for this layer."
         )
     kernel = load_sonicmoe()
-    num_tokens, top_k = top_k_index.shape
-    num_experts = module.num_experts
-    hidden = hidden_states.shape[-1]
-    if num_tokens == 0:
-        return hidden_states.new_zeros(0, hidden)
-    dtype = module.gate_up_proj.dtype
-    x = hidden_states.to(dtype).contiguous()
-    # bad slots -> expert 0 with weight NaN (selector.guard): the kernel reads no expert out of bounds
-    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
-    ids = top_k_index.to(torch.int32)
-    weights = top_k_weights.float()
-    if layers.is_expert_parallel(module):
-        sentinel = ids >= num_experts
-        ids, weights = ids.masked_fill(sentinel, 0), weights.masked_fill(sentinel, 0.0)
-
-    rows = padded_tokens(num_tokens)
-    if rows > num_tokens:  # dummy tokens: zero input, distinct experts, weight 0
-        extra = rows - num_tokens
-        x = torch.cat([x, x.new_zeros(extra, hidden)])
-        dummy_ids = (torch.arange(top_k, device=ids.device, dtype=torch.int32) % num_experts).expand(extra, top_k)
-        ids = torch.cat([ids, dummy_ids])
-        weights = torch.cat([weights, weights.new_zeros(extra, top_k)])
-    token_indices = torch.arange(rows, device=ids.device, dtype=torch.int32).repeat_interleave(top_k)
-
     concatenated = bool(getattr(module, "is_concatenated", True))
-    interleave_copy = concatenated and kernel.concat_flag is None
-    w1, w2, b1 = kernel_weights(module, interleave=interleave_copy)
-    b2 = layers.down_bias(module)
-    extra_kwargs: dict[str, object] = {}
-    if kernel.takes_stream:
-        extra_kwargs["stream_id"] = None
+    flags = (("stream_id", None),) if kernel.takes_stream else ()
     if kernel.concat_flag is not None:
-        extra_kwargs[kernel.concat_flag] = concatenated
-    out, _ = kernel.run(
-        x,
-        weights.reshape(-1),
-        token_indices,
-        ids.reshape(-1),
-        w1,
-        b1,
-        w2,
-        b2,
-        E=num_experts,
-        activation_type=getattr(kernel.activation_type, activation),
-        is_inference_mode_enabled=not torch.is_grad_enabled(),
-        **extra_kwargs,
-    )
-    inter = module.down_proj.shape[1] if module.is_transposed else module.down_proj.shape[2]
-    key = shape_key(num_experts, hidden, inter, top_k, dtype_name(dtype),
-                    activation_name(getattr(module, "act_fn", None)), b1 is not None, not concatenated)
-    record_compiled(key, rows)
-    return out[:num_tokens].to(hidden_states.dtype)
+        flags += ((kernel.concat_flag, concatenated),)
+    # a kernel without the concatenated flag reads interleaved rows only: an interleaved copy
+    convert = functools.partial(kernel_weights, interleave=concatenated and kernel.concat_flag is None)
+    return SonicMoEPlan.prepared(module, convert, differentiates_weights(problem), backend="sonicmoe", kernel=kernel,
+                                 activation=getattr(kernel.activation_type, activation),
+                                 num_experts=int(module.num_experts), flags=flags, ledger=SHAPES,
+                                 shape=problem_key(problem))  # fmt: skip
+
+
+sonicmoe_experts_forward = forward_of(prepare)
 
 
 @torch.no_grad()
@@ -189,3 +163,7 @@ def warm_up(module: torch.nn.Module, token_counts: Sequence[int], top_k: int) ->
         ids = (torch.arange(top_k, device=device) % module.num_experts).expand(count, top_k)
         x = torch.zeros(count, hidden, dtype=module.gate_up_proj.dtype, device=device)
         sonicmoe_experts_forward(module, x, ids, torch.zeros(count, top_k, device=device))
+
+
+def load() -> ExpertsForward:
+    return sonicmoe_experts_forward

@@ -22,20 +22,26 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
-from selector.probes import Environment
+from selector.plugins.adapter import UNTRACED, FirstCalls, lazy, shape_key, steady_estimate
+from selector.probes import Environment, package_variable, probe_packages
 
-from selector import Availability, BackendSpec, Problem, Requirements, hookimpl, hub
-from selector.costmodel import floor_seconds
-from selector.plugins.triton_kernels.state import (
-    DISTRIBUTION,
-    OFFLINE_DOC,
-    forget_compiled,
-    is_compiled,
-    locate,
-    package_verdict,
-    record_compiled,
+from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl, hub
+
+# OpenAI's `triton_kernels` has no PyPI distribution of its own: it is installed from Triton's repository
+# (`python/triton_kernels`, distribution `triton_kernels`) or found as a copied tree (e.g. the copy vLLM ships
+# under `vllm/third_party/triton_kernels/`). So the verdict asks the package metadata first
+# (SELECTOR_PACKAGE_TRITON_KERNELS overrides it; empty means "not installed") and then whether a top-level
+# `triton_kernels` is importable, without importing it.
+DISTRIBUTION = "triton_kernels"
+IMPORT_NAME = "triton_kernels"
+OFFLINE_DOC = "docs/offline-kernels.md#openai-triton_kernels"
+INSTALL = (
+    "install Triton's python/triton_kernels for your triton version (pip install "
+    "'git+https://github.com/triton-lang/triton.git@<your triton tag>#subdirectory=python/triton_kernels'), "
+    f"or put a copied triton_kernels/ folder on the path (offline nodes: {OFFLINE_DOC})"
 )
 
 REQUIREMENTS = Requirements(
@@ -63,43 +69,55 @@ FIRST_CALL_COST = (
 )
 
 
-def shape_key(problem: Problem) -> tuple:
-    return (problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k, problem.dtype,
-            problem.gated, problem.has_bias, problem.is_transposed)  # fmt: skip
+# the layer facts its Triton JIT compiles per (E, H, I, k, dtype, layout)
+SHAPE = ("num_experts", "hidden_size", "intermediate_size", "top_k", "dtype", "gated", "has_bias", "is_transposed")
+COMPILED = FirstCalls(JIT_SECONDS)
 
 
 def _pending(problem: Problem, env: Environment) -> float:
-    return 0.0 if is_compiled(shape_key(problem)) else JIT_SECONDS
+    return COMPILED.pending(shape_key(problem, SHAPE))
 
 
-def _estimate(problem: Problem, env: Environment) -> float:
-    steady = max(HOST_SECONDS, EFFICIENCY * floor_seconds(problem, env))
-    return steady + _pending(problem, env) / hub.amortize_calls()
+def locate() -> str | None:
+    """Where a top-level `triton_kernels` would be imported from, or None; never imports it, never raises."""
+    try:
+        spec = importlib.util.find_spec(IMPORT_NAME)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    return locations[0] if locations else (spec.origin or "a namespace package")
 
 
-def _check(problem: Problem, env: Environment) -> Availability | None:
-    return package_verdict(env)
+def package_check(problem: Problem, env: Environment) -> Availability | None:
+    """None when triton_kernels is installed (metadata or override) or importable as a copied tree."""
+    facts = env.package(DISTRIBUTION) or probe_packages((DISTRIBUTION,))[0]
+    if facts.version is not None or (not facts.overridden and locate() is not None):
+        return None
+    looked = f"{facts.source}" + ("" if facts.overridden else "; no importable top-level triton_kernels")
+    return Availability(
+        Status.MISSING_PACKAGE,
+        "needs OpenAI's triton_kernels library (matmul_ogs, routing), which is neither installed nor importable",
+        INSTALL,
+        found=f"{DISTRIBUTION}: not found ({looked}; {package_variable(DISTRIBUTION)} overrides the probe)",
+    )
 
 
-def _load():  # noqa: ANN202
-    from selector.plugins.triton_kernels.forward import triton_kernels_experts_forward, load_triton_kernels
-
-    load_triton_kernels()  # the library imports here, so a broken install is a load failure auto skips, not a failed call
-    return triton_kernels_experts_forward
-
+FORWARD = "selector.plugins.triton_kernels.forward"
 
 SPEC = BackendSpec(
     name="triton_kernels",
-    load=_load,
+    load=lazy(FORWARD, "load"),
+    prepare=lazy(FORWARD, "prepare"),
     requirements=REQUIREMENTS,
     description="OpenAI triton_kernels matmul_ogs (ragged gather/scatter grouped GEMMs, GPT-OSS's path)",
-    check=_check,
-    estimate=_estimate,
+    check=package_check,
+    estimate=steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),
     pending_cost=_pending,
-    compile_compatible=False,  # Python planning (opt flags, descriptors) around the launches: not traced
-    compile_modes=frozenset(),
-    fullgraph=False,
-    cuda_graph_safe=False,  # no host sync, but capture not verified; Triton JIT on first call of a shape
+    # Python planning (opt flags, descriptors) around the launches: not traced; no host sync, but capture not
+    # verified, and Triton JIT-compiles on the first call of a shape
+    **UNTRACED,
     differentiable=frozenset(),  # forward only here
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/triton-lang/triton/tree/main/python/triton_kernels",
@@ -111,5 +129,5 @@ def selector_backends() -> Sequence[BackendSpec]:
     return [SPEC]
 
 
-__all__ = ["DISTRIBUTION", "OFFLINE_DOC", "SPEC", "forget_compiled", "locate", "record_compiled",
-           "selector_backends", "shape_key"]
+__all__ = ["COMPILED", "DISTRIBUTION", "INSTALL", "OFFLINE_DOC", "SHAPE", "SPEC", "locate", "package_check",
+           "selector_backends"]

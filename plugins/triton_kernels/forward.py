@@ -11,23 +11,22 @@ maps `compute_expt_data(hist, E, T * k)` builds on the device.
 Here the (token, slot) pairs are sorted by expert with a stable device sort (order[p] = the flat slot at sorted
 position p, inverse[flat] = p), which is exactly what the library's own `routing()` produces for its GatherIndx
 (src = order, dst = inverse) and ScatterIndx (src = inverse, dst = order). Routing weights are used as given
-(float32, no normalisation). Sentinel slots go to expert 0 with weight 0; the routing guard
-(`selector.guard.sanitize_routing`) first routes bad slots to expert 0 with weight NaN.
+(float32, no normalisation). Sentinel slots go to expert 0 with weight 0; the routing guard first routes bad
+slots to expert 0 with weight NaN (`selector.plugins.adapter.kernel_routing`). The plan holds the weights as
+views and the biases as float32 copies, made at prepare time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import selector.plugins.triton_common.guard  # noqa: F401 - registers the one-launch sanitiser
+from selector.plugins.adapter import KernelPlan, Library, forward_of, kernel_routing, shape_key
+from selector.plugins.triton_kernels import COMPILED, INSTALL, SHAPE
 
 from selector import layers
-from selector.guard import sanitize_routing
-from selector.problem import dtype_name
-from selector.weight_cache import DerivedWeights, fingerprint
-
-from selector.plugins.triton_kernels.state import INSTALL, record_compiled
+from selector.types import ExpertsForward, Problem
 
 MODULES = ("triton_kernels.matmul_ogs", "triton_kernels.routing")
 
@@ -41,37 +40,24 @@ class TritonKernels:
     compute_expt_data: object
 
 
-_TK: TritonKernels | None = None
-_BIASES: DerivedWeights[tuple[torch.Tensor, torch.Tensor]] = DerivedWeights()  # float32 (b1, b2)
+def _bind(import_module: Callable) -> TritonKernels:
+    ogs, routing = (import_module(name) for name in MODULES)
+    return TritonKernels(
+        matmul_ogs=ogs.matmul_ogs,
+        routing_data=routing.RoutingData,
+        gather_indx=routing.GatherIndx,
+        scatter_indx=routing.ScatterIndx,
+        compute_expt_data=routing.compute_expt_data,
+    )
 
 
-def load_triton_kernels() -> TritonKernels:
-    """Import the library once; ImportError naming it, how to install it and the offline doc if missing."""
-    global _TK
-    if _TK is None:
-        import importlib
-
-        try:
-            ogs, routing = (importlib.import_module(name) for name in MODULES)
-            _TK = TritonKernels(
-                matmul_ogs=ogs.matmul_ogs,
-                routing_data=routing.RoutingData,
-                gather_indx=routing.GatherIndx,
-                scatter_indx=routing.ScatterIndx,
-                compute_expt_data=routing.compute_expt_data,
-            )
-        except (ImportError, AttributeError) as exc:
-            raise ImportError(
-                "experts backend 'triton_kernels' needs OpenAI's triton_kernels with matmul_ogs.matmul_ogs and "
-                "routing.{RoutingData, GatherIndx, ScatterIndx, compute_expt_data} (the API of the copy in vLLM "
-                f"0.33); importing it failed ({type(exc).__name__}: {exc}). fix: {INSTALL}"
-            ) from exc
-    return _TK
-
-
-def forget_loaded() -> None:
-    global _TK
-    _TK = None
+TRITON_KERNELS: Library[TritonKernels] = Library(
+    "triton_kernels",
+    "OpenAI's triton_kernels with matmul_ogs.matmul_ogs and routing.{RoutingData, GatherIndx, ScatterIndx, "
+    "compute_expt_data} (the API of the copy in vLLM 0.33)",
+    INSTALL,
+    _bind,
+)
 
 
 def refuse_unsupported(module: torch.nn.Module) -> None:
@@ -82,21 +68,16 @@ def refuse_unsupported(module: torch.nn.Module) -> None:
         )
 
 
-def kernel_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w1 [E, H, N1], w2 [E, I, H]) as views of the parameters: [E, K, N] in the library's terms."""
+def kernel_weights(module: torch.nn.Module) -> tuple:
+    """(w1 [E, H, N1], w2 [E, I, H]) as views of the parameters ([E, K, N] in the library's terms), and the
+    biases (b1 [E, N1], b2 [E, H]) as float32 copies for the GEMM epilogues, or None."""
     up, down = layers.up_weight(module), module.down_proj
-    if getattr(module, "is_transposed", False):
-        return up, down
-    return up.transpose(1, 2), down.transpose(1, 2)  # column-major W: the library reads stride(-2) == 1
-
-
-def kernel_biases(module: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """float32 biases for the GEMM epilogues, converted once per set of weights."""
+    if not getattr(module, "is_transposed", False):
+        up, down = up.transpose(1, 2), down.transpose(1, 2)  # column-major W: the library reads stride(-2) == 1
     b1, b2 = layers.up_bias(module), layers.down_bias(module)
     if b1 is None or b2 is None:
-        return None, None
-    return _BIASES.get(module, fingerprint((b1, b2)),
-                       lambda: (b1.detach().float().contiguous(), b2.detach().float().contiguous()))  # fmt: skip
+        return up, down, None, None
+    return up, down, b1.detach().float().contiguous(), b2.detach().float().contiguous()
 
 
 def sorted_routing(tk: TritonKernels, ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tuple:
@@ -114,34 +95,35 @@ def sorted_routing(tk: TritonKernels, ids: torch.Tensor, weights: torch.Tensor, 
     return routing, tk.gather_indx(src_indx=order, dst_indx=inverse), tk.scatter_indx(src_indx=inverse, dst_indx=order)
 
 
-def triton_kernels_experts_forward(
-    module: torch.nn.Module,
-    hidden_states: torch.Tensor,  # [T, H]
-    top_k_index: torch.Tensor,  # [T, k]
-    top_k_weights: torch.Tensor,  # [T, k]
-) -> torch.Tensor:  # [T, H]
+@dataclass(frozen=True, kw_only=True)
+class TritonKernelsPlan(KernelPlan):
+    tk: TritonKernels
+    num_experts: int
+
+    def launch(self, module: torch.nn.Module, weights: tuple, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        (w1, w2, b1, b2), (ids, routing_weights) = weights, kernel_routing(module, top_k_index, top_k_weights)
+        routing, gather, scatter = sorted_routing(self.tk, ids, routing_weights, self.num_experts)
+        x = hidden_states.to(w1.dtype).contiguous()
+        up = self.tk.matmul_ogs(x, w1, b1, routing, gather_indx=gather)  # [T*k, N1], expert-sorted rows
+        act = layers.activate(module, up).contiguous()  # [T*k, I]: the module's own gate
+        out = self.tk.matmul_ogs(act, w2, b2, routing, scatter_indx=scatter, gammas=routing.gate_scal)  # [T, H]
+        return out.to(hidden_states.dtype)
+
+
+def prepare(module: torch.nn.Module, problem: Problem) -> KernelPlan:
+    """The library imported, the layer checked, the weights viewed and the biases converted, once per weights
+    and call mode (forward only: nothing differentiates through them)."""
     refuse_unsupported(module)
-    tk = load_triton_kernels()
-    num_tokens, top_k = top_k_index.shape
-    hidden = hidden_states.shape[-1]
-    if num_tokens == 0:
-        return hidden_states.new_zeros(0, hidden)
-    num_experts = int(module.num_experts)
-    w1, w2 = kernel_weights(module)
-    b1, b2 = kernel_biases(module)
-    x = hidden_states.to(w1.dtype).contiguous()
-    # bad slots -> expert 0 with weight NaN (selector.guard): the kernels read no expert out of bounds
-    ids, weights = sanitize_routing(module, top_k_index, top_k_weights)
-    ids = ids.to(torch.int32)
-    weights = weights.float()
-    if layers.is_expert_parallel(module):
-        sentinel = ids >= num_experts
-        ids, weights = ids.masked_fill(sentinel, 0), weights.masked_fill(sentinel, 0.0)
-    routing, gather, scatter = sorted_routing(tk, ids, weights, num_experts)
-    up = tk.matmul_ogs(x, w1, b1, routing, gather_indx=gather)  # [T*k, N1], expert-sorted rows
-    act = layers.activate(module, up).contiguous()  # [T*k, I]
-    out = tk.matmul_ogs(act, w2, b2, routing, scatter_indx=scatter, gammas=routing.gate_scal)  # [T, H]
-    e, h, i = layers.dims(module)
-    record_compiled((e, h, i, top_k, dtype_name(w1.dtype), bool(getattr(module, "has_gate", True)),
-                     b1 is not None, bool(getattr(module, "is_transposed", False))))  # fmt: skip
-    return out.to(hidden_states.dtype)
+    return TritonKernelsPlan.prepared(module, kernel_weights, False, backend="triton_kernels", tk=TRITON_KERNELS.get(),
+                                      num_experts=int(module.num_experts), ledger=COMPILED,
+                                      shape=shape_key(problem, SHAPE))  # fmt: skip
+
+
+triton_kernels_experts_forward = forward_of(prepare)
+
+
+def load() -> ExpertsForward:
+    """The forward, the library imported first: a broken install is a load failure auto skips, not a failed call."""
+    TRITON_KERNELS.get()
+    return triton_kernels_experts_forward
