@@ -72,8 +72,10 @@ def targets_from_args(args: argparse.Namespace, device: str) -> list[Any]:
             raise TuneInputError("give all of --experts --hidden --intermediate --top-k (or a config.json, or --preset)")
         targets.append(flag_target(*sizes))
     if not targets:
-        raise TuneInputError("nothing to tune: give a model's config.json (or its directory), --preset NAME "
-                             "(grid: the perf grid), or --experts --hidden --intermediate --top-k")  # fmt: skip
+        raise TuneInputError(
+            "nothing to tune: give a model's config.json (or its directory), --preset NAME "
+            "(grid: the perf grid), or --experts --hidden --intermediate --top-k"
+        )
     return [with_overrides(t, args.dtype, args.format, device) for t in targets]
 
 
@@ -113,8 +115,8 @@ def summary_lines(result: Any) -> list[str]:
     for e in result.errors:
         lines.append(f"dropped {e['backend']} from {e['target']} T={e['tokens']} {e['mode']}: {e['error']}")
     per = ", ".join(f"{name} {s:.1f}s" for name, s in result.durations.items())
-    lines.append(f"tuning time: {result.total_s:.1f}s in all" + (f" ({per})" if per else "") +
-                 f"; {result.stored} records stored for {result.gpu}")  # fmt: skip
+    spent = f"{result.total_s:.1f}s in all" + (f" ({per})" if per else "")
+    lines.append(f"tuning time: {spent}; {result.stored} records stored for {result.gpu}")
     return lines
 
 
@@ -194,12 +196,13 @@ def check_choice(args: argparse.Namespace, targets: Sequence[Any], tokens: Seque
 def register(sub: Any) -> None:
     """Add the `tune` subcommand to the CLI's subparsers."""
     tune = sub.add_parser(
-        "tune", help="measure every backend on this GPU for a model's layers, so that auto picks from measurements",
+        "tune",
+        help="measure every backend on this GPU for a model's layers, so that auto picks from measurements",
         description="Times every backend that can run each layer here, per token count and mode, in interleaved "
         "rounds; saves the records auto ranks by (skipping cells already measured under this environment's "
         "fingerprint) and prints the plan: which backend for which token range and the gain over the static "
         "choice. Exit 0: done; 1: cannot measure here (no CUDA GPU, the GPU's lock held); 2: usage error.",
-    )  # fmt: skip
+    )
     tune.add_argument("config", nargs="*", help="a Transformers config.json, or a model directory holding one")
     tune.add_argument("--preset", action="append", help=f"a known shape (repeatable); grid: {', '.join(GRID)}")
     tune.add_argument("--experts", type=int, help="number of experts E")

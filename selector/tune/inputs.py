@@ -26,8 +26,15 @@ DTYPES = ("bfloat16", "float16", "float32")
 _EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _INTERMEDIATE_KEYS = ("moe_intermediate_size", "intermediate_size")
 _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}  # fmt: skip
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
 
 
 class TuneInputError(ValueError):
@@ -70,15 +77,21 @@ def problem_from_config(config: Mapping[str, Any], source: str = "config.json") 
         notes.append(f"dtype {dtype!r} is not one selector times: timing bfloat16")
         dtype = "bfloat16"
     act = str(config.get("hidden_act", "silu"))
-    problem = Problem(num_experts=experts, hidden_size=hidden, intermediate_size=inter, top_k=top_k, dtype=dtype,
-                      activation=_ACTIVATIONS.get(act, "silu"))  # fmt: skip
+    problem = Problem(
+        num_experts=experts,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        top_k=top_k,
+        dtype=dtype,
+        activation=_ACTIVATIONS.get(act, "silu"),
+    )
     if act not in _ACTIVATIONS:
         notes.append(f"hidden_act {act!r} is not one selector times: timing silu")
     if model_type == "gpt_oss":  # biases, [E, H, 2I] weights, interleaved gate/up, clamped SwiGLU (presets.py)
-        gate = clamped_swiglu(float(config.get("swiglu_alpha", GPT_OSS_ALPHA)),
-                              float(config.get("swiglu_limit", GPT_OSS_LIMIT)))  # fmt: skip
-        problem = replace(problem, has_bias=True, is_transposed=True, interleaved=True, activation=gate.name,
-                          gate=gate)  # fmt: skip
+        gate = clamped_swiglu(
+            float(config.get("swiglu_alpha", GPT_OSS_ALPHA)), float(config.get("swiglu_limit", GPT_OSS_LIMIT))
+        )
+        problem = replace(problem, has_bias=True, is_transposed=True, interleaved=True, activation=gate.name, gate=gate)
     quant = config.get("quantization_config")
     if isinstance(quant, Mapping):
         method = str(quant.get("quant_method", "")).lower()
@@ -86,8 +99,10 @@ def problem_from_config(config: Mapping[str, Any], source: str = "config.json") 
             scale = "ue8m0" if quant.get("scale_fmt") == "ue8m0" else "float32"
             problem = replace(problem, weight_format="fp8_block", scale_format=scale)
         else:
-            notes.append(f"quantization_config.quant_method {method!r} is not one selector runs: timing the dense "
-                         "layer (--format chooses another)")  # fmt: skip
+            notes.append(
+                f"quantization_config.quant_method {method!r} is not one selector runs: timing the dense "
+                "layer (--format chooses another)"
+            )
     name = str(config.get("_name_or_path") or model_type)
     return TuneTarget(name, problem, tuple(notes))
 
@@ -102,8 +117,9 @@ def read_config(path: str | Path) -> TuneTarget:
     try:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise TuneInputError(f"{file} is not readable JSON ({type(exc).__name__}: {exc}): give a Transformers "
-                             "config.json") from None  # fmt: skip
+        raise TuneInputError(
+            f"{file} is not readable JSON ({type(exc).__name__}: {exc}): give a Transformers config.json"
+        ) from None
     if not isinstance(config, Mapping):
         raise TuneInputError(f"{file} holds a JSON {type(config).__name__}, not a config object")
     target = problem_from_config(config, str(file))

@@ -72,10 +72,14 @@ class ModePlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "target": self.target, "problem": self.problem_key, "mode": self.mode, "gain_over_static": self.gain,
-            "ranges": [asdict(r) for r in self.ranges], "crossovers": [asdict(c) for c in self.crossovers],
+            "target": self.target,
+            "problem": self.problem_key,
+            "mode": self.mode,
+            "gain_over_static": self.gain,
+            "ranges": [asdict(r) for r in self.ranges],
+            "crossovers": [asdict(c) for c in self.crossovers],
             "tokens": [{**asdict(r), "within_spread": r.within_spread} for r in self.rows],
-        }  # fmt: skip
+        }
 
 
 def build_plan(
@@ -101,11 +105,19 @@ def build_plan(
         gain = static_s / best_s if static_s is not None else None
         if gain is not None:
             gains.append(gain)
-        plan.rows.append(TokenRow(
-            tokens=t, best=best, best_s=best_s, spread=by_backend[best].spread, runner_up=second,
-            margin=by_backend[second].time_s / best_s - 1 if second else None, static=pick, static_s=static_s,
-            gain=gain,
-        ))  # fmt: skip
+        plan.rows.append(
+            TokenRow(
+                tokens=t,
+                best=best,
+                best_s=best_s,
+                spread=by_backend[best].spread,
+                runner_up=second,
+                margin=by_backend[second].time_s / best_s - 1 if second else None,
+                static=pick,
+                static_s=static_s,
+                gain=gain,
+            )
+        )
     previous = 0
     for i, row in enumerate(plan.rows):
         if plan.ranges and plan.ranges[-1].backend == row.best:
@@ -137,10 +149,15 @@ def render_plan(plan: ModePlan) -> str:
     ranges = ", ".join(f"T {r.low}-{r.high if r.high is not None else '…'}: {r.backend}" for r in plan.ranges)
     cross = "; ".join(f"{c.earlier} -> {c.later} between T={c.after} and T={c.before}" for c in plan.crossovers)
     gain = f"{plan.gain:.3f}x" if plan.gain is not None else "- (static pick not measured)"
-    lines = [f"{head}", f"  plan: {ranges}", f"  crossovers: {cross or 'none'}",
-             f"  gain over the static choice (geometric mean over T): {gain}", "",
-             "| T | best | time | spread | runner-up | margin | static | static time | gain |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"{head}",
+        f"  plan: {ranges}",
+        f"  crossovers: {cross or 'none'}",
+        f"  gain over the static choice (geometric mean over T): {gain}",
+        "",
+        "| T | best | time | spread | runner-up | margin | static | static time | gain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in plan.rows:
         margin = "-" if r.margin is None else f"{r.margin:+.1%}" + (" (within spread)" if r.within_spread else "")
         lines.append(f"| {r.tokens} | {r.best} | {_time(r.best_s)} | {r.spread:.1%} | {r.runner_up or '-'} | {margin} | "

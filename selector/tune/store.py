@@ -33,8 +33,9 @@ class TuneStore:
         """Every record known: the node's (shipped files, the store, the daemon) for the default store."""
         return tuning_store.known_records() if self.shared else self.store.records()
 
-    def is_measured(self, fingerprint: Fingerprints, gpu: str, problem_key: str, mode: str, tokens: int,
-                    backends: Sequence[str]) -> bool:  # fmt: skip
+    def is_measured(
+        self, fingerprint: Fingerprints, gpu: str, problem_key: str, mode: str, tokens: int, backends: Sequence[str]
+    ) -> bool:
         """Whether every one of `backends` has a stored time for this cell trusted under `fingerprint`."""
         return self.store.is_measured(fingerprint, gpu, problem_key, mode, tokens, backends)
 
