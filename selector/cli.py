@@ -124,8 +124,16 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         experts = (problem or default_problem(env)).num_experts
         facts, nccl = doctor_facts(env, args.ep_size, experts, args.ep_backend, args.ep_same_tokens)
         parallel = build_section(facts, f"--ep-size {args.ep_size}", nccl)
+    model = None
+    if args.model is not None:  # the model's experts shapes: tabled, tuned or estimated here
+        from selector.model_shapes import ModelConfigError, model_section
+
+        try:
+            model = model_section(args.model, env, table)
+        except ModelConfigError as exc:
+            raise UsageError(str(exc)) from None
     report = build_report(env, registry, problem=problem, required=args.require or (), tuning=table,
-                          tuning_store=tuning_store.describe_sources(), parallel=parallel)
+                          tuning_store=tuning_store.describe_sources(), parallel=parallel, model=model)
     if args.markdown:
         print(render_markdown(report, registry.specs.values()))
     else:
@@ -169,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="machine-readable report (schema selector.doctor/1)")
     out.add_argument("--markdown", action="store_true", help="markdown report")
     doctor.add_argument("--require", action="append", metavar="BACKEND", help="exit 1 unless this backend can run here")
+    doctor.add_argument("--model", metavar="CONFIG", help="a Transformers config.json (or the model folder holding "
+                        "one): list its experts shapes, each tabled, tuned or estimated here, and how to tune it")
     ep = doctor.add_argument_group("expert parallelism (judges the strategies for a group of ranks)")
     ep.add_argument("--ep-size", type=int, metavar="N",
                     help="ranks of the expert-parallel group; exit 1 if no strategy runs")  # fmt: skip

@@ -11,6 +11,7 @@ from typing import Any
 import selector
 from selector.compat import hub_kernels_verdict
 from selector.config import ConfigError, SelectorConfig, load_config
+from selector.model_shapes import ModelSection
 from selector.parallel.report import ParallelSection, no_group_section
 from selector.probes import Environment
 from selector.ranking import rank
@@ -72,6 +73,7 @@ class DoctorReport:
     usable: list[str] = field(default_factory=list)  # what `auto` may choose for the judged layer, best first
     no_estimate: list[str] = field(default_factory=list)  # runnable backends that give no cost estimate
     parallel: ParallelSection | None = None  # the expert-parallel strategies' verdicts
+    model: ModelSection | None = None  # a model config's experts shapes and their coverage (--model)
 
     @property
     def exit_code(self) -> int:
@@ -95,6 +97,7 @@ class DoctorReport:
             "usable": self.usable,
             "no_estimate": self.no_estimate,
             "expert_parallel": self.parallel.to_dict() if self.parallel else None,
+            "model": self.model.to_dict() if self.model else None,
             "environment": self.environment.to_dict(),
         }
 
@@ -203,12 +206,14 @@ def build_report(
     tuning: TuningTable | None = None,
     tuning_store: str = "",
     parallel: ParallelSection | None = None,
+    model: ModelSection | None = None,
 ) -> DoctorReport:
     """Everything doctor shows, computed once. `problem` adds a ranking; `required` backends must run here.
     `tuning`: the measured times of this environment (the ranking uses them where they cover the problem, and
     says so); `tuning_store`: where they were read from. `parallel`: the expert-parallel strategies judged for a
     group (`selector.parallel.report`; a group asked for in which no strategy runs is broken); without it the
-    section says there is no process group.
+    section says there is no process group. `model`: a model config's shapes and their coverage
+    (`selector.model_shapes.model_section`), shown as its own section.
 
     The backend lines are the ranking's verdicts on the judged problem (one judgement, the one `auto` makes).
     """
@@ -274,6 +279,7 @@ def build_report(
         no_estimate=[c.name for c in ranking.candidates
                      if c.source != "measured" and not _has_estimate(registry, c.name, judged, env)],
         parallel=parallel,
+        model=model,
     )
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from selector.compat_table import markdown_table
 from selector.doctor import DoctorReport
+from selector.model_shapes import ModelSection, ModelShape, status_counts
 from selector.parallel.report import section_markdown, section_text
 from selector.types import BackendSpec, Candidate, Problem, Ranking
 
@@ -56,6 +57,38 @@ def ranking_lines(r: Ranking, no_estimate: Sequence[str] = ()) -> list[str]:
     return lines
 
 
+def _shape_text(s: ModelShape) -> str:
+    p = s.problem
+    return f"E={p.num_experts} H={p.hidden_size} I={p.intermediate_size} k={p.top_k} {p.dtype} {s.layout}"
+
+
+def _coverage(s: ModelShape) -> str:
+    """Why a shape has its status, in words."""
+    parts = []
+    if s.measured:
+        parts.append("measured " + "; ".join(f"{mode} T={','.join(map(str, t))}" for mode, t in s.measured.items()))
+    if s.tile_table:
+        parts.append({"shipped": "the shipped tile table", "node": "a tile table tuned on this node"}[s.tile_table])
+    return ", ".join(parts) or "static estimates and heuristic tiles"
+
+
+def model_lines(m: ModelSection) -> list[str]:
+    """The model section as text: one line per distinct experts shape, its status and the command tuning it."""
+    counts = status_counts(m.shapes)
+    summary = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
+    lines = [f"Model {m.name} ({m.source}) on {m.gpu}: {len(m.shapes)} distinct experts shape"
+             f"{'s' * (len(m.shapes) != 1)} ({summary})"]  # fmt: skip
+    for s in m.shapes:
+        mark = OK if s.status != "estimated" else WARN
+        where = f"  [{', '.join(x or 'config' for x in s.scopes)}]" if any(s.scopes) else ""
+        lines.append(f"  {mark} {_shape_text(s):<44} {s.status}: {_coverage(s)}{where}")
+        if s.status != "tuned":
+            lines.append(f"      tune: {s.tune_command}")
+        lines.extend(f"      note: {n}" for n in s.notes)
+    lines.extend(f"  note: {n}" for n in m.notes)
+    return lines
+
+
 def render_text(report: DoctorReport) -> str:
     import selector
 
@@ -82,6 +115,8 @@ def render_text(report: DoctorReport) -> str:
         lines += ["", *section_text(report.parallel, OK, BAD)]
     if report.config.get("files"):
         lines += ["", "Config: " + ", ".join(report.config["files"])]
+    if report.model is not None:
+        lines += ["", *model_lines(report.model)]
     if report.ranking is not None:
         lines += ["", *ranking_lines(report.ranking, report.no_estimate)]
     lines.append("")
@@ -111,12 +146,27 @@ def render_markdown(report: DoctorReport, specs: Iterable[BackendSpec] = ()) -> 
         lines.append(f"| {b.name} | {b.verdict.status.value} | {b.verdict.reason} | {b.verdict.remedy} |")
     if report.parallel is not None:
         lines += ["", *section_markdown(report.parallel)]
+    if report.model is not None:
+        lines += ["", *model_markdown(report.model)]
     if report.ranking is not None:
         lines += ["", "## Ranking", "", "```", *ranking_lines(report.ranking, report.no_estimate), "```"]
     specs = list(specs)
     if specs:
         lines += ["", "## torch.compile, CUDA graphs and autograd (as declared)", "", markdown_table(specs)]
     return "\n".join(lines) + "\n"
+
+
+def model_markdown(m: ModelSection) -> list[str]:
+    """The model section as a markdown table."""
+    lines = [f"## Model {m.name} on {m.gpu}", "", f"Read from `{m.source}`.", "",
+             "| E | H | I | k | dtype | layout | status | coverage | tune |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in m.shapes:
+        p = s.problem
+        tune = "" if s.status == "tuned" else f"`{s.tune_command}`"
+        lines.append(f"| {p.num_experts} | {p.hidden_size} | {p.intermediate_size} | {p.top_k} | {p.dtype} | "
+                     f"{s.layout} | {s.status} | {_coverage(s)} | {tune} |")
+    lines.extend(f"- {n}" for n in (*m.notes, *(n for s in m.shapes for n in s.notes)))
+    return lines
 
 
 def render_json(report: DoctorReport) -> str:
