@@ -135,7 +135,7 @@ def _scope_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
 def experts_scopes(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Module]]]:
     """{sub-config key: [(module path, experts module), ...]}; "" is the model's own scope."""
     scopes: dict[str, list[tuple[str, torch.nn.Module]]] = {}
-    for path, module in model.named_modules():
+    for path, module in layers.find_experts(model):
         if is_experts_module(module):
             scopes.setdefault(_scope_of(model, module), []).append((path, module))
     return scopes
@@ -197,13 +197,8 @@ def get_experts_implementation(model: torch.nn.Module) -> dict[str, str]:
 
 
 def _experts_members(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(path, experts module) for every decorated module, or every Transformers experts module."""
-    members = [pair for scope in experts_scopes(model).values() for pair in scope]
-    if members or not _is_transformers_model(model):
-        return members
-    from selector.hf.modules import experts_modules
-
-    return [pair for scope in experts_modules(model).values() for pair in scope]
+    """(path, experts module) for every decorated module and every Transformers experts module."""
+    return layers.find_experts(model)
 
 
 def _declares_top_k(module: torch.nn.Module) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from selector import dispatch
-from selector.layers import is_transformers_experts
+from selector.layers import find_experts, is_transformers_experts
 from selector.types import Problem
 
 
@@ -29,7 +29,7 @@ def experts_modules(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.n
     """{sub-config key ("" for the model's own config): [(module path, experts module), ...]}."""
     root_config = getattr(model, "config", None)
     out: dict[str, list[tuple[str, torch.nn.Module]]] = {}
-    for path, module in model.named_modules():
+    for path, module in find_experts(model):
         if is_transformers_experts(module):
             dispatch.track(module)  # so torch.compile can name it (see selector.dispatch.track)
             out.setdefault(_scope_of(root_config, module.config), []).append((path, module))
