@@ -84,9 +84,14 @@ class BenchResult:
             raise ValueError(f"not a {SCHEMA} result (schema {found!r})")
         names = {f.name for f in fields(Cell)}
         cells = [Cell(**{k: v for k, v in c.items() if k in names}) for c in data.get("cells", [])]
-        return cls(device=data["device"], ceilings=dict(data["ceilings"]), command=data.get("command", ""),
-                   cells=cells, environment=dict(data.get("environment") or {}),
-                   runs=list(data.get("runs") or []))  # fmt: skip
+        return cls(
+            device=data["device"],
+            ceilings=dict(data["ceilings"]),
+            command=data.get("command", ""),
+            cells=cells,
+            environment=dict(data.get("environment") or {}),
+            runs=list(data.get("runs") or []),
+        )
 
     def merged_into(self, older: BenchResult) -> BenchResult:
         """This run's rows (shape, T, dtype, mode, format) in place of the same rows of `older`, whose other rows
@@ -94,9 +99,16 @@ class BenchResult:
         mine = {row_of(c) for c in self.cells}
         cells = [c for c in older.cells if row_of(c) not in mine] + list(self.cells)
         runs = (older.runs or [{"command": older.command, "ceilings": older.ceilings}]) + [
-            {"command": self.command, "ceilings": self.ceilings}]  # fmt: skip
-        return BenchResult(device=self.device, ceilings=self.ceilings, command=self.command, cells=cells,
-                           environment=self.environment, runs=runs)  # fmt: skip
+            {"command": self.command, "ceilings": self.ceilings}
+        ]
+        return BenchResult(
+            device=self.device,
+            ceilings=self.ceilings,
+            command=self.command,
+            cells=cells,
+            environment=self.environment,
+            runs=runs,
+        )
 
 
 def row_of(cell: Cell) -> tuple[str, int, str, str, str]:
@@ -109,8 +121,11 @@ def measured_rows(result: BenchResult, dtype: str, modes: Iterable[str]) -> set[
     above its token limit is recorded as skipped), in `dtype`: what a resumed run need not measure again."""
     have = {row_of(c) for c in result.cells}
     wanted = tuple(modes)
-    return {(c.shape, c.format, c.tokens) for c in result.cells if c.dtype == dtype
-            and all((c.shape, c.tokens, dtype, m, c.format) in have for m in wanted)}  # fmt: skip
+    return {
+        (c.shape, c.format, c.tokens)
+        for c in result.cells
+        if c.dtype == dtype and all((c.shape, c.tokens, dtype, m, c.format) in have for m in wanted)
+    }
 
 
 def choice_quality(cells: list[Cell], within: float = WITHIN, worst: int = 10) -> dict[str, Any]:
@@ -137,15 +152,32 @@ def choice_quality(cells: list[Cell], within: float = WITHIN, worst: int = 10) -
         best = min(timed.values(), key=lambda c: c.time_s or 0.0)
         pick = timed.get(a.picked or "")
         pick_s = pick.time_s if pick is not None else a.time_s
-        rows.append({
-            "shape": key[0], "tokens": key[1], "mode": key[2], "format": key[3], "dtype": key[4],
-            "picked": a.picked, "pick_s": pick_s, "auto_s": a.time_s, "fastest": best.backend, "fastest_s": best.time_s,
-            "ratio": pick_s / best.time_s, "auto_ratio": a.time_s / best.time_s,
-            "spread": max(pick.spread or 0.0 if pick else 0.0, best.spread or 0.0),
-        })  # fmt: skip
+        rows.append(
+            {
+                "shape": key[0],
+                "tokens": key[1],
+                "mode": key[2],
+                "format": key[3],
+                "dtype": key[4],
+                "picked": a.picked,
+                "pick_s": pick_s,
+                "auto_s": a.time_s,
+                "fastest": best.backend,
+                "fastest_s": best.time_s,
+                "ratio": pick_s / best.time_s,
+                "auto_ratio": a.time_s / best.time_s,
+                "spread": max(pick.spread or 0.0 if pick else 0.0, best.spread or 0.0),
+            }
+        )
     close = sum(1 for r in rows if r["ratio"] <= 1 + within)
     auto_close = sum(1 for r in rows if r["auto_ratio"] <= 1 + within)
     slow = sorted((r for r in rows if r["ratio"] > 1 + within), key=lambda r: -r["ratio"])
-    return {"within": within, "cells": len(rows), "within_count": close,
-            "share_within": close / len(rows) if rows else None,
-            "auto_share_within": auto_close / len(rows) if rows else None, "worst": slow[:worst], "rows": rows}  # fmt: skip
+    return {
+        "within": within,
+        "cells": len(rows),
+        "within_count": close,
+        "share_within": close / len(rows) if rows else None,
+        "auto_share_within": auto_close / len(rows) if rows else None,
+        "worst": slow[:worst],
+        "rows": rows,
+    }

@@ -61,10 +61,17 @@ class CompiledBench:
     train: bool = False  # one timed call is a training step (forward under autograd, then the backward)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "device": self.device, "modes": self.modes, "stack": self.stack,
-                "times_per": "layer", "call": "train step" if self.train else "forward",
-                "rows": [asdict(r) for r in self.rows], "compile_s": self.compile_s,
-                "skipped": self.skipped}  # fmt: skip
+        return {
+            "schema": SCHEMA,
+            "device": self.device,
+            "modes": self.modes,
+            "stack": self.stack,
+            "times_per": "layer",
+            "call": "train step" if self.train else "forward",
+            "rows": [asdict(r) for r in self.rows],
+            "compile_s": self.compile_s,
+            "skipped": self.skipped,
+        }
 
 
 def _runs_here(name: str, layer: Any) -> str | None:
@@ -145,22 +152,26 @@ def run_compiled_bench(
     before = os.environ.get("SELECTOR_VALIDATE")
     os.environ["SELECTOR_VALIDATE"] = before or "shapes"  # the layer is timed, not the per-call checks
     dtype = getattr(torch, dtype_name)
-    result = CompiledBench(device=torch.cuda.get_device_name() if device == "cuda" else device, modes=list(modes),
-                           stack=stack, train=train)  # fmt: skip
+    result = CompiledBench(
+        device=torch.cuda.get_device_name() if device == "cuda" else device, modes=list(modes), stack=stack, train=train
+    )
     shapes = presets if isinstance(presets, Mapping) else {name: None for name in presets}
     say = progress or (lambda msg: None)
     # every layer here is one module class: its forward is one code object, compiled once per layer and mode, which
     # would pass dynamo's per-code-object limit (8) after a few backends x modes; a model holds one compiled
     # forward per model, so the limit is the harness's, not the user's
-    limits = {name: getattr(torch._dynamo.config, name) for name in ("recompile_limit", "accumulated_recompile_limit")
-              if hasattr(torch._dynamo.config, name)}  # fmt: skip
+    limits = {
+        name: getattr(torch._dynamo.config, name)
+        for name in ("recompile_limit", "accumulated_recompile_limit")
+        if hasattr(torch._dynamo.config, name)
+    }
     for name in limits:
         setattr(torch._dynamo.config, name, max(limits[name], 4096))
+    setup = _Setup(torch, dtype, device, compiler, tuple(tokens), tuple(backends), rounds, sample_s, say)
     try:
         for shape, given in shapes.items():
             problem = preset(shape) if given is None else given
-            _bench_preset(torch, result, shape, problem, tokens, backends, dtype, rounds, sample_s, say, device,
-                          compiler)  # fmt: skip
+            _bench_preset(setup, result, shape, problem)
             # the next preset's N layers of weights should not meet these (freed with the call's locals), nor
             # should its layers find these layers' compiled code
             torch._dynamo.reset()
@@ -174,24 +185,29 @@ def run_compiled_bench(
     return result
 
 
-def _bench_preset(
-    torch: Any,
-    result: CompiledBench,
-    shape: str,
-    problem: Any,
-    tokens: Sequence[int],
-    backends: Sequence[str],
-    dtype: Any,
-    rounds: int,
-    sample_s: float,
-    say: Callable[[str], None],
-    device: str,
-    compiler: str,
-) -> None:
+@dataclass(frozen=True)
+class _Setup:
+    """What every preset of one run is timed with: torch, dtype, device and compiler, the token counts, the
+    backends, the interleaved rounds, and where progress goes."""
+
+    torch: Any
+    dtype: Any
+    device: str
+    compiler: str
+    tokens: tuple[int, ...]
+    backends: tuple[str, ...]
+    rounds: int
+    sample_s: float
+    say: Callable[[str], None]
+
+
+def _bench_preset(setup: _Setup, result: CompiledBench, shape: str, problem: Any) -> None:
     """One preset's rows into `result`: every backend's layer (or stack), uncompiled and per mode, per T."""
     from selector.bench.layer import make_layer, random_routing
     from selector.dispatch import last_backend, set_requested_implementation
 
+    torch, dtype, device, compiler = setup.torch, setup.dtype, setup.device, setup.compiler
+    tokens, backends, say = setup.tokens, setup.backends, setup.say
     stack, modes = result.stack, result.modes
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     # the N layers' weights, one set per layer (seeded by position), shared by every backend's stack
@@ -244,11 +260,12 @@ def _bench_preset(
                     errors[key] = _short(exc)
                     continue
                 elapsed = time.perf_counter() - start
-                result.compile_s[f"{shape}/{name}/{mode}"] = result.compile_s.get(
-                    f"{shape}/{name}/{mode}", 0.0) + elapsed  # fmt: skip
+                spent = f"{shape}/{name}/{mode}"
+                result.compile_s[spent] = result.compile_s.get(spent, 0.0) + elapsed
                 runners[key] = bind(fn, run)
-        timings = time_interleaved(torch, runners, "compile", rounds=rounds, sample_s=sample_s, device=device,
-                                   errors=errors)  # fmt: skip
+        timings = time_interleaved(
+            torch, runners, "compile", rounds=setup.rounds, sample_s=setup.sample_s, device=device, errors=errors
+        )
         for name in runs:
             row = CompiledRow(shape, t, name)
             for mode in (UNCOMPILED, *modes):
@@ -309,22 +326,27 @@ def compiled_table(result: CompiledBench) -> str:
     head = ["preset", "T", "backend", f"uncompiled {unit}"]
     for mode in result.modes:
         head += [f"{mode} {unit}", f"{mode} ÷ uncompiled"]
-    caption = ("One experts layer per call." if result.stack == 1 else
-               f"A stack of {result.stack} experts layers per call (x = x + layer_i(x, ...), compiled as one); "
-               f"times per layer: a call's time / {result.stack}.")  # fmt: skip
+    caption = "One experts layer per call."
+    if result.stack != 1:
+        caption = (
+            f"A stack of {result.stack} experts layers per call (x = x + layer_i(x, ...), compiled as one); "
+            f"times per layer: a call's time / {result.stack}."
+        )
     if result.train:
         caption += " Each call is a training step: the forward under autograd, then the backward."
     lines = [caption, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result.rows:
         if not row.times_s and row.errors:  # nothing ran: the reasons instead
-            lines.append(f"| {row.preset} | {row.tokens} | {row.backend} | " + "; ".join(
-                f"{m}: {e}" for m, e in row.errors.items()) + " |")  # fmt: skip
+            reasons = "; ".join(f"{m}: {e}" for m, e in row.errors.items())
+            lines.append(f"| {row.preset} | {row.tokens} | {row.backend} | {reasons} |")
             continue
         cells = [row.preset, str(row.tokens), _label(row), _timed(row, UNCOMPILED)]
         for mode in result.modes:
             ratio = row.ratio(mode)
-            cells += [_timed(row, mode) if mode not in row.errors else "error",
-                      "-" if ratio is None else f"{ratio:.2f}"]  # fmt: skip
+            cells += [
+                _timed(row, mode) if mode not in row.errors else "error",
+                "-" if ratio is None else f"{ratio:.2f}",
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -153,8 +153,9 @@ def _relative(diff_sq: float, ref_sq: float) -> float:
     return (diff_sq / max(ref_sq, 1e-60)) ** 0.5
 
 
-def grad_errors(torch: Any, layer: Any, problem: Any, x: Any, index: Any, weights: Any, grad_out: Any,
-                grads: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+def grad_errors(
+    torch: Any, layer: Any, problem: Any, x: Any, index: Any, weights: Any, grad_out: Any, grads: dict[str, Any]
+) -> dict[str, float]:
     """Relative errors (norm of the difference / norm of the reference) of one training step's gradients against
     float64 from the definition, per GRAD_INPUTS name, for a dense layer of any layout `reference_of` knows.
 

@@ -9,10 +9,20 @@ from typing import Any
 from selector.layers import clamped_swiglu
 from selector.types import Problem
 
+
 def is_plain(problem: Problem) -> bool:
-    return problem.gated and not (problem.has_bias or problem.is_transposed or problem.interleaved
-                                  or problem.custom_gate or not problem.gate.is_default or problem.post_expert_norm
-                                  or problem.expert_parallel)  # fmt: skip
+    """Whether `problem` is the plain layer quantising expects: gated, no biases, gate/up concatenated and not
+    transposed, the default gate, no norm after the experts, not expert-parallel."""
+    special = (
+        problem.has_bias,
+        problem.is_transposed,
+        problem.interleaved,
+        problem.custom_gate,
+        not problem.gate.is_default,
+        problem.post_expert_norm,
+        problem.expert_parallel,
+    )
+    return problem.gated and not any(special)
 
 
 def _activation(torch: Any, name: str) -> Any:
@@ -37,8 +47,10 @@ def make_problem_layer(torch: Any, problem: Problem, device: Any, seed: int = 0)
             layer = quant.quantize_experts(layer, problem.weight_format, problem.scale_format)
         return layer
     if problem.weight_format != "dense" or not problem.gated or problem.post_expert_norm or problem.expert_parallel:
-        raise ValueError("selector tune builds quantised, non-gated, post-norm and expert-parallel layers in the "
-                         "plain layout only: drop --format or the layout flags")  # fmt: skip
+        raise ValueError(
+            "selector tune builds quantised, non-gated, post-norm and expert-parallel layers in the plain layout "
+            "only: drop --format or the layout flags"
+        )
     e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -51,8 +63,13 @@ def make_problem_layer(torch: Any, problem: Problem, device: Any, seed: int = 0)
     gate_fn = (lambda module, x: clamped_swiglu(module, x)) if problem.custom_gate else None
     gate = None if problem.custom_gate or problem.gate.is_default else problem.gate
 
-    @selector.experts(has_bias=problem.has_bias, is_transposed=problem.is_transposed,
-                      is_concatenated=not problem.interleaved, gate_fn=gate_fn, gate=gate)  # fmt: skip
+    @selector.experts(
+        has_bias=problem.has_bias,
+        is_transposed=problem.is_transposed,
+        is_concatenated=not problem.interleaved,
+        gate_fn=gate_fn,
+        gate=gate,
+    )
     class TuneExperts(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()

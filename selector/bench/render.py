@@ -25,8 +25,9 @@ def _ceilings_text(result: BenchResult) -> str:
     if len(result.runs) < 2:
         return f"Ceilings measured in this run: {one(result.ceilings)}."
     runs = "; ".join(f"`{r['command'] or 'selector bench'}` ({one(r['ceilings'])})" for r in result.runs)
-    return (f"Merged from {len(result.runs)} runs, each row from one of them, each run measuring its own ceilings: "
-            f"{runs}.")  # fmt: skip
+    return (
+        f"Merged from {len(result.runs)} runs, each row from one of them, each run measuring its own ceilings: {runs}."
+    )
 
 
 def markdown_table(result: BenchResult) -> str:
@@ -34,8 +35,10 @@ def markdown_table(result: BenchResult) -> str:
     With quantised formats in the run, a second table sets each format's best beside the dense best."""
     backends = sorted({c.backend for c in result.cells}, key=lambda b: (b != "auto", b.startswith(PEER_PREFIX), b))
     order = {f: i for i, f in enumerate(FORMATS)}
-    rows = sorted({(c.shape, c.tokens, c.mode, c.format) for c in result.cells},
-                  key=lambda r: (r[0], r[2], r[1], order.get(r[3], len(order))))  # fmt: skip
+    rows = sorted(
+        {(c.shape, c.tokens, c.mode, c.format) for c in result.cells},
+        key=lambda r: (r[0], r[2], r[1], order.get(r[3], len(order))),
+    )
     by_key = {(c.shape, c.tokens, c.mode, c.format, c.backend): c for c in result.cells}
     lines = [
         f"Device: {result.device}. {_ceilings_text(result)} Cells: time (time / floor), the median of interleaved "
@@ -83,8 +86,9 @@ def train_table(cells: Iterable[Cell]) -> str:
                  "(hidden states, routing weights, expert weights) against float64, on the first up to 32 tokens.",
              "", "| shape | T | format | " + " | ".join(backends) + " |", "|---|---|---|" + "---|" * len(backends)]
     for shape, t, fmt in sorted({k[:3] for k in by_key}, key=lambda r: (r[0], r[1], r[2])):
-        texts = [f"{by_key[shape, t, fmt, b].grad_rel_error:.1e}" if (shape, t, fmt, b) in by_key else "-"
-                 for b in backends]  # fmt: skip
+        texts = [
+            f"{by_key[shape, t, fmt, b].grad_rel_error:.1e}" if (shape, t, fmt, b) in by_key else "-" for b in backends
+        ]
         lines.append(f"| {shape} | {t} | {fmt} | " + " | ".join(texts) + " |")
     return "\n".join(lines) + "\n"
 
@@ -121,10 +125,14 @@ def formats_table(cells: Iterable[Cell]) -> str:
     quantised = [f for f in FORMATS if f != "dense" and any(k[3] == f for k in best)]
     if not quantised:
         return ""
-    lines = ["", "Quantised against dense: the fastest selector backend per format, time (time / floor); "
-                 "x dense = its time over the dense best.", "",
-             "| shape | T | mode | dense | " + " | ".join(f"{f} | x dense" for f in quantised) + " |",
-             "|---|---|---|---|" + "---|---|" * len(quantised)]  # fmt: skip
+    lines = [
+        "",
+        "Quantised against dense: the fastest selector backend per format, time (time / floor); "
+        "x dense = its time over the dense best.",
+        "",
+        "| shape | T | mode | dense | " + " | ".join(f"{f} | x dense" for f in quantised) + " |",
+        "|---|---|---|---|" + "---|---|" * len(quantised),
+    ]
     for shape, t, mode in sorted({k[:3] for k in best}, key=lambda r: (r[0], r[2], r[1])):
         dense = best.get((shape, t, mode, "dense"))
         texts = [f"{fmt_time(dense.time_s)} ({dense.ratio:.2f}x) {dense.backend}" if dense else "-"]
@@ -153,8 +161,11 @@ def plot(result: BenchResult, path: Path) -> bool:
     for ax, shape in zip(axes[0], shapes):
         for backend, fmt in series:
             for mode, style in (("eager", "-"), ("graph", "--"), ("compile", ":"), (TRAIN, "-.")):
-                pts = sorted((c.tokens, c.ratio) for c in result.cells if c.shape == shape and c.backend == backend
-                             and c.format == fmt and c.mode == mode and c.ratio)  # fmt: skip
+                pts = sorted(
+                    (c.tokens, c.ratio)
+                    for c in result.cells
+                    if c.shape == shape and c.backend == backend and c.format == fmt and c.mode == mode and c.ratio
+                )
                 if pts:
                     marker = "x" if backend.startswith(PEER_PREFIX) else "o"
                     name = backend if fmt == "dense" else f"{backend} {fmt}"
