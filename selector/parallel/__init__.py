@@ -19,7 +19,7 @@ from selector.parallel.strategies import (
     choose,
     explain,
     version_text,
-)  # fmt: skip
+)
 
 if TYPE_CHECKING:
     from selector.parallel.exchange import all_reduce_forward, all_to_all_forward, all_to_all_padded_forward
@@ -30,13 +30,19 @@ if TYPE_CHECKING:
         facts_of,
         parallelize_experts,
         shard_experts,
-    )  # fmt: skip
+    )
 
 _LAZY = {
-    "ExpertParallel": "layer", "expert_parallel_forward": "layer", "facts_of": "layer",
-    "parallelize_experts": "layer", "shard_experts": "layer", "capturing_now": "layer",
-    "all_reduce_forward": "exchange", "all_to_all_forward": "exchange", "all_to_all_padded_forward": "exchange",
-}  # fmt: skip
+    "ExpertParallel": "layer",
+    "expert_parallel_forward": "layer",
+    "facts_of": "layer",
+    "parallelize_experts": "layer",
+    "shard_experts": "layer",
+    "capturing_now": "layer",
+    "all_reduce_forward": "exchange",
+    "all_to_all_forward": "exchange",
+    "all_to_all_padded_forward": "exchange",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,7 +55,22 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUTO", "PREFERENCE", "STRATEGIES", "ExpertParallel", "ParallelFacts", "Strategy", "all_reduce_forward",
-    "all_to_all_forward", "all_to_all_padded_forward", "capturing_now", "check_strategy", "choose",
-    "expert_parallel_forward", "explain", "facts_of", "parallelize_experts", "shard_experts", "version_text",
-]  # fmt: skip
+    "AUTO",
+    "PREFERENCE",
+    "STRATEGIES",
+    "ExpertParallel",
+    "ParallelFacts",
+    "Strategy",
+    "all_reduce_forward",
+    "all_to_all_forward",
+    "all_to_all_padded_forward",
+    "capturing_now",
+    "check_strategy",
+    "choose",
+    "expert_parallel_forward",
+    "explain",
+    "facts_of",
+    "parallelize_experts",
+    "shard_experts",
+    "version_text",
+]

@@ -96,9 +96,16 @@ def all_to_all_rows(index: Any, per_rank: int, world: int) -> list[int]:
 
 
 def sent_bytes(
-    strategy: str, rank: int, world: int, send_rows: Sequence[int], recv_rows: Sequence[int], tokens: int,
-    capacity: int, row_bytes: int, meta_bytes: int,
-) -> dict[str, int]:  # fmt: skip
+    strategy: str,
+    rank: int,
+    world: int,
+    send_rows: Sequence[int],
+    recv_rows: Sequence[int],
+    tokens: int,
+    capacity: int,
+    row_bytes: int,
+    meta_bytes: int,
+) -> dict[str, int]:
     """Bytes this rank sends to other ranks in the dispatch and in the combine (its own share stays local).
 
     `row_bytes`: one hidden row; `meta_bytes`: one token's ids and weights. all_to_all sends a token once per rank
@@ -192,10 +199,23 @@ def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     return graph.replay
 
 
+@dataclass(frozen=True)
+class _RankSetup:
+    """One rank of the run: its place in the group, its device, the local experts backend, and the group with
+    the expert- and tensor-parallel meshes Transformers' layer takes."""
+
+    rank: int
+    world: int
+    device: str
+    backend: str  # the local experts backend (selector name or auto)
+    group: Any
+    ep_mesh: Any
+    tp_mesh: Any
+
+
 def _variants(
-    shape: Shape, tokens: int, local: Any, group: Any, backend: str, device: str, rank: int, world: int,
-    ep_mesh: Any, tp_mesh: Any, skipped: dict[str, str],
-) -> dict[str, tuple[Callable[[], Any], dict[str, int] | None]]:  # fmt: skip
+    setup: _RankSetup, shape: Shape, tokens: int, local: Any, skipped: dict[str, str]
+) -> dict[str, tuple[Callable[[], Any], dict[str, int] | None]]:
     """Every variant of one cell as a no-argument call, with the bytes it sends (None for whole layers)."""
     import torch
     import torch.distributed as dist
@@ -204,9 +224,15 @@ def _variants(
     from selector.parallel.exchange import all_to_all_exchange, check_capacity, padded_exchange
     from selector.parallel.layer import ExpertParallel
 
+    rank, world, device, backend, group = setup.rank, setup.world, setup.device, setup.backend, setup.group
     per_rank = shape.num_experts // world
-    hidden = torch.randn(tokens, shape.hidden, device=device, dtype=local.gate_up_proj.dtype,
-                         generator=torch.Generator(device=device).manual_seed(1000 + rank))  # fmt: skip
+    hidden = torch.randn(
+        tokens,
+        shape.hidden,
+        device=device,
+        dtype=local.gate_up_proj.dtype,
+        generator=torch.Generator(device=device).manual_seed(1000 + rank),
+    )
     index, weights = _routing(tokens, shape, device, seed=2000 + rank)
     capacity = check_capacity(group, tokens, None, hidden.device)  # every rank holds `tokens` here
     send_rows = all_to_all_rows(index, per_rank, world)
@@ -259,7 +285,7 @@ def _variants(
         skipped["transformers:all_to_all"] = why
     else:
         dispatch.set_requested_implementation(local, backend)  # Transformers calls the experts' own forward
-        theirs = all_to_all_ep(local, ep_mesh, tp_mesh)
+        theirs = all_to_all_ep(local, setup.ep_mesh, setup.tp_mesh)
         out["transformers:all_to_all"] = (
             lambda: theirs(hidden, index, weights),
             moved("transformers", pair_send.tolist(), pair_recv.tolist()),
@@ -287,8 +313,9 @@ def _rank_main(rank: int, world: int, rendezvous: str, options: dict[str, Any], 
         torch.cuda.set_device(rank)
     backend_name = "nccl" if device == "cuda" else "gloo"
     # a rank that fails leaves its peers waiting in a collective until this timeout: short, so the run ends
-    dist.init_process_group(backend_name, init_method=rendezvous, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        backend_name, init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     rows: list[dict[str, Any]] = []
     skipped_all: dict[str, str] = {}
     error = ""
@@ -296,8 +323,8 @@ def _rank_main(rank: int, world: int, rendezvous: str, options: dict[str, Any], 
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("ep", "tp"))
-        ep_mesh, tp_mesh = mesh["ep"], mesh["tp"]
-        group = ep_mesh.get_group()
+        group = mesh["ep"].get_group()
+        setup = _RankSetup(rank, world, device, options["backend"], group, mesh["ep"], mesh["tp"])
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         clock = _Clock(device)
         for shape in (parse_shape(s) for s in options["shapes"]):
@@ -305,8 +332,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, options: dict[str, Any], 
             for tokens in options["tokens"]:
                 skipped: dict[str, str] = {}
                 with torch.no_grad():
-                    variants = _variants(shape, tokens, local, group, options["backend"], device, rank, world,
-                                         ep_mesh, tp_mesh, skipped)  # fmt: skip
+                    variants = _variants(setup, shape, tokens, local, skipped)
                     # every layer gives the exact all_to_all's output before any is timed (a fast wrong layer
                     # is no result)
                     reference = variants["layer:all_to_all"][0]()
@@ -320,13 +346,22 @@ def _rank_main(rank: int, world: int, rendezvous: str, options: dict[str, Any], 
                             times[name].append(clock.time(fn, iters[name]))
                 for name, (_, moved) in variants.items():
                     median = statistics.median(times[name])
-                    rows.append({
-                        "shape": shape.name, "tokens_per_rank": tokens, "variant": name, "rank": rank,
-                        "median_s": median, "min_s": min(times[name]), "max_s": max(times[name]),
-                        "iters": iters[name], "rounds": len(times[name]), "bytes_sent": moved,
-                        "bandwidth_Bps": moved["total"] / median if moved and median > 0 else None,
-                        "max_abs_diff_vs_all_to_all": diffs.get(name),
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "shape": shape.name,
+                            "tokens_per_rank": tokens,
+                            "variant": name,
+                            "rank": rank,
+                            "median_s": median,
+                            "min_s": min(times[name]),
+                            "max_s": max(times[name]),
+                            "iters": iters[name],
+                            "rounds": len(times[name]),
+                            "bytes_sent": moved,
+                            "bandwidth_Bps": moved["total"] / median if moved and median > 0 else None,
+                            "max_abs_diff_vs_all_to_all": diffs.get(name),
+                        }
+                    )
                 skipped_all.update({f"{shape.name} T={tokens} {k}": v for k, v in skipped.items()})
             del local
             if device == "cuda":
@@ -353,13 +388,19 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         slowest = max(ranks, key=lambda r: r["median_s"])
         spread = (slowest["max_s"] - slowest["min_s"]) / slowest["median_s"] if slowest["median_s"] > 0 else 0.0
         bandwidths = [r["bandwidth_Bps"] for r in sorted(ranks, key=lambda r: r["rank"])]
-        out.append({
-            "shape": shape, "tokens_per_rank": tokens, "variant": variant, "time_s": slowest["median_s"],
-            "spread": spread, "ranks": len(ranks),
-            "bandwidth_Bps_per_rank": bandwidths if any(b is not None for b in bandwidths) else None,
-            "max_abs_diff_vs_all_to_all": max((r["max_abs_diff_vs_all_to_all"] for r in ranks
-                                               if r.get("max_abs_diff_vs_all_to_all") is not None), default=None),
-        })  # fmt: skip
+        diffs = [r["max_abs_diff_vs_all_to_all"] for r in ranks if r.get("max_abs_diff_vs_all_to_all") is not None]
+        out.append(
+            {
+                "shape": shape,
+                "tokens_per_rank": tokens,
+                "variant": variant,
+                "time_s": slowest["median_s"],
+                "spread": spread,
+                "ranks": len(ranks),
+                "bandwidth_Bps_per_rank": bandwidths if any(b is not None for b in bandwidths) else None,
+                "max_abs_diff_vs_all_to_all": max(diffs, default=None),
+            }
+        )
     return out
 
 
@@ -371,8 +412,9 @@ def render_table(summary: Sequence[dict[str, Any]], skipped: dict[str, str]) -> 
     """The short table: per cell and variant, time (spread), bandwidth per rank, and the layer vs Transformers."""
     head = f"{'shape':<16} {'T/rank':>6}  {'variant':<30} {'time':>10} {'spread':>7}"
     lines = [f"{head}  per-rank GB/s / vs transformers"]
-    reference = {(s["shape"], s["tokens_per_rank"]): s["time_s"] for s in summary
-                 if s["variant"] == "transformers:all_to_all"}  # fmt: skip
+    reference = {
+        (s["shape"], s["tokens_per_rank"]): s["time_s"] for s in summary if s["variant"] == "transformers:all_to_all"
+    }
     for s in summary:
         extra = ""
         if s["bandwidth_Bps_per_rank"]:
@@ -380,8 +422,10 @@ def render_table(summary: Sequence[dict[str, Any]], skipped: dict[str, str]) -> 
         ref = reference.get((s["shape"], s["tokens_per_rank"]))
         if s["variant"].startswith("layer:") and ref:
             extra = f"{s['time_s'] / ref:.2f}x"
-        lines.append(f"{s['shape']:<16} {s['tokens_per_rank']:>6}  {s['variant']:<30} {_time_text(s['time_s']):>10} "
-                     f"{s['spread'] * 100:>6.1f}%  {extra}")  # fmt: skip
+        lines.append(
+            f"{s['shape']:<16} {s['tokens_per_rank']:>6}  {s['variant']:<30} {_time_text(s['time_s']):>10} "
+            f"{s['spread'] * 100:>6.1f}%  {extra}"
+        )
     for what, why in skipped.items():
         lines.append(f"not run: {what}: {why}")
     return "\n".join(lines)
@@ -403,23 +447,36 @@ def run(options: dict[str, Any], world: int) -> dict[str, Any]:
             if p.is_alive():
                 p.kill()
                 p.join()
-        results = [json.loads(Path(p).read_text()) if os.path.exists(p) else {"rows": [], "skipped": {},
-                   "error": "no result (the rank died or timed out)"} for p in paths]  # fmt: skip
+        results = [
+            json.loads(Path(p).read_text())
+            if os.path.exists(p)
+            else {"rows": [], "skipped": {}, "error": "no result (the rank died or timed out)"}
+            for p in paths
+        ]
     errors = [r["error"] for r in results if r["error"]]
     errors += [f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(ranks) if p.exitcode not in (0, None)]
     rows = [row for r in results for row in r["rows"]]
     skipped = {k: v for r in results for k, v in r["skipped"].items()}
     _, why = transformers_all_to_all()
     return {
-        "schema": SCHEMA, "world": world, "options": options, "errors": errors, "skipped": skipped,
-        "transformers": why or "AllToAllEP", "summary": summarise(rows), "rows": rows,
+        "schema": SCHEMA,
+        "world": world,
+        "options": options,
+        "errors": errors,
+        "skipped": skipped,
+        "transformers": why or "AllToAllEP",
+        "summary": summarise(rows),
+        "rows": rows,
         "bytes": "bytes_sent: what a rank sends to other ranks (dispatch, combine); bandwidth = total / median time",
-    }  # fmt: skip
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m selector.parallel.bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m selector.parallel.bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True, type=Path, help="write the JSON report here")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--world", type=int, help="ranks (default: every CUDA GPU; 2 on the CPU)")
@@ -428,8 +485,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), help="tokens per rank")
     parser.add_argument("--backend", default="auto", help="the local experts backend (selector name or auto)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per cell")
-    parser.add_argument("--timeout", type=int, default=420, dest="timeout_s",
-                        help="seconds for the whole run before the ranks are killed")  # fmt: skip
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=420,
+        dest="timeout_s",
+        help="seconds for the whole run before the ranks are killed",
+    )
     return parser
 
 
@@ -459,8 +521,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.tokens) < 1 or args.rounds < 1:
         print("--tokens and --rounds must be at least 1", file=sys.stderr)
         return 2
-    options = {"device": args.device, "shapes": shapes, "tokens": args.tokens, "backend": args.backend,
-               "rounds": args.rounds, "timeout_s": args.timeout_s}  # fmt: skip
+    options = {
+        "device": args.device,
+        "shapes": shapes,
+        "tokens": args.tokens,
+        "backend": args.backend,
+        "rounds": args.rounds,
+        "timeout_s": args.timeout_s,
+    }
     report = run(options, world)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -40,9 +40,14 @@ def local_share(
 
 
 def _check(
-    local: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int,
-    world: int, seen: set[tuple[int, ...]] | None = None,
-) -> int:  # fmt: skip
+    local: torch.nn.Module,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    world: int,
+    seen: set[tuple[int, ...]] | None = None,
+) -> int:
     """Experts per rank, after checking the global routing (ids in [0, E) or the sentinel E) and the local module.
 
     `seen`: the input shapes whose values were checked already (the GPU default checks values once per shape)."""
@@ -58,9 +63,14 @@ def _check(
     if not layers.is_expert_parallel(local):
         raise ValueError("the local experts module must be marked expert-parallel (module._is_expert_parallel = True)")
     validate_inputs(
-        hidden, index, weights, num_experts=num_experts, hidden_size=hidden.shape[-1] if hidden.dim() == 2 else -1,
-        expert_parallel=True, seen=seen,
-    )  # fmt: skip
+        hidden,
+        index,
+        weights,
+        num_experts=num_experts,
+        hidden_size=hidden.shape[-1] if hidden.dim() == 2 else -1,
+        expert_parallel=True,
+        seen=seen,
+    )
     return per_rank
 
 
@@ -77,9 +87,13 @@ def experts_compute(local: torch.nn.Module, implementation: str | None = None) -
 
 
 def all_to_all_exchange(
-    group: dist.ProcessGroup | None, per_rank: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor, compute: Compute,
-) -> torch.Tensor:  # fmt: skip
+    group: dist.ProcessGroup | None,
+    per_rank: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    compute: Compute,
+) -> torch.Tensor:
     """Each token once to every rank owning one of its slots, `compute` there, the rows back, summed in rank order."""
     world = dist.get_world_size(group)
     tokens, hidden = hidden_states.shape
@@ -178,9 +192,14 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def padded_exchange(
-    group: dist.ProcessGroup | None, per_rank: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor, compute: Compute, capacity: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+    group: dist.ProcessGroup | None,
+    per_rank: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    compute: Compute,
+    capacity: int | None = None,
+) -> torch.Tensor:
     """Every rank's tokens, padded to `capacity` rows, to every rank in one gather; each rank runs `compute` on its
     experts' share of all of them and sends each source its rows back in one all-to-all of equal splits; the
     returned rows are summed in rank order. Shapes depend on the capacity only: nothing is read back to the host.
@@ -251,9 +270,13 @@ def _capturing(x: torch.Tensor) -> bool:
 
 
 def all_reduce_exchange(
-    group: dist.ProcessGroup | None, per_rank: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor, compute: Compute,
-) -> torch.Tensor:  # fmt: skip
+    group: dist.ProcessGroup | None,
+    per_rank: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    compute: Compute,
+) -> torch.Tensor:
     """Every rank's share of the same tokens (other ranks' slots as sentinels), summed over the group."""
     _, local_ids, local_weights = local_share(top_k_index, top_k_weights, dist.get_rank(group), per_rank)
     if hidden_states.shape[0]:
@@ -290,7 +313,16 @@ FORWARDS = {
 EXCHANGES = {"all_to_all": all_to_all_exchange, "all_to_all_padded": padded_exchange, "all_reduce": all_reduce_exchange}
 
 __all__ = [
-    "EXCHANGES", "FORWARDS", "Compute", "all_reduce_exchange", "all_reduce_forward", "all_to_all_exchange",
-    "all_to_all_forward", "all_to_all_padded_forward", "check_capacity", "experts_compute", "local_share",
+    "EXCHANGES",
+    "FORWARDS",
+    "Compute",
+    "all_reduce_exchange",
+    "all_reduce_forward",
+    "all_to_all_exchange",
+    "all_to_all_forward",
+    "all_to_all_padded_forward",
+    "check_capacity",
+    "experts_compute",
+    "local_share",
     "padded_exchange",
-]  # fmt: skip
+]

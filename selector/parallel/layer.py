@@ -231,5 +231,10 @@ def parallelize_experts(
 
 
 __all__ = [
-    "ExpertParallel", "capturing_now", "expert_parallel_forward", "facts_of", "parallelize_experts", "shard_experts",
-]  # fmt: skip
+    "ExpertParallel",
+    "capturing_now",
+    "expert_parallel_forward",
+    "facts_of",
+    "parallelize_experts",
+    "shard_experts",
+]

@@ -33,9 +33,13 @@ class StrategyLine:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "description": self.description, "tradeoff": self.tradeoff,
-            "capturable": self.capturable, **self.verdict.to_dict(), "captured": self.captured.to_dict(),
-        }  # fmt: skip
+            "name": self.name,
+            "description": self.description,
+            "tradeoff": self.tradeoff,
+            "capturable": self.capturable,
+            **self.verdict.to_dict(),
+            "captured": self.captured.to_dict(),
+        }
 
 
 @dataclass(frozen=True)
@@ -52,13 +56,19 @@ class ParallelSection:
     def to_dict(self) -> dict[str, Any]:
         f = self.facts
         return {
-            "source": self.source, "has_group": f.has_group, "world_size": f.world_size, "backend": f.backend,
-            "num_experts": f.num_experts, "same_tokens": f.same_tokens,
+            "source": self.source,
+            "has_group": f.has_group,
+            "world_size": f.world_size,
+            "backend": f.backend,
+            "num_experts": f.num_experts,
+            "same_tokens": f.same_tokens,
             "nccl_version": version_text(f.nccl_version) if f.nccl_version else None,
-            "nccl_source": self.nccl_source, "nccl_problem": f.nccl_problem,
-            "auto": self.chosen, "auto_captured": self.chosen_captured,
+            "nccl_source": self.nccl_source,
+            "nccl_problem": f.nccl_problem,
+            "auto": self.chosen,
+            "auto_captured": self.chosen_captured,
             "strategies": [line.to_dict() for line in self.lines],
-        }  # fmt: skip
+        }
 
 
 def _version_tuple(text: str) -> tuple[int, ...] | None:
@@ -91,9 +101,13 @@ def nccl_facts(
 
 
 def doctor_facts(
-    env: Environment, world_size: int, num_experts: int, backend: str | None = None, same_tokens: bool = False,
+    env: Environment,
+    world_size: int,
+    num_experts: int,
+    backend: str | None = None,
+    same_tokens: bool = False,
     environ: Mapping[str, str] | None = None,
-) -> tuple[ParallelFacts, str]:  # fmt: skip
+) -> tuple[ParallelFacts, str]:
     """The facts of a group of `world_size` ranks on this machine (nccl where torch has CUDA and a GPU is seen,
     else gloo, unless `backend` says), and where the NCCL facts came from."""
     version, source, problem = nccl_facts(env, environ)
@@ -176,19 +190,32 @@ def section_text(section: ParallelSection, ok: str, bad: str) -> list[str]:
 def section_markdown(section: ParallelSection) -> list[str]:
     """The section as markdown lines: a heading and one table row per strategy."""
     lines = [
-        f"## {section_title(section)}", "", "| strategy | eager | under CUDA graphs / torch.compile | reason | fix |",
+        f"## {section_title(section)}",
+        "",
+        "| strategy | eager | under CUDA graphs / torch.compile | reason | fix |",
         "|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for line in section.lines:
         v, c = line.verdict, line.captured
         reason = v.reason if not v.ok else (c.reason if not c.ok else v.reason)
         fix = v.remedy if not v.ok else c.remedy
-        lines.append(f"| {line.name} | {v.status.value} | {c.status.value} | {reason.replace('|', '/')} | "
-                     f"{fix.replace('|', '/')} |")  # fmt: skip
+        lines.append(
+            f"| {line.name} | {v.status.value} | {c.status.value} | {reason.replace('|', '/')} | "
+            f"{fix.replace('|', '/')} |"
+        )
     return lines
 
 
 __all__ = [
-    "NCCL_DISTRIBUTIONS", "ParallelSection", "StrategyLine", "build_section", "doctor_facts", "group_section",
-    "nccl_facts", "no_group_section", "section_markdown", "section_text", "section_title",
-]  # fmt: skip
+    "NCCL_DISTRIBUTIONS",
+    "ParallelSection",
+    "StrategyLine",
+    "build_section",
+    "doctor_facts",
+    "group_section",
+    "nccl_facts",
+    "no_group_section",
+    "section_markdown",
+    "section_text",
+    "section_title",
+]

@@ -184,6 +184,13 @@ def choose(facts: ParallelFacts, requested: str = AUTO) -> str:
 
 
 __all__ = [
-    "AUTO", "PREFERENCE", "STRATEGIES", "ParallelFacts", "Strategy", "check_strategy", "choose", "explain",
+    "AUTO",
+    "PREFERENCE",
+    "STRATEGIES",
+    "ParallelFacts",
+    "Strategy",
+    "check_strategy",
+    "choose",
+    "explain",
     "version_text",
-]  # fmt: skip
+]
