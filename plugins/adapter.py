@@ -3,7 +3,8 @@
 Declaring (no torch: `selector doctor` reads it without loading a kernel):
 - `Package` and `package_verdict`: the Python packages a kernel needs beside the ones `Requirements.packages`
   lists, judged from the probe facts (SELECTOR_PACKAGE_<NAME> overrides), with the install command as the fix;
-- `packages_check`, `steady_estimate`, `UNTRACED`: the check, estimate and declarations most adapters share;
+- `declare`, `backends_hook`: the declaration (`load` and `prepare` from the adapter's forward module) and
+  the plugin hook; `packages_check`, `steady_estimate`, `UNTRACED`: the check, estimate and flags most share;
 - `FirstCalls`: which layer shapes already paid their first-call cost (JIT compile, autotune) in this process,
   which `pending_cost` reads; `shape_key` is the ledger's key, read off the `Problem`;
 - `Library`: the lazy import of the library, an ImportError naming the package, the version and the fix.
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from selector.probes import Environment, probe_packages
 
-from selector import Availability, Status, hub
+from selector import Availability, BackendSpec, Requirements, Status, hookimpl, hub
 from selector.costmodel import floor_seconds
 from selector.requirements import version_tuple
 from selector.types import ExpertsForward, ExpertsPlan, Problem
@@ -101,6 +102,24 @@ def steady_estimate(host_seconds: float, efficiency: float, pending: Callable[[P
         return steady + pending(problem, env) / hub.amortize_calls()
 
     return estimate
+
+
+def declare(name: str, forward: str, requirements: Requirements, **fields: Any) -> BackendSpec:
+    """The declaration of backend `name` whose module `forward` (imported on first use) defines `load()` and
+    `prepare(module, problem)`; `fields`: the rest of `BackendSpec`."""
+    return BackendSpec(name=name, load=lazy(forward, "load"), prepare=lazy(forward, "prepare"),
+                       requirements=requirements, **fields)  # fmt: skip
+
+
+def backends_hook(*specs: BackendSpec) -> Callable[[], Sequence[BackendSpec]]:
+    """The `selector_backends` hook of a plugin module that declares these backends:
+    `selector_backends = backends_hook(SPEC)`."""
+
+    @hookimpl
+    def selector_backends() -> Sequence[BackendSpec]:
+        return list(specs)
+
+    return selector_backends
 
 
 # BackendSpec(**UNTRACED, ...): run neither under torch.compile nor inside CUDA-graph capture (until verified)
@@ -304,7 +323,7 @@ def refuse_unless_silu_gated(module: torch.nn.Module, backend: str, runs: str, i
 
 
 __all__ = [
-    "UNTRACED", "FirstCalls", "KernelPlan", "Library", "Package", "call_problem", "differentiates_weights",
-    "forward_of", "kernel_routing", "lazy", "package_verdict", "packages_check", "refuse_unless_silu_gated",
-    "shape_key", "steady_estimate",
+    "UNTRACED", "FirstCalls", "KernelPlan", "Library", "Package", "declare", "backends_hook", "call_problem",
+    "differentiates_weights", "forward_of", "kernel_routing", "lazy", "package_verdict", "packages_check",
+    "refuse_unless_silu_gated", "shape_key", "steady_estimate",
 ]  # fmt: skip

@@ -12,14 +12,12 @@ Nothing here imports torch: declaring and judging the backend stays cheap for `s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from dataclasses import replace
 
-from selector.plugins.adapter import FirstCalls, lazy, shape_key
+from selector.plugins import adapter
 from selector.probes import Environment
 
-from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
+from selector import Availability, Problem, Requirements, Status, ToolkitRule, hub
 from selector.costmodel import floor_seconds
 from selector.types import EVERY_LAYOUT
 
@@ -91,13 +89,13 @@ def config_check(problem: Problem, env: Environment) -> Availability | None:
 # later adds ~7 s. DeepGEMM keeps its builds on disk across processes, which this in-process record does not see.
 JIT_SECONDS = 12.0
 SHAPE = ("num_experts", "hidden_size", "intermediate_size", "gated", "is_transposed", "weight_format", "scale_format")
-COMPILED = FirstCalls(JIT_SECONDS)  # layer shapes this process has run
+COMPILED = adapter.FirstCalls(JIT_SECONDS)  # layer shapes this process has run
 
 
 def problem_key(problem: Problem) -> tuple:
     """The ledger key of a layer (dense experts have no scale format)."""
     dense = problem.weight_format == "dense"
-    return shape_key(replace(problem, scale_format=None) if dense else problem, SHAPE)
+    return adapter.shape_key(replace(problem, scale_format=None) if dense else problem, SHAPE)
 
 
 def forget_compiled() -> None:
@@ -119,13 +117,10 @@ def _pending(problem: Problem, env: Environment) -> float:
     return COMPILED.pending(problem_key(problem)) + hub.pending_download_seconds(KERNEL, env)
 
 
-FORWARD = "selector.plugins.deepgemm.forward"
-
-SPEC = BackendSpec(
-    name="deepgemm",
-    load=lazy(FORWARD, "load"),
-    prepare=lazy(FORWARD, "prepare"),
-    requirements=REQUIREMENTS,
+SPEC = adapter.declare(
+    "deepgemm",
+    "selector.plugins.deepgemm.forward",
+    REQUIREMENTS,
     description=f"DeepGEMM M-grouped GEMMs from {KERNEL} (bf16, FP8; FP4 on Blackwell)",
     check=hub.kernel_check(KERNEL, machine=machine_check, config=config_check),
     estimate=_estimate,
@@ -140,9 +135,7 @@ SPEC = BackendSpec(
 )
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [SPEC]
+selector_backends = adapter.backends_hook(SPEC)
 
 
 __all__ = ["COMPILED", "KERNEL", "SPEC", "forget_compiled", "problem_key", "selector_backends"]

@@ -13,13 +13,12 @@ written against DeepGEMM's documented API (`deep_gemm.mega`) and tested with a f
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 
-from selector.plugins.adapter import UNTRACED, lazy
+from selector.plugins import adapter
 from selector.plugins.deepgemm import KERNEL
 from selector.probes import Environment
 
-from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
+from selector import Availability, Problem, Requirements, Status, ToolkitRule, hub
 
 BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 9), family="Blackwell")
 
@@ -62,17 +61,14 @@ def process_group_check(problem: Problem, env: Environment) -> Availability | No
     )
 
 
-FORWARD = "selector.plugins.deepgemm_megamoe.forward"
-
-SPEC = BackendSpec(
-    name="deepgemm_megamoe",
-    load=lazy(FORWARD, "load"),
-    prepare=lazy(FORWARD, "prepare"),
-    requirements=REQUIREMENTS,
+SPEC = adapter.declare(
+    "deepgemm_megamoe",
+    "selector.plugins.deepgemm_megamoe.forward",
+    REQUIREMENTS,
     description=f"DeepGEMM Mega MoE: fused FP8 x FP4 EP MoE on Blackwell, from {KERNEL}",
     check=hub.kernel_check(KERNEL, config=process_group_check),
     estimate=None,  # never measured: sorts after every backend that has an estimate
-    **UNTRACED,  # not verified under torch.compile nor in CUDA graphs: declared unsupported until it is
+    **adapter.UNTRACED,  # not verified under torch.compile nor in CUDA graphs: declared unsupported until it is
     differentiable=frozenset(),  # inference-only fused kernel (its forward raises while autograd records)
     first_call_cost=(
         f"downloads {KERNEL} unless cached; JIT-compiles with nvcc on the first call of a shape; allocates its "
@@ -82,6 +78,4 @@ SPEC = BackendSpec(
 )
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [SPEC]
+selector_backends = adapter.backends_hook(SPEC)

@@ -23,14 +23,10 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from selector.probes import Environment
-
-from selector.plugins.adapter import UNTRACED, FirstCalls, Package, lazy, package_verdict, steady_estimate
+from selector.plugins import adapter
 from selector.probes import Environment, probe_packages
 
-from selector import Availability, BackendSpec, Problem, Requirements, Status, ToolkitRule, hookimpl, hub
+from selector import Availability, Problem, Requirements, Status, ToolkitRule, hub
 from selector.requirements import version_tuple
 
 DISTRIBUTION = "flashinfer-python"
@@ -38,9 +34,9 @@ MIN_VERSION = "0.6.13"  # the release measured here (`flashinfer.fused_moe.cutla
 OFFLINE_DOC = "docs/offline-kernels.md#flashinfer-cutlass-fused-moe"
 # FlashInfer, then what its JIT build and its TVM-FFI binding need beside it (read from its METADATA and imports)
 PACKAGES = (
-    Package(DISTRIBUTION, MIN_VERSION, "FlashInfer's fused MoE", OFFLINE_DOC),
-    Package("apache-tvm-ffi", "0.1.6", "FlashInfer's JIT build and kernel binding", OFFLINE_DOC),
-    Package("ninja", "", "FlashInfer's JIT build and kernel binding", OFFLINE_DOC),
+    adapter.Package(DISTRIBUTION, MIN_VERSION, "FlashInfer's fused MoE", OFFLINE_DOC),
+    adapter.Package("apache-tvm-ffi", "0.1.6", "FlashInfer's JIT build and kernel binding", OFFLINE_DOC),
+    adapter.Package("ninja", "", "FlashInfer's JIT build and kernel binding", OFFLINE_DOC),
 )
 INSTALL = PACKAGES[0].install()
 # Not needed by the fused MoE, but where installed FlashInfer's package __init__ imports its CuTe-DSL kernels,
@@ -63,7 +59,7 @@ REQUIREMENTS = Requirements(
 )
 
 JIT_SECONDS = 2700.0  # H200 machine, 14 build jobs: 30 of 182 objects in 490 s
-BUILT = FirstCalls(JIT_SECONDS)  # architectures whose fused-MoE module this process has built or loaded
+BUILT = adapter.FirstCalls(JIT_SECONDS)  # architectures whose fused-MoE module this process has built or loaded
 HOST_SECONDS = 0.06e-3  # one fused launch sequence from Python
 EFFICIENCY = 1.5  # a guess until measured beside ours: a CUTLASS grouped GEMM pair with fused epilogues
 
@@ -87,7 +83,7 @@ def _pending(problem: Problem, env: Environment) -> float:
 def package_check(env: Environment) -> Availability | None:
     """None when FlashInfer and its companions are installed (SELECTOR_PACKAGE_<NAME> overrides the probes) and
     no nvidia-cutlass-dsl its import rejects is."""
-    verdict = package_verdict(PACKAGES, env)
+    verdict = adapter.package_verdict(PACKAGES, env)
     if verdict is not None:
         return verdict
     dsl = env.package(CUTLASS_DSL) or probe_packages((CUTLASS_DSL,))[0]
@@ -120,27 +116,22 @@ def _check(problem: Problem, env: Environment) -> Availability | None:
     return None
 
 
-FORWARD = "selector.plugins.flashinfer_cutlass.forward"
-
-SPEC = BackendSpec(
-    name="flashinfer_cutlass",
-    load=lazy(FORWARD, "load"),
-    prepare=lazy(FORWARD, "prepare"),
-    requirements=REQUIREMENTS,
+SPEC = adapter.declare(
+    "flashinfer_cutlass",
+    "selector.plugins.flashinfer_cutlass.forward",
+    REQUIREMENTS,
     description="FlashInfer CUTLASS fused MoE (grouped GEMMs with fused SwiGLU and combine)",
     check=_check,
-    estimate=steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),
+    estimate=adapter.steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),
     pending_cost=_pending,
-    **UNTRACED,  # an opaque TVM-FFI call that builds with nvcc on first use; capture not verified
+    **adapter.UNTRACED,  # an opaque TVM-FFI call that builds with nvcc on first use; capture not verified
     differentiable=frozenset(),  # forward only
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/flashinfer-ai/flashinfer",
 )
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [SPEC]
+selector_backends = adapter.backends_hook(SPEC)
 
 
 __all__ = ["BUILT", "DISTRIBUTION", "INSTALL", "MIN_VERSION", "OFFLINE_DOC", "SPEC", "arch_of", "selector_backends"]

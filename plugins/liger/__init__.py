@@ -21,17 +21,16 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from selector.plugins.adapter import UNTRACED, FirstCalls, Package, lazy, packages_check, shape_key, steady_estimate
+from selector.plugins import adapter
 from selector.probes import Environment
 
-from selector import BackendSpec, Problem, Requirements, hookimpl, hub
+from selector import Problem, Requirements, hub
 
 DISTRIBUTION = "liger-kernel"
 MIN_VERSION = "0.8.5"  # the first release measured here with `ops.fused_moe`
 OFFLINE_DOC = "docs/offline-kernels.md#liger-kernel"
-PACKAGES = (Package(DISTRIBUTION, MIN_VERSION, "its fused MoE kernels, liger_kernel.ops.fused_moe", OFFLINE_DOC),)
+PACKAGES = (adapter.Package(DISTRIBUTION, MIN_VERSION, "its fused MoE kernels, liger_kernel.ops.fused_moe",
+                            OFFLINE_DOC),)
 INSTALL = PACKAGES[0].install()
 
 REQUIREMENTS = Requirements(
@@ -49,7 +48,7 @@ AUTOTUNE_SECONDS = 240.0  # 32 configs for each of its GEMMs, once per (H, I) pe
 HOST_SECONDS = 0.25e-3  # the host sync and about ten launches per call
 EFFICIENCY = 1.9  # measured: 1.23-1.8x our time at T >= 64, ours ~1.1-1.5x the floor
 SHAPE = ("hidden_size", "intermediate_size")  # Liger's autotuner keys its GEMM configs on (H, I)
-TUNED = FirstCalls(AUTOTUNE_SECONDS)
+TUNED = adapter.FirstCalls(AUTOTUNE_SECONDS)
 
 FIRST_CALL_COST = (
     f"autotunes 32 Triton configs per GEMM on the first call of each (hidden, intermediate) shape (auto counts "
@@ -59,30 +58,25 @@ FIRST_CALL_COST = (
 
 
 def _pending(problem: Problem, env: Environment) -> float:
-    return TUNED.pending(shape_key(problem, SHAPE))
+    return TUNED.pending(adapter.shape_key(problem, SHAPE))
 
 
-FORWARD = "selector.plugins.liger.forward"
-
-SPEC = BackendSpec(
-    name="liger",
-    load=lazy(FORWARD, "load"),
-    prepare=lazy(FORWARD, "prepare"),
-    requirements=REQUIREMENTS,
+SPEC = adapter.declare(
+    "liger",
+    "selector.plugins.liger.forward",
+    REQUIREMENTS,
     description="Liger-Kernel fused MoE (Triton grouped GEMMs with fused SwiGLU)",
-    check=packages_check(PACKAGES),
-    estimate=steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),  # max(host time, 1.9 x the floor) + autotuning
+    check=adapter.packages_check(PACKAGES),
+    estimate=adapter.steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),  # max(host, 1.9 x floor) + autotuning
     pending_cost=_pending,
-    **UNTRACED,  # `.item()` inside (a graph break at best): one host sync per call (the M-tile count)
+    **adapter.UNTRACED,  # `.item()` inside (a graph break at best): one host sync per call (the M-tile count)
     differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/linkedin/Liger-Kernel",
 )
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [SPEC]
+selector_backends = adapter.backends_hook(SPEC)
 
 
 __all__ = ["DISTRIBUTION", "INSTALL", "MIN_VERSION", "OFFLINE_DOC", "SHAPE", "SPEC", "TUNED", "selector_backends"]

@@ -25,13 +25,12 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
-from selector.plugins.adapter import UNTRACED, FirstCalls, Package, lazy, package_verdict, shape_key
+from selector.plugins import adapter
 from selector.probes import Environment
 
-from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl, hub, settings
+from selector import Availability, Problem, Requirements, Status, hub, settings
 from selector.costmodel import floor_seconds, tokens
 
 KERNEL = hub.PINS["sonic-moe"]
@@ -57,7 +56,7 @@ REQUIREMENTS = Requirements(
 )
 
 # not among the default probes: asked for here (SELECTOR_PACKAGE_APACHE_TVM_FFI works)
-PACKAGES = (Package("apache-tvm-ffi", "0.1.10", "SonicMoE's CuTe-DSL kernels call through it"),)
+PACKAGES = (adapter.Package("apache-tvm-ffi", "0.1.10", "SonicMoE's CuTe-DSL kernels call through it"),)
 HOST_SECONDS = 0.9e-3  # measured: ~0.75-1.5 ms per call at T <= 64 on the H200 (host-bound)
 EFFICIENCY = 1.65  # measured: 1.3-1.8x the floor at T >= 4096
 AMORTIZE_VARIABLE = hub.AMORTIZE_VARIABLE
@@ -65,8 +64,8 @@ SHAPE_JIT_SECONDS = 60.0  # measured 25-144 s on the first call of a shape
 TOKEN_JIT_SECONDS = 2.0  # measured ~2 s for each new token count
 # what it compiles per: the layer's shape (its activation as the kernel's ActivationType), then each token count
 SHAPE = ("num_experts", "hidden_size", "intermediate_size", "top_k", "dtype", "activation", "has_bias", "interleaved")
-SHAPES = FirstCalls(SHAPE_JIT_SECONDS)
-TOKENS = FirstCalls(TOKEN_JIT_SECONDS)  # (shape key, padded token count)
+SHAPES = adapter.FirstCalls(SHAPE_JIT_SECONDS)
+TOKENS = adapter.FirstCalls(TOKEN_JIT_SECONDS)  # (shape key, padded token count)
 
 FIRST_CALL_COST = (
     f"downloads {KERNEL} on first use unless cached or local; JIT-compiles 25-144 s on the first call of a "
@@ -86,7 +85,7 @@ def padded_tokens(num_tokens: int) -> int:
 def problem_key(problem: Problem) -> tuple:
     """The ledger key of a layer (gelu and tanh-gelu run the same GEGLU kernel)."""
     kernel_activation = ACTIVATION_TYPES.get(problem.activation, problem.activation)
-    return shape_key(replace(problem, activation=kernel_activation), SHAPE)
+    return adapter.shape_key(replace(problem, activation=kernel_activation), SHAPE)
 
 
 def record_compiled(key: tuple, num_tokens: int) -> None:
@@ -121,7 +120,7 @@ def _estimate(problem: Problem, env: Environment) -> float:
 
 
 def _packages(problem: Problem, env: Environment) -> Availability | None:
-    return package_verdict(PACKAGES, env)
+    return adapter.package_verdict(PACKAGES, env)
 
 
 def unsupported_activation(problem: Problem) -> str | None:
@@ -149,19 +148,18 @@ def _activation(problem: Problem, env: Environment) -> Availability | None:
 
 FORWARD = "selector.plugins.sonicmoe.forward"
 # warm_up(module, token_counts, top_k): compile SonicMoE for `module`'s shape and these token counts now
-warm_up = lazy(FORWARD, "warm_up")
+warm_up = adapter.lazy("selector.plugins.sonicmoe.forward", "warm_up")
 
 
-SPEC = BackendSpec(
-    name="sonicmoe",
-    load=lazy(FORWARD, "load"),
-    prepare=lazy(FORWARD, "prepare"),
-    requirements=REQUIREMENTS,
+SPEC = adapter.declare(
+    "sonicmoe",
+    "selector.plugins.sonicmoe.forward",
+    REQUIREMENTS,
     description=f"SonicMoE fused gated MoE (CuTe DSL) from {KERNEL}",
     check=hub.kernel_check(KERNEL, machine=_packages, config=_activation),
     estimate=_estimate,
     pending_cost=_pending,
-    **UNTRACED,  # the kernel asserts it is not being compiled; JIT on the first call of a shape / token bucket
+    **adapter.UNTRACED,  # the kernel asserts it is not being compiled; JIT on the first call of a shape / token bucket
     # the hub kernel runs its own autograd Function when grad is enabled (is_inference_mode_enabled=False), and
     # the plan copies the weights per run then, so the gradients reach the parameters
     differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
@@ -170,9 +168,7 @@ SPEC = BackendSpec(
 )
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [SPEC]
+selector_backends = adapter.backends_hook(SPEC)
 
 
 __all__ = [

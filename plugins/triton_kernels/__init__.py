@@ -23,12 +23,11 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
 
-from selector.plugins.adapter import UNTRACED, FirstCalls, lazy, shape_key, steady_estimate
+from selector.plugins import adapter
 from selector.probes import Environment, package_variable, probe_packages
 
-from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl, hub
+from selector import Availability, Problem, Requirements, Status, hub
 
 # OpenAI's `triton_kernels` has no PyPI distribution of its own: it is installed from Triton's repository
 # (`python/triton_kernels`, distribution `triton_kernels`) or found as a copied tree (e.g. the copy vLLM ships
@@ -71,11 +70,11 @@ FIRST_CALL_COST = (
 
 # the layer facts its Triton JIT compiles per (E, H, I, k, dtype, layout)
 SHAPE = ("num_experts", "hidden_size", "intermediate_size", "top_k", "dtype", "gated", "has_bias", "is_transposed")
-COMPILED = FirstCalls(JIT_SECONDS)
+COMPILED = adapter.FirstCalls(JIT_SECONDS)
 
 
 def _pending(problem: Problem, env: Environment) -> float:
-    return COMPILED.pending(shape_key(problem, SHAPE))
+    return COMPILED.pending(adapter.shape_key(problem, SHAPE))
 
 
 def locate() -> str | None:
@@ -104,29 +103,24 @@ def package_check(problem: Problem, env: Environment) -> Availability | None:
     )
 
 
-FORWARD = "selector.plugins.triton_kernels.forward"
-
-SPEC = BackendSpec(
-    name="triton_kernels",
-    load=lazy(FORWARD, "load"),
-    prepare=lazy(FORWARD, "prepare"),
-    requirements=REQUIREMENTS,
+SPEC = adapter.declare(
+    "triton_kernels",
+    "selector.plugins.triton_kernels.forward",
+    REQUIREMENTS,
     description="OpenAI triton_kernels matmul_ogs (ragged gather/scatter grouped GEMMs, GPT-OSS's path)",
     check=package_check,
-    estimate=steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),
+    estimate=adapter.steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),
     pending_cost=_pending,
     # Python planning (opt flags, descriptors) around the launches: not traced; no host sync, but capture not
     # verified, and Triton JIT-compiles on the first call of a shape
-    **UNTRACED,
+    **adapter.UNTRACED,
     differentiable=frozenset(),  # forward only here
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/triton-lang/triton/tree/main/python/triton_kernels",
 )
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [SPEC]
+selector_backends = adapter.backends_hook(SPEC)
 
 
 __all__ = ["COMPILED", "DISTRIBUTION", "INSTALL", "OFFLINE_DOC", "SHAPE", "SPEC", "locate", "package_check",
