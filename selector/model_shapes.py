@@ -50,8 +50,13 @@ class ModelShape:
     def layout(self) -> str:
         """The weight layout in words: "plain", or its departures from it ("bias, transposed, interleaved")."""
         p = self.problem
-        flags = [name for name, on in (("non-gated", not p.gated), ("bias", p.has_bias),
-                                       ("transposed", p.is_transposed), ("interleaved", p.interleaved)) if on]
+        departures = (
+            ("non-gated", not p.gated),
+            ("bias", p.has_bias),
+            ("transposed", p.is_transposed),
+            ("interleaved", p.interleaved),
+        )
+        flags = [name for name, on in departures if on]
         if p.weight_format != "dense":
             flags.append(p.weight_format if p.scale_format is None else f"{p.weight_format}/{p.scale_format}")
         return ", ".join(flags) or "plain"
@@ -59,13 +64,21 @@ class ModelShape:
     def to_dict(self) -> dict[str, Any]:
         p = self.problem
         return {
-            "scopes": list(self.scopes), "experts": p.num_experts, "hidden": p.hidden_size,
-            "intermediate": p.intermediate_size, "top_k": p.top_k, "dtype": p.dtype, "layout": self.layout,
-            "activation": p.activation if p.gate.is_default else p.gate.label(), "key": problem_key(p),
-            "status": self.status, "tile_table": self.tile_table,
+            "scopes": list(self.scopes),
+            "experts": p.num_experts,
+            "hidden": p.hidden_size,
+            "intermediate": p.intermediate_size,
+            "top_k": p.top_k,
+            "dtype": p.dtype,
+            "layout": self.layout,
+            "activation": p.activation if p.gate.is_default else p.gate.label(),
+            "key": problem_key(p),
+            "status": self.status,
+            "tile_table": self.tile_table,
             "measured": {mode: list(tokens) for mode, tokens in self.measured.items()},
-            "tune_command": self.tune_command, "notes": list(self.notes),
-        }  # fmt: skip
+            "tune_command": self.tune_command,
+            "notes": list(self.notes),
+        }
 
 
 @dataclass(frozen=True)
@@ -79,8 +92,13 @@ class ModelSection:
     notes: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "name": self.name, "gpu": self.gpu,
-                "shapes": [s.to_dict() for s in self.shapes], "notes": list(self.notes)}  # fmt: skip
+        return {
+            "source": self.source,
+            "name": self.name,
+            "gpu": self.gpu,
+            "shapes": [s.to_dict() for s in self.shapes],
+            "notes": list(self.notes),
+        }
 
 
 def read_model_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -89,8 +107,10 @@ def read_model_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         where = f"{path} has no config.json" if path.is_dir() else f"{path} does not exist"
-        raise ModelConfigError(f"{where}: give a Transformers config.json or the model folder holding one "
-                               "(a hub model: download its config.json first)")  # fmt: skip
+        raise ModelConfigError(
+            f"{where}: give a Transformers config.json or the model folder holding one (a hub model: download its "
+            "config.json first)"
+        )
     try:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -171,8 +191,8 @@ def tile_table(problem: Problem, gpu: str) -> str | None:
     if problem.weight_format != "dense":
         return None
     key = f"E={problem.num_experts},H={problem.hidden_size},I={problem.intermediate_size},k={problem.top_k}"
-    own = key + "".join(f",{n}" for n, on in (("transposed", problem.is_transposed),
-                                             ("interleaved", problem.interleaved)) if on)  # fmt: skip
+    layout = (("transposed", problem.is_transposed), ("interleaved", problem.interleaved))
+    own = key + "".join(f",{name}" for name, on in layout if on)
     file = gpu.strip().replace(" ", "_").replace("/", "_") + ".json"
     shipped, user = _fused_table_dirs()
     for where, folder in (("node", user), ("shipped", shipped)):
@@ -195,8 +215,10 @@ def tune_command(problem: Problem, source: Path, from_file: Problem | None) -> s
     the size flags (with --dtype and --format)."""
     if problem == from_file:
         return f"selector tune {shlex.quote(str(source))}"
-    flags = (f"selector tune --experts {problem.num_experts} --hidden {problem.hidden_size} --intermediate "
-             f"{problem.intermediate_size} --top-k {problem.top_k} --dtype {problem.dtype}")  # fmt: skip
+    flags = (
+        f"selector tune --experts {problem.num_experts} --hidden {problem.hidden_size} --intermediate "
+        f"{problem.intermediate_size} --top-k {problem.top_k} --dtype {problem.dtype}"
+    )
     formats = {("fp8_block", "float32"): "fp8-f32", ("fp8_block", "ue8m0"): "fp8-ue8m0", ("fp4", "ue8m0"): "fp4"}
     fmt = formats.get((problem.weight_format, problem.scale_format))
     return flags + (f" --format {fmt}" if fmt else "")
@@ -219,9 +241,8 @@ def model_section(path: str | Path, env: Environment, table: TuningTable) -> Mod
     for scopes, problem in found:
         tiles, measured = tile_table(problem, gpu), _measured(table, gpu, problem)
         status = TUNED if measured else TABLED if tiles else ESTIMATED
-        shape_notes = _layout_notes(problem, from_file)
-        shapes.append(ModelShape(scopes, problem, status, tiles, measured, tune_command(problem, file, from_file),
-                                 shape_notes))  # fmt: skip
+        command = tune_command(problem, file, from_file)
+        shapes.append(ModelShape(scopes, problem, status, tiles, measured, command, _layout_notes(problem, from_file)))
     name = str(config.get("_name_or_path") or (file.parent.name if file.parent.name else config.get("model_type")))
     return ModelSection(str(file), name, gpu, tuple(shapes), tuple(notes))
 

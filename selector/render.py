@@ -76,8 +76,8 @@ def model_lines(m: ModelSection) -> list[str]:
     """The model section as text: one line per distinct experts shape, its status and the command tuning it."""
     counts = status_counts(m.shapes)
     summary = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
-    lines = [f"Model {m.name} ({m.source}) on {m.gpu}: {len(m.shapes)} distinct experts shape"
-             f"{'s' * (len(m.shapes) != 1)} ({summary})"]  # fmt: skip
+    plural = "s" * (len(m.shapes) != 1)
+    lines = [f"Model {m.name} ({m.source}) on {m.gpu}: {len(m.shapes)} distinct experts shape{plural} ({summary})"]
     for s in m.shapes:
         mark = OK if s.status != "estimated" else WARN
         where = f"  [{', '.join(x or 'config' for x in s.scopes)}]" if any(s.scopes) else ""

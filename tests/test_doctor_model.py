@@ -22,11 +22,25 @@ from selector.tuning_store import current_fingerprints
 
 H200 = {"SELECTOR_GPUS": "NVIDIA H200:9.0:141", "SELECTOR_PACKAGE_TRITON": "3.6.0", "PATH": ""}
 H100 = {"SELECTOR_GPUS": "NVIDIA H100 80GB HBM3:9.0:80", "SELECTOR_PACKAGE_TRITON": "3.6.0", "PATH": ""}
-QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-         "torch_dtype": "bfloat16", "hidden_act": "silu"}  # fmt: skip
-GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32,
-           "num_experts_per_tok": 4, "torch_dtype": "bfloat16"}  # fmt: skip
+QWEN3 = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+}
+GPT_OSS = {
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "torch_dtype": "bfloat16",
+}
 
 
 def _model(tmp_path: Path, config: dict[str, Any], name: str = "model") -> Path:
@@ -89,8 +103,13 @@ def test_gpt_oss_layout_and_a_float32_model(tmp_path: Path) -> None:
 
 def test_every_distinct_shape_of_the_sub_configs_is_listed_once(tmp_path: Path) -> None:
     text = {**QWEN3, "model_type": "qwen3_vl_moe_text"}
-    talker = {"hidden_size": 1024, "moe_intermediate_size": 384, "num_experts": 64, "num_experts_per_tok": 4,
-              "torch_dtype": "bfloat16"}  # fmt: skip
+    talker = {
+        "hidden_size": 1024,
+        "moe_intermediate_size": 384,
+        "num_experts": 64,
+        "num_experts_per_tok": 4,
+        "torch_dtype": "bfloat16",
+    }
     config = {"model_type": "omni", "text_config": text, "vision_config": {"hidden_size": 1152},
               "talker_config": {"text_config": talker}, "assistant_config": {"text_config": dict(text)}}
     section = _section(_model(tmp_path, config), H200)
@@ -109,10 +128,13 @@ def test_fp8_weights_are_named_and_tuned_with_their_format(tmp_path: Path) -> No
     assert shape.layout == "fp8_block/float32" and shape.status == "estimated"  # the dense tables do not apply
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    ({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008}, "describes no experts layer"),
-    ({"num_experts": 8, "hidden_size": 64}, "no intermediate size per expert"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008}, "describes no experts layer"),
+        ({"num_experts": 8, "hidden_size": 64}, "no intermediate size per expert"),
+    ],
+)
 def test_a_config_without_experts_says_so(tmp_path: Path, config: dict[str, Any], message: str) -> None:
     with pytest.raises(ModelConfigError, match=message):
         _section(_model(tmp_path, config), H200)
@@ -145,25 +167,34 @@ def test_one_report_renders_as_text_markdown_and_json(tmp_path: Path) -> None:
 
 def _doctor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {**os.environ, **env}
-    return subprocess.run([sys.executable, "-m", "selector.cli", "doctor", *args], capture_output=True, text=True,
-                          env=environ, timeout=120)  # fmt: skip
+    command = [sys.executable, "-m", "selector.cli", "doctor", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=120)
 
 
 def test_the_command_reads_a_folder_without_torch_or_network(tmp_path: Path) -> None:
     folder = _model(tmp_path, QWEN3)
-    env = {"SELECTOR_GPUS": "NVIDIA H200:9.0:141", "SELECTOR_DRIVER_VERSION": "580.159.04",
-           "SELECTOR_PACKAGE_TRITON": "3.6.0", "SELECTOR_TUNING_STORE": str(tmp_path / "store.sqlite3"),
-           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    env = {
+        "SELECTOR_GPUS": "NVIDIA H200:9.0:141",
+        "SELECTOR_DRIVER_VERSION": "580.159.04",
+        "SELECTOR_PACKAGE_TRITON": "3.6.0",
+        "SELECTOR_TUNING_STORE": str(tmp_path / "store.sqlite3"),
+        "HF_HUB_OFFLINE": "1",
+    }
     result = _doctor("--json", "--model", str(folder), **env)
     assert result.returncode == 0, result.stderr
     shapes = json.loads(result.stdout)["model"]["shapes"]
     assert [(s["experts"], s["status"]) for s in shapes] == [(128, "tabled")]
     bad = _doctor("--model", str(tmp_path / "nowhere"), **env)
     assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
-    probe = subprocess.run([sys.executable, "-c", (
-        "import sys\nfrom selector.model_shapes import model_section\nfrom selector.probes import collect_environment\n"
+    script = (
+        "import sys\n"
+        "from selector.model_shapes import model_section\n"
+        "from selector.probes import collect_environment\n"
         "from selector.tuning import TuningTable\n"
         f"s = model_section({str(folder)!r}, collect_environment({{'SELECTOR_GPUS': 'NVIDIA H200:9.0'}}), "
-        "TuningTable('x'))\nassert s.shapes[0].status == 'tabled'\nassert 'torch' not in sys.modules, 'torch'\n"
-    )], capture_output=True, text=True, timeout=120)  # fmt: skip
+        "TuningTable('x'))\n"
+        "assert s.shapes[0].status == 'tabled'\n"
+        "assert 'torch' not in sys.modules, 'torch'\n"
+    )
+    probe = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr

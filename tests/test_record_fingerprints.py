@@ -23,8 +23,12 @@ from selector.tuning import Fingerprints, TuningTable, measured_for
 from selector.tuning_store import TuningStore, current_fingerprints
 from selector.types import Problem
 
-ENV = {"SELECTOR_GPUS": "NVIDIA H200:9.0:141", "SELECTOR_PACKAGE_TORCH": "2.9.0", "SELECTOR_PACKAGE_TRITON": "3.6.0",
-       "PATH": ""}  # fmt: skip
+ENV = {
+    "SELECTOR_GPUS": "NVIDIA H200:9.0:141",
+    "SELECTOR_PACKAGE_TORCH": "2.9.0",
+    "SELECTOR_PACKAGE_TRITON": "3.6.0",
+    "PATH": "",
+}
 GPU = "NVIDIA H200"
 PROBLEM = Problem(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2, num_tokens=4, device="cuda")
 KEY = tuning.problem_key(PROBLEM)
@@ -87,8 +91,8 @@ def _install(roots: list[Path], environ: dict[str, str] | None = None) -> Regist
 
 
 def _record(fingerprint: str, backend: str, **changes: Any) -> dict[str, Any]:
-    return {"fingerprint": fingerprint, "gpu": GPU, "problem": KEY, "mode": "eager", "tokens": 4,
-            "backend": backend, "time_s": 1e-4, **changes}  # fmt: skip
+    record = {"fingerprint": fingerprint, "gpu": GPU, "problem": KEY, "mode": "eager", "tokens": 4}
+    return {**record, "backend": backend, "time_s": 1e-4, **changes}
 
 
 @pytest.fixture
