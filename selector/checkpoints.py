@@ -58,8 +58,13 @@ def read_quantization_config(config: Any) -> dict[str, Any]:
     ``FineGrainedFP8Config``, or a path to a checkpoint directory / config.json. Keys it does not give are None.
     """
     if config is None:
-        return {"weight_format": None, "scale_format": None, "block_size": None, "activation_quant": None,
-                "dequantize": False}  # fmt: skip
+        return {
+            "weight_format": None,
+            "scale_format": None,
+            "block_size": None,
+            "activation_quant": None,
+            "dequantize": False,
+        }
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
@@ -239,8 +244,15 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
 class _Expect:
     """What every weight and scale tensor of one quantised experts module must be, and the checks."""
 
-    def __init__(self, prefix: str, qc: Mapping[str, Any], declared: bool, first_weight: torch.Tensor,
-                 first_scale: torch.Tensor | None, where: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        prefix: str,
+        qc: Mapping[str, Any],
+        declared: bool,
+        first_weight: torch.Tensor,
+        first_scale: torch.Tensor | None,
+        where: str,
+    ) -> None:
         self.prefix, self.where = prefix, where
         self.why = "config.json's quantization_config says so" if declared else "its weights are quantised"
         fp4 = first_weight.dtype in _FP4_WEIGHT_DTYPES
@@ -260,8 +272,12 @@ class _Expect:
     def weight(self, name: str, t: torch.Tensor) -> None:
         if t.dtype not in self.weight_dtypes:
             kind = "fp4" if self.fp4 else "fp8"
-            fix = ("remove quantization_config from config.json if the checkpoint is dense, or load the quantised "
-                   "checkpoint") if "config" in self.why else "store every expert's weights in one format"  # fmt: skip
+            fix = "store every expert's weights in one format"
+            if "config" in self.why:
+                fix = (
+                    "remove quantization_config from config.json if the checkpoint is dense, or load the quantised "
+                    "checkpoint"
+                )
             raise ValueError(
                 f"{name} is {t.dtype}, but the checkpoint is {kind} ({self.why}): expected "
                 f"{_names(self.weight_dtypes)} ({self.where}); fix: {fix}"
@@ -279,8 +295,10 @@ class _Expect:
             try:
                 self.block = _infer_block(w.shape[-2], w.shape[-1], s)
             except ValueError as exc:
-                raise ValueError(f"{names[0]} has shape {list(s.shape)}, which fits no block size for {weight_name} "
-                                 f"{list(w.shape)}: {exc} ({self.where})") from None  # fmt: skip
+                raise ValueError(
+                    f"{names[0]} has shape {list(s.shape)}, which fits no block size for {weight_name} "
+                    f"{list(w.shape)}: {exc} ({self.where})"
+                ) from None
             self.block_from = names[0]
         shape = None if self.block is None else [*w.shape[:-2], *self.scale_shape(w.shape[-2], w.shape[-1])]
         want = f"{_names(self.scale_dtypes)}" + ("" if shape is None else f" {shape}")
@@ -295,8 +313,10 @@ class _Expect:
             raise ValueError(f"{names[0]} is {s.dtype}: expected {want} for {weight_name} ({self.where})")
         if list(s.shape) != shape:
             block = "" if self.fp4 else f", block {self.block} read off {self.block_from}"
-            raise ValueError(f"{names[0]} has shape {list(s.shape)}: expected {want} for {weight_name} "
-                             f"{list(w.shape)}{block} ({self.where})")  # fmt: skip
+            raise ValueError(
+                f"{names[0]} has shape {list(s.shape)}: expected {want} for {weight_name} "
+                f"{list(w.shape)}{block} ({self.where})"
+            )
 
 
 def _scale_names(base: str, ckpt: "_Checkpoint") -> list[str]:
@@ -304,8 +324,13 @@ def _scale_names(base: str, ckpt: "_Checkpoint") -> list[str]:
     return found[:1] + [f"{base}.{s}" for s in SCALE_SUFFIXES if f"{base}.{s}" not in found[:1]]
 
 
-def _check_per_expert(ckpt: "_Checkpoint", prefix: str, projections: Mapping[str, tuple[list, list]],
-                      qc: Mapping[str, Any], declared: bool) -> bool:  # fmt: skip
+def _check_per_expert(
+    ckpt: "_Checkpoint",
+    prefix: str,
+    projections: Mapping[str, tuple[list, list]],
+    qc: Mapping[str, Any],
+    declared: bool,
+) -> bool:
     """True when the per-expert tensors are quantised (and then every one is checked); raises on any gap."""
     everything = [(proj, e, w, s) for proj, (ws, ss) in projections.items() for e, (w, s) in enumerate(zip(ws, ss))]
     quantised = declared or any(s is not None or _is_quantised_weight(w) for _, _, w, s in everything)
@@ -328,8 +353,9 @@ def _check_per_expert(ckpt: "_Checkpoint", prefix: str, projections: Mapping[str
     return True
 
 
-def _check_fused(ckpt: "_Checkpoint", prefix: str, tensors: Mapping[str, Any], fused_up: str,
-                 qc: Mapping[str, Any], declared: bool) -> bool:  # fmt: skip
+def _check_fused(
+    ckpt: "_Checkpoint", prefix: str, tensors: Mapping[str, Any], fused_up: str, qc: Mapping[str, Any], declared: bool
+) -> bool:
     pairs = [
         (fused_up, tensors["up"], tensors["up_scale"]),
         (f"{prefix}.down_proj", tensors["down"], tensors["down_scale"]),
@@ -367,8 +393,10 @@ def _stack_activation_scales(prefix: str, proj: str, scales: list[torch.Tensor |
         return None
     if len(present) != len(scales):
         missing = next(e for e, t in enumerate(scales) if t is None)
-        raise ValueError(f"{prefix}.{missing}.{proj}: no activation_scale tensor, but expert {present[0]} has one "
-                         "(static activation quantisation needs one per expert and projection)")  # fmt: skip
+        raise ValueError(
+            f"{prefix}.{missing}.{proj}: no activation_scale tensor, but expert {present[0]} has one "
+            "(static activation quantisation needs one per expert and projection)"
+        )
     for e, t in enumerate(scales):
         _check_activation_scale(f"{prefix}.{e}.{proj}.activation_scale", t, 1)  # type: ignore[arg-type]
     return torch.stack([t.reshape(()).float() for t in scales])  # type: ignore[union-attr]
@@ -385,8 +413,15 @@ def _check_activation_scale(name: str, t: torch.Tensor, count: int) -> None:
         raise ValueError(f"{name}: activation scales must be finite and positive, found {values.flatten()[:4].tolist()}")
 
 
-def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, gated: bool, interleaved: bool,
-                             qc: Mapping[str, Any] | None = None, declared: bool = False) -> dict:  # fmt: skip
+def _up_down_from_checkpoint(
+    ckpt: _Checkpoint,
+    prefix: str,
+    num_experts: int,
+    gated: bool,
+    interleaved: bool,
+    qc: Mapping[str, Any] | None = None,
+    declared: bool = False,
+) -> dict:
     """{up, up_scale, down, down_scale, act1, act2} stacked over experts; scales None for dense checkpoints.
 
     A quantised checkpoint (by its config or its tensors) with a weight or scale tensor missing, of the wrong
@@ -402,10 +437,13 @@ def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, g
             files = ", ".join(map(str, ckpt.files))
             raise KeyError(f"checkpoint has {fused_up} but no {prefix}.down_proj (looked in {files})")
         fused = {
-            "up": ckpt.get(fused_up), "up_scale": opt(f"{fused_up}_scale_inv"),
-            "down": ckpt.get(f"{prefix}.down_proj"), "down_scale": opt(f"{prefix}.down_proj_scale_inv"),
-            "act1": opt(f"{prefix}.gate_up_proj_activation_scale"), "act2": opt(f"{prefix}.down_proj_activation_scale"),
-        }  # fmt: skip
+            "up": ckpt.get(fused_up),
+            "up_scale": opt(f"{fused_up}_scale_inv"),
+            "down": ckpt.get(f"{prefix}.down_proj"),
+            "down_scale": opt(f"{prefix}.down_proj_scale_inv"),
+            "act1": opt(f"{prefix}.gate_up_proj_activation_scale"),
+            "act2": opt(f"{prefix}.down_proj_activation_scale"),
+        }
         if not _check_fused(ckpt, prefix, fused, fused_up, qc, declared):
             fused["up_scale"] = fused["down_scale"] = None
         for key, name in (("act1", "gate_up_proj"), ("act2", "down_proj")):
@@ -450,9 +488,13 @@ def _up_down_from_checkpoint(ckpt: _Checkpoint, prefix: str, num_experts: int, g
     if (acts[0] is None) != (acts[1] is None):
         raise ValueError(f"{prefix}: static activation scales for only one of the up and down projections")
     return {
-        "up": up, "up_scale": up_scale, "down": torch.stack(dw), "down_scale": torch.stack(ds) if quantised else None,
-        "act1": acts[0], "act2": acts[1],
-    }  # fmt: skip
+        "up": up,
+        "up_scale": up_scale,
+        "down": torch.stack(dw),
+        "down_scale": torch.stack(ds) if quantised else None,
+        "act1": acts[0],
+        "act2": acts[1],
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -555,9 +597,10 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     out = []
     for path, m in model.named_modules():
         if getattr(type(m), "_selector_experts", False) or (
-            hasattr(m, "down_proj") and (hasattr(m, "gate_up_proj") or hasattr(m, "up_proj"))
+            hasattr(m, "down_proj")
+            and (hasattr(m, "gate_up_proj") or hasattr(m, "up_proj"))
             and isinstance(getattr(m, "down_proj"), torch.Tensor)
-        ):  # fmt: skip
+        ):
             out.append((path, m))
     return out
 
@@ -574,8 +617,14 @@ def load_model_experts(
     """Load every experts module of `model` (checkpoint keys `key_prefix + module path`); returns the paths."""
     loaded = []
     for path, module in experts_modules(model):
-        load_experts(module, source, key_prefix + path, quantization_config=quantization_config,
-                     dequantize=dequantize, dtype=dtype)  # fmt: skip
+        load_experts(
+            module,
+            source,
+            key_prefix + path,
+            quantization_config=quantization_config,
+            dequantize=dequantize,
+            dtype=dtype,
+        )
         loaded.append(path)
     return loaded
 

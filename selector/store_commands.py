@@ -17,12 +17,13 @@ EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
 def register(sub: Any) -> None:
     """Add the `store` subcommand to the CLI's subparsers."""
     store = sub.add_parser(
-        "store", help="the tuning store: show, export, import or clear measured times",
+        "store",
+        help="the tuning store: show, export, import or clear measured times",
         description="The tuning store holds measured times (from `selector bench --save-tuning` and tuners) "
         "that auto trusts where each record's backend fingerprint (GPU, driver, CUDA, torch, Triton and that "
         "backend's own distribution) is current. Its file is $SELECTOR_TUNING_STORE, else tuning.sqlite3 in the "
         "user cache dir.",
-    )  # fmt: skip
+    )
     actions = store.add_subparsers(dest="action", required=True)
     show = actions.add_parser("show", help="where the store is, each backend's fingerprint, counts per problem")
     show.add_argument("--json", action="store_true", help="machine-readable summary")

@@ -160,8 +160,15 @@ CONTRACT_LAYOUTS: tuple[tuple[str | None, Layout], ...] = (
     ("expert_parallel", Layout(expert_parallel=True)),
 )
 # what Layout field each Requirements flag turns on, to name a failing layout by what it declares
-_FLAGS = {"non_gated": "gated", "bias": "bias", "transposed": "transposed", "interleaved": "interleaved",
-          "custom_gate": "custom_gate", "post_expert_norm": "post_norm", "expert_parallel": "expert_parallel"}  # fmt: skip
+_FLAGS = {
+    "non_gated": "gated",
+    "bias": "bias",
+    "transposed": "transposed",
+    "interleaved": "interleaved",
+    "custom_gate": "custom_gate",
+    "post_expert_norm": "post_norm",
+    "expert_parallel": "expert_parallel",
+}
 
 
 @dataclass
@@ -223,8 +230,9 @@ def check_backend_contract(
             continue
         if forward is None:
             forward = spec.load()
-        problems = [_contract_failure(forward, module, layout, t, num_experts, top_k, dtype, device, seed)
-                    for t in token_counts]  # fmt: skip
+        problems = [
+            _contract_failure(forward, module, layout, t, num_experts, top_k, dtype, device, seed) for t in token_counts
+        ]
         found = [f"T={t}: {p}" for t, p in zip(token_counts, problems) if p]
         report.results[name] = "; ".join(found) if found else "ok"
         if found:
@@ -233,8 +241,17 @@ def check_backend_contract(
     return report
 
 
-def _contract_failure(forward: object, module: torch.nn.Module, layout: Layout, tokens: int, num_experts: int,
-                      top_k: int, dtype: torch.dtype, device: str, seed: int) -> str | None:  # fmt: skip
+def _contract_failure(
+    forward: object,
+    module: torch.nn.Module,
+    layout: Layout,
+    tokens: int,
+    num_experts: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+) -> str | None:
     """Why one call breaks the contract, or None."""
     torch.manual_seed(seed + tokens)
     x = (torch.randn(tokens, module.down_proj.shape[-1 if layout.transposed else -2]) * 0.5).to(dtype).to(device)

@@ -113,8 +113,14 @@ class ProblemSummary:
     records: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "problem": self.problem, "mode": self.mode, "tokens": list(self.tokens),
-                "backends": list(self.backends), "records": self.records}  # fmt: skip
+        return {
+            "gpu": self.gpu,
+            "problem": self.problem,
+            "mode": self.mode,
+            "tokens": list(self.tokens),
+            "backends": list(self.backends),
+            "records": self.records,
+        }
 
 
 @dataclass(frozen=True)
@@ -134,11 +140,17 @@ class StoreSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "path": str(self.path), "fingerprints": self.fingerprints.to_dict(), "usable": self.problem is None,
-            "problem": self.problem, "current": self.current, "stale": self.stale, "other": self.other,
-            "stale_by_backend": dict(self.stale_by_backend), "by_fingerprint": dict(self.by_fingerprint),
+            "path": str(self.path),
+            "fingerprints": self.fingerprints.to_dict(),
+            "usable": self.problem is None,
+            "problem": self.problem,
+            "current": self.current,
+            "stale": self.stale,
+            "other": self.other,
+            "stale_by_backend": dict(self.stale_by_backend),
+            "by_fingerprint": dict(self.by_fingerprint),
             "problems": [p.to_dict() for p in self.problems],
-        }  # fmt: skip
+        }
 
 
 def _warn(message: str) -> None:
@@ -289,10 +301,11 @@ class TuningStore:
             else:
                 other += 1
         problems = tuple(
-            ProblemSummary(gpu, prob, mode, tuple(sorted({t for t, _ in rows_})), tuple(sorted({b for _, b in rows_})),
-                           len(rows_))
+            ProblemSummary(
+                gpu, prob, mode, tuple(sorted({t for t, _ in rows_})), tuple(sorted({b for _, b in rows_})), len(rows_)
+            )
             for (gpu, prob, mode), rows_ in sorted(groups.items())
-        )  # fmt: skip
+        )
         return StoreSummary(self.path, fps, sum(p.records for p in problems), sum(stale.values()),
                             dict(sorted(counts.items())), problems, problem, other, dict(sorted(stale.items())))
 
