@@ -960,26 +960,18 @@ def test_sonicmoe_zero_tokens(fake_kernels: None) -> None:
 
 
 class _CpuFakePlugin:
-    """Test-only backends: the real adapters, declared for the CPU so the model API can run them on fakes."""
+    """Test-only backends: the real adapters (their prepared plans), declared for the CPU so the model API can run
+    them on fakes."""
 
     @staticmethod
     @selector.hookimpl
     def selector_backends():
-        from selector.types import BackendSpec, Requirements
-
-        def load(target: str):
-            def _load():
-                if target == "deepgemm":
-                    from selector.plugins.deepgemm.forward import deepgemm_experts_forward as fn
-                else:
-                    from selector.plugins.sonicmoe.forward import sonicmoe_experts_forward as fn
-                return fn
-
-            return _load
+        from selector.plugins.adapter import declare
+        from selector.types import Requirements
 
         cpu = Requirements(devices=frozenset({"cpu"}), dtypes=frozenset({"bfloat16"}), bias=True)  # the test's layer is biased
-        return [BackendSpec(name="deepgemm_fake_cpu", load=load("deepgemm"), requirements=cpu),
-                BackendSpec(name="sonicmoe_fake_cpu", load=load("sonicmoe"), requirements=cpu)]
+        return [declare("deepgemm_fake_cpu", "selector.plugins.deepgemm.forward", cpu),
+                declare("sonicmoe_fake_cpu", "selector.plugins.sonicmoe.forward", cpu)]
 
 
 @pytest.mark.parametrize("backend", ["deepgemm_fake_cpu", "sonicmoe_fake_cpu"])
@@ -995,6 +987,11 @@ def test_model_api_runs_the_adapters_like_eager(fake_kernels: None, backend: str
     out = module(x, idx, w)
     assert last_backend(module) == backend
     assert relative_error(out, expected.double()) < 2e-2
+    from selector.dispatch import module_cache
+    from selector.plugins.adapter import KernelPlan
+
+    plans = [p.plan for p in module_cache(module).plans.values() if p.name == backend]
+    assert plans and all(isinstance(plan, KernelPlan) for plan in plans)  # the core ran the adapter's own plan
 
 
 # --- the GPU script's kernel directory ---------------------------------------------------------------------
