@@ -172,7 +172,7 @@ def _read(module: torch.nn.Module, mode: str, config: dict | None, backend: str,
     bn, _ = fmt.block_size
     c = w1.shape[1]
     inter = c // 2 if gated else c
-    hidden = w2.shape[1]
+    hidden = w1.shape[2] * (2 if fp4 else 1)  # gate_up's input channels (fp4: two per byte)
     if fp4:
         rows1, rows2 = c, hidden
     else:
