@@ -9,21 +9,9 @@ from selector.compat_table import markdown_table
 from selector.doctor import DoctorReport
 from selector.model_shapes import ModelSection, ModelShape, status_counts
 from selector.parallel.report import section_markdown, section_text
-from selector.types import BackendSpec, Candidate, Problem, Ranking
+from selector.types import BackendSpec, Candidate, Ranking
 
 OK, BAD, WARN = "✓", "✗", "!"
-
-
-def describe_problem(p: Problem) -> str:
-    flags = [f for f, on in (("non-gated", not p.gated), ("bias", p.has_bias), ("transposed", p.is_transposed),
-                             ("interleaved", p.interleaved), ("custom gate", p.custom_gate)) if on]
-    tokens = "T=?" if p.num_tokens is None else f"T={p.num_tokens}"
-    act = p.activation if p.gate.is_default else p.gate.label()  # a gate other than act_mul, with its parameters
-    text = (f"E={p.num_experts} H={p.hidden_size} I={p.intermediate_size} k={p.top_k} {p.dtype} {act} "
-            f"on {p.device} {tokens}")
-    if p.weight_format != "dense":
-        text += f" {p.weight_format}/{p.scale_format}"
-    return text + (f" ({', '.join(flags)})" if flags else "")
 
 
 def format_seconds(seconds: float) -> str:
@@ -46,7 +34,7 @@ def cost_text(c: Candidate, no_estimate: Sequence[str] = ()) -> str:
 
 def ranking_lines(r: Ranking, no_estimate: Sequence[str] = ()) -> list[str]:
     """The ranking section of the report; `no_estimate`: candidates shown as "(no estimate)" instead of a time."""
-    lines = [f"Ranking for {describe_problem(r.problem)}:"]
+    lines = [f"Ranking for {r.problem.describe()}:"]
     for i, c in enumerate(r.candidates, 1):
         why = " (pinned)" if c.pinned else " (preferred)" if c.preferred else ""
         lines.append(f"  {i}. {c.name:<16} {cost_text(c, no_estimate)}{why}")
@@ -97,7 +85,7 @@ def render_text(report: DoctorReport) -> str:
         mark = OK if c.ok and not c.warning else WARN if c.ok else BAD
         lines.append(f"[{mark}] {c.title}")
         lines.extend(f"    {d}" for d in c.detail)
-    lines += ["", f"Backends (judged for {describe_problem(report.backend_problem)}):"]
+    lines += ["", f"Backends (judged for {report.backend_problem.describe()}):"]
     for b in report.backends:
         mark = OK if b.verdict.ok else BAD
         lines.append(f"  {mark} {b.name:<16} {b.description}" + (f"  [{b.provider}]" if b.provider != b.name else ""))
@@ -140,7 +128,7 @@ def render_markdown(report: DoctorReport, specs: Iterable[BackendSpec] = ()) -> 
         mark = OK if c.ok else BAD
         detail = "<br>".join(c.detail).replace("|", "\\|")
         lines.append(f"| {c.title.replace('|', '/')} | {mark} | {detail} |")
-    lines += ["", f"## Backends ({describe_problem(report.backend_problem)})", "",
+    lines += ["", f"## Backends ({report.backend_problem.describe()})", "",
               "| backend | status | reason | fix |", "|---|---|---|---|"]
     for b in report.backends:
         lines.append(f"| {b.name} | {b.verdict.status.value} | {b.verdict.reason} | {b.verdict.remedy} |")

@@ -179,6 +179,27 @@ class Problem:
     def with_tokens(self, num_tokens: int | None) -> Problem:
         return replace(self, num_tokens=num_tokens)
 
+    def describe(self, tokens: bool = True) -> str:
+        """The layer in one line, as reports and logs show it:
+        "E=.. H=.. I=.. k=.. dtype activation on device [T=..] [format/scales] (layout flags)"."""
+        layout = (
+            ("non-gated", not self.gated),
+            ("bias", self.has_bias),
+            ("transposed", self.is_transposed),
+            ("interleaved", self.interleaved),
+            ("custom gate", self.custom_gate),
+            ("post-norm", self.post_expert_norm),
+        )
+        flags = [name for name, on in layout if on]
+        act = self.activation if self.gate.is_default else self.gate.label()  # a gate with its parameters
+        text = f"E={self.num_experts} H={self.hidden_size} I={self.intermediate_size} k={self.top_k} {self.dtype} {act}"
+        text += f" on {self.device}"
+        if tokens:
+            text += " T=?" if self.num_tokens is None else f" T={self.num_tokens}"
+        if self.weight_format != "dense":
+            text += f" {self.weight_format}/{self.scale_format}"
+        return text + (f" ({', '.join(flags)})" if flags else "")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -8,7 +8,6 @@ import torch
 
 from selector import dispatch
 from selector.layers import find_experts, is_transformers_experts
-from selector.types import Problem
 
 
 def sub_config_keys(config: Any) -> list[str]:
@@ -34,30 +33,3 @@ def experts_modules(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.n
             dispatch.track(module)  # so torch.compile can name it (see selector.dispatch.track)
             out.setdefault(_scope_of(root_config, module.config), []).append((path, module))
     return out
-
-
-def describe_problem(problem: Problem) -> str:
-    """One experts layer as logs and reports show it: "E=.. H=.. I=.. k=.. dtype device activation [flags]"."""
-    flags = [
-        f"E={problem.num_experts}",
-        f"H={problem.hidden_size}",
-        f"I={problem.intermediate_size}",
-        f"k={problem.top_k}",
-        problem.dtype,
-        problem.device,
-        problem.activation if problem.gate.is_default else problem.gate.label(),
-    ]
-    flags += [
-        name
-        for name, on in (
-            ("bias", problem.has_bias),
-            ("transposed", problem.is_transposed),
-            ("interleaved", problem.interleaved),
-            ("custom-gate", problem.custom_gate),
-            ("post-norm", problem.post_expert_norm),
-        )
-        if on
-    ]
-    if problem.weight_format != "dense":
-        flags.append(f"{problem.weight_format}/{problem.scale_format}")
-    return " ".join(flags)

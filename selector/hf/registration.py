@@ -23,7 +23,6 @@ import torch
 
 from selector import dispatch
 from selector.hf.decode import install_decode_hook
-from selector.hf.modules import describe_problem
 from selector.hf.names import AUTO, EAGER, FORWARD_REQUEST_ATTR, PREFIX
 from selector.hf.quantized import adopt_quantized, quantized_auto
 from selector.hf.version import check_transformers
@@ -76,7 +75,7 @@ def _log_auto_choice(module: torch.nn.Module, num_tokens: int, top_k: int) -> No
     logger.info(
         "selector auto: %s experts layer (%s), %d tokens (bucket %d) -> %s",
         type(module).__name__,
-        describe_problem(problem),
+        problem.describe(tokens=False),
         num_tokens,
         key[1],
         name,

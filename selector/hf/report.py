@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from selector import dispatch
-from selector.hf.modules import describe_problem, experts_modules
+from selector.hf.modules import experts_modules
 from selector.hf.names import AUTO, TRANSFORMERS_FALLBACK
 from selector.hf.quantized import adopt_quantized, is_quantized, quantized_plan
 from selector.hf.registration import register_with_transformers
@@ -55,7 +55,7 @@ class ScopeSelection:
 
     def lines(self) -> list[str]:
         scope = self.scope or "(model)"
-        shape = describe_problem(self.problem) if self.problem else "?"
+        shape = self.problem.describe(tokens=False) if self.problem else "?"
         chosen = self.chosen or "nothing runnable"
         head = f"{scope}: {self.requested} -> {chosen} [{len(self.modules)} layer(s), {shape}]"
         if self.runs == "transformers" and self.requested == AUTO:
