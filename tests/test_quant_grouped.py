@@ -17,6 +17,8 @@ from experts_fixtures import Layout, make_experts, random_routing, relative_erro
 from selector import quant as Q
 from selector.dispatch import reset_selection_caches
 
+pytestmark = pytest.mark.interpreter
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # On the GPU the fp8 tensor-core dot accumulates at reduced precision, so a few intermediate values land on the
@@ -417,7 +419,7 @@ def test_down_kernel_combines_the_slots_itself(layout, monkeypatch):
 
     _patch(monkeypatch, "launch", spy)
     given_counts = []  # the counters each grouped launch was handed (None: it would zero its own, a memset)
-    _patch(monkeypatch, "_launch", lambda real: lambda *a, **kw: given_counts.append(kw.get("counts"))
+    _patch(monkeypatch, "_launch", lambda real: lambda *a, **kw: given_counts.append(kw["dest"].counts)
            or real(*a, **kw))  # fmt: skip
     module = Q.quantize_experts(make_experts(4, 64, 96, layout, device=DEV, seed=41), "fp8_block", "ue8m0", (32, 32))
     idx, w = random_routing(4, 4, 2, device=DEV, skew=True, sentinel=layout.expert_parallel)
