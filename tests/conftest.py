@@ -1,21 +1,21 @@
-"""Shared test setup: the Triton interpreter switch, the lanes' markers, and the selection state every test starts from.
+"""Shared test setup: the Triton interpreter switch, the GPU skips, the lane check, and the selection state every
+test starts from.
 
 Triton's interpreter must be switched on before triton is imported, so it is set here, once, and only on
 machines without a usable CUDA device: on the GPU machine the same tests run the compiled kernels.
 
-Lanes: the fast lane is `-m "not interpreter and not compile and not slow"`, the rest `-m "interpreter or compile or
-slow"`. The markers are given here by module and by name, so a test file need not carry them itself.
+Lanes: a test carries its lane marker where it stands (`pytestmark` for a whole file, a decorator on one test):
+`interpreter` (runs Triton kernels: the interpreter on a CPU, compiled kernels on a GPU), `compile` (torch.compile or
+Dynamo), `slow` (seconds on a CPU for another reason). The fast lane is `-m "not interpreter and not compile and not
+slow"`, the rest `-m "interpreter or compile or slow"`. On a machine without CUDA a passing test with none of the
+three whose call takes longer than LANE_LIMIT_S fails, naming the marker to add, so the fast lane stays fast.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
-import re
 import shutil
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -23,6 +23,8 @@ import pytest
 if TYPE_CHECKING:
     from selector.probes import Environment
     from selector.registry import Registry
+
+pytest_plugins = ["pytester"]  # tests/test_lanes.py runs the lane check in a pytest of its own
 
 
 def _cuda_present() -> bool:
@@ -33,80 +35,48 @@ def _cuda_present() -> bool:
 if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-# Files whose tests run Triton kernels; on a CPU that is the interpreter, slow at any size.
-INTERPRETER_FILES = frozenset({
-    "test_triton_fused_kernels.py", "test_triton_fused_graphs.py", "test_quant.py", "test_quant_grouped.py",
-    "test_quant_tune.py", "test_tile_tuning_kernels.py", "test_gates_kernels.py",
-})  # fmt: skip
-# Fixtures that register the real Triton adapter as a CPU backend, so its kernels run in the interpreter.
-INTERPRETER_FIXTURES = frozenset({"fused_cpu", "guard_interpreter"})
-# Files where every test traces with torch.compile / Dynamo.
-COMPILE_FILES = frozenset({"test_hf_compile_decode.py", "test_hf_guards.py"})
-# Files and tests measured at a second or more each on a 2-core CPU (`--durations`) that neither run kernels in the
-# interpreter nor compile: subprocesses, tiny models end to end, quantising on the CPU.
-SLOW_FILES = frozenset({"test_hf_generate_script.py", "test_hf_generate_bench.py", "test_expert_parallel.py",
-                        "test_compile_hf_generate.py"})
-SLOW_TESTS = frozenset({
-    "test_bench.py::test_format_layers_and_their_floor_bytes",
-    "test_cli.py::test_required_backend_that_cannot_run_exits_1",
-    "test_daemon.py::test_cli_start_status_stop",
-    "test_daemon_reliability.py::test_32_concurrent_clients_lose_nothing",
-    "test_daemon_reliability.py::test_slow_daemons_cost_a_client_at_most_its_deadline",
-    "test_daemon_reliability.py::test_truncated_and_dripped_requests_are_dropped_and_the_daemon_lives",
-    "test_hub_backends.py::test_deepgemm_quantised_forward_guards",
-    "test_hub_backends.py::test_deepgemm_quantised_matches_reference",
-    "test_hub_backends.py::test_deepgemm_runs_an_earlier_release_api_on_hopper",
-    "test_gpu_kernels_real.py::test_sonicmoe_kernel_dir_loads_through_kernels",
-    "test_hub_backends.py::test_kernels_itself_loads_what_locate_calls_cached",
-    "test_hub_backends.py::test_megamoe_call_path_against_fake",
-    "test_parallel_bench.py::test_a_tiny_gloo_run_times_every_variant_and_agrees_with_transformers",
-    "test_tile_tuning.py::test_cli_without_triton_prints_one_line",
-    "test_hub_backends.py::test_megamoe_forward_refuses_missing_group_and_wrong_weights",
-    "test_transformers_integration.py::test_backends_match_eager_logits_and_greedy_tokens",
-    "test_transformers_integration.py::test_decode_swap_on_accelerator_and_restore",
-    "test_transformers_integration.py::test_quantized_explicit_name_runs_or_fails_loudly",
-    "test_tune.py::test_a_cpu_run_measures_tunes_saves_and_plans",
-})
+LANE_MARKERS = ("interpreter", "compile", "slow")
+# The longest call a test of the fast lane may take on a 2-core CPU. Off where CUDA is: there the first call of a
+# kernel builds it from a cold cache, and the GPU lanes are chosen with `gpu` and `slow`.
+LANE_LIMIT_S = 5.0
 
 
-_COMPILES = re.compile(r"torch\.compile\b|torch\._dynamo\b|\b_?compiled?_\w+\(")
-
-
-@functools.cache
-def _source_compiles(function: Callable[..., object]) -> bool:
-    try:
-        return _COMPILES.search(inspect.getsource(function)) is not None
-    except (OSError, TypeError):
-        return False
-
-
-def _uses_compile(item: pytest.Item) -> bool:
-    """torch.compile / Dynamo / a `compile_*` / `_compiled_*` helper called in the test body, a fixture named for
-    compiling, or `torch_compile` in the name. ("compiles" alone in a name is often a hub kernel's JIT build.)"""
-    function = getattr(item, "function", None)
-    fixtures = getattr(item, "fixturenames", ())
-    return (
-        "torch_compile" in item.name
-        or any("compile" in name for name in fixtures)
-        or (function is not None and _source_compiles(function))
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--lane-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"fail a passing test that carries none of the markers {', '.join(LANE_MARKERS)} and whose call takes "
+        f"longer (default: {LANE_LIMIT_S:g} without CUDA, off with it; 0 turns it off)",
     )
 
 
-def lane_markers(item: pytest.Item) -> set[str]:
-    """The lane markers an item gets from its file, its fixtures and its name."""
-    file = Path(str(item.fspath)).name
-    key = f"{file}::{getattr(item, 'originalname', item.name)}"
-    fixtures = set(getattr(item, "fixturenames", ()))
-    marks: set[str] = set()
-    if INTERPRETER and (file in INTERPRETER_FILES or fixtures & INTERPRETER_FIXTURES):
-        marks.add("interpreter")
-    if file in COMPILE_FILES or _uses_compile(item):
-        marks.add("compile")
-    if file in SLOW_FILES or key in SLOW_TESTS:
-        marks.add("slow")
-    return marks
+def lane_overrun(nodeid: str, markers: Iterable[str], seconds: float, limit: float) -> str | None:
+    """Why a test whose call took `seconds` does not belong in the fast lane, or None where it does."""
+    if limit <= 0 or seconds <= limit or set(markers) & set(LANE_MARKERS):
+        return None
+    return (
+        f"{nodeid} took {seconds:.1f} s, more than the fast lane's {limit:g} s, and carries none of the lane markers. "
+        "Mark it where it stands: @pytest.mark.interpreter if it runs Triton kernels, @pytest.mark.compile if it "
+        "calls torch.compile or Dynamo, else @pytest.mark.slow (a whole file: pytestmark = pytest.mark.<name>)."
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.when == "call" and report.passed:
+        limit = item.config.getoption("--lane-limit")
+        if limit is None:
+            limit = 0.0 if _cuda_present() else LANE_LIMIT_S
+        message = lane_overrun(item.nodeid, (m.name for m in item.iter_markers()), call.duration, limit)
+        if message is not None:
+            report.outcome = "failed"
+            report.longrepr = message
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -117,8 +87,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_sm90 = pytest.mark.skip(reason="needs compute capability >= 9.0")
     for item in items:
-        for name in sorted(lane_markers(item) - set(item.keywords)):
-            item.add_marker(name)
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
         if "sm90" in item.keywords and cc < (9, 0):

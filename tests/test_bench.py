@@ -141,6 +141,7 @@ def test_quantised_cells_do_not_become_dense_tuning(monkeypatch: pytest.MonkeyPa
     assert {(r["backend"], r["time_s"]) for r in records} == {("triton_fused", 34e-6), ("grouped_mm", 100e-6)}
 
 
+@pytest.mark.slow
 def test_format_layers_and_their_floor_bytes() -> None:
     torch = pytest.importorskip("torch")
     from dataclasses import replace
@@ -191,6 +192,7 @@ def test_quantised_floors_use_the_fp8_matmul_rate_and_peers_compare_like_with_li
     assert cells[2].vs_best_peer is None  # fp8: Transformers' backends ran no fp8 cell
 
 
+@pytest.mark.interpreter
 def test_bench_formats_runs_on_the_cpu_through_the_interpreter(tmp_path: Path) -> None:
     """`selector bench --formats` end to end on a tiny layer on the CPU (the quantised Triton kernels under the
     interpreter): every format timed on each path, every checked cell within 1e-2 of float64 (quantised: from

@@ -66,6 +66,7 @@ def test_doctor_markdown() -> None:
     assert result.returncode == 0 and result.stdout.startswith("# selector") and "| backend | status |" in result.stdout
 
 
+@pytest.mark.slow
 def test_required_backend_that_cannot_run_exits_1() -> None:
     code, report = doctor_json("--require", "triton_fused", **NO_GPU)
     assert code == 1 and any("triton_fused" in b for b in report["broken"])

@@ -77,6 +77,7 @@ def _fresh_dynamo():  # noqa: ANN202
     torch._dynamo.reset()
 
 
+@pytest.mark.compile
 def test_compiled_auto_chooses_per_token_count_with_two_graphs(fresh_registry, capsys) -> None:  # noqa: ANN001
     from torch._dynamo.utils import counters
 
@@ -101,6 +102,7 @@ def test_compiled_auto_chooses_per_token_count_with_two_graphs(fresh_registry, c
     assert graphs_compiled <= 2  # one specialised to 1 token, one symbolic in T
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("seen", [True, False], ids=["run_before", "only_tracked"])
 def test_compiled_auto_without_dynamic_compiles_two_graphs(fresh_registry, seen: bool) -> None:  # noqa: ANN001
     """dynamic=None: static at the first shape, symbolic from the second; and nothing the op's eager run writes
@@ -120,6 +122,7 @@ def test_compiled_auto_without_dynamic_compiles_two_graphs(fresh_registry, seen:
     assert int(counters["stats"]["unique_graphs"]) == 2
 
 
+@pytest.mark.compile
 def test_compiled_auto_under_autograd_keeps_one_traced_choice(fresh_registry) -> None:  # noqa: ANN001
     """Autograd: the op has no backward, so auto is chosen once per layer and traced (differentiable ones only)."""
     fresh_registry(TwoKernels)
@@ -134,6 +137,7 @@ def test_compiled_auto_under_autograd_keeps_one_traced_choice(fresh_registry) ->
     assert RAN == ["fake_prefill"]  # traced into the graph: the choice for a typical token count, declared for compile
 
 
+@pytest.mark.compile
 def test_a_named_backend_is_traced_not_run_through_the_op(fresh_registry) -> None:  # noqa: ANN001
     fresh_registry(TwoKernels)
     module = _layer()
@@ -175,6 +179,7 @@ def _targets(compiled_call: Callable[[], object]) -> list[str]:
     return seen
 
 
+@pytest.mark.compile
 def test_a_named_backend_that_asks_for_it_runs_through_the_op_without_autograd(fresh_registry) -> None:  # noqa: ANN001
     fresh_registry(OpaqueKernel)
     module = _layer()
@@ -193,6 +198,7 @@ def test_a_named_backend_that_asks_for_it_runs_through_the_op_without_autograd(f
     assert RAN == ["fake_opaque"]  # ... while tracing
 
 
+@pytest.mark.compile
 def test_the_op_is_one_node_and_its_fake_is_shaped_like_hidden_states(fresh_registry) -> None:  # noqa: ANN001
     fresh_registry(TwoKernels)
     module = _layer()
@@ -232,6 +238,7 @@ def test_the_op_names_a_module_that_is_gone() -> None:
         torch.ops.selector.experts("experts-gone", "", hidden, index, weights, torch.zeros(1))
 
 
+@pytest.mark.compile
 def test_a_copy_compiled_before_any_eager_call_runs_its_own_weights(fresh_registry) -> None:  # noqa: ANN001
     import copy
 
@@ -254,6 +261,7 @@ def test_a_copy_compiled_before_any_eager_call_runs_its_own_weights(fresh_regist
         assert any("selector.experts" in t for t in targets)
 
 
+@pytest.mark.compile
 def test_inductor_compiles_the_op_and_matches_eager(fresh_registry) -> None:  # noqa: ANN001
     fresh_registry(TwoKernels)
     module = _layer()
@@ -301,6 +309,7 @@ def _gpu_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
     return torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16), index, weights
 
 
+@pytest.mark.compile
 @pytest.mark.gpu
 def test_gpu_compiled_default_mode_replays_the_backends_own_graph() -> None:
     module, inputs = _gpu_layer(), _gpu_inputs(8)
@@ -319,6 +328,7 @@ def test_gpu_compiled_default_mode_replays_the_backends_own_graph() -> None:
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.compile
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_gpu_cuda_graph_modes_record_no_graph_of_their_own(mode: str) -> None:
@@ -334,6 +344,7 @@ def test_gpu_cuda_graph_modes_record_no_graph_of_their_own(mode: str) -> None:
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.compile
 @pytest.mark.gpu
 def test_gpu_compiled_auto_chooses_per_token_count_as_declared() -> None:
     from selector.dispatch import choose_backend
@@ -349,6 +360,7 @@ def test_gpu_compiled_auto_chooses_per_token_count_as_declared() -> None:
             assert relative_error(out, backend_forward("grouped_mm")(module, *inputs)) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.compile
 def test_the_op_checks_the_inputs_when_the_compiled_model_runs(fresh_registry) -> None:  # noqa: ANN001
     fresh_registry(TwoKernels)
     module = _layer()

@@ -22,6 +22,8 @@ from selector.environment import current_environment
 from selector.requirements import evaluate
 from selector.types import COMPILE_MODES, GRAD_INPUTS, GRAPH_MODES
 
+pytestmark = pytest.mark.compile
+
 BACKENDS = ("auto", "triton_fused", "grouped_mm", "batched_mm", "eager", "sonicmoe", "deepgemm")
 GRAD_TOLERANCE = 3e-2  # bf16 gradients, compiled kernels summed in another order than the uncompiled ones
 

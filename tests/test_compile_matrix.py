@@ -77,6 +77,7 @@ def _compiled_layer(
     return torch.compile(module, backend=backend, fullgraph=fullgraph, **options)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks", "fullgraph"])
 @pytest.mark.parametrize("name", CPU_BACKENDS)
@@ -105,6 +106,7 @@ def test_compile_matrix(name: str, fullgraph: bool, grad: bool) -> None:
             assert relative_error(got, want) < GRAD_TOLERANCE
 
 
+@pytest.mark.compile
 def test_eager_under_fullgraph_says_why_and_what_to_do() -> None:
     module, inputs = _layer("eager", grad=False)
     with torch.no_grad():
@@ -114,6 +116,7 @@ def test_eager_under_fullgraph_says_why_and_what_to_do() -> None:
     assert FULLGRAPH_MESSAGE in str(info.value)
 
 
+@pytest.mark.compile
 def test_inductor_compiles_grouped_mm_with_autograd_in_fullgraph() -> None:
     """The failure this declaration fixes: inductor, fullgraph, parameters that require grad, the loop op."""
     module, inputs = _layer("grouped_mm", grad=True)
@@ -141,6 +144,7 @@ def _compiled_graph_count(name: str, max_tokens: int) -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_recompilations_across_token_counts(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     graphs = _compiled_graph_count(name, 8)
@@ -304,6 +308,7 @@ def _runs_here(name: str, module: torch.nn.Module) -> bool:
     return verdict.ok
 
 
+@pytest.mark.compile
 @pytest.mark.gpu
 @pytest.mark.parametrize(("name", "mode", "fullgraph"), _gpu_cases())
 def test_gpu_declared_modes_compile_and_match(name: str, mode: str, fullgraph: bool) -> None:
@@ -318,6 +323,7 @@ def test_gpu_declared_modes_compile_and_match(name: str, mode: str, fullgraph: b
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.compile
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [s.name for s in _builtin_specs() if "cuda" in s.requirements.devices])
 def test_gpu_autograd_as_declared(name: str) -> None:

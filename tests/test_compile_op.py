@@ -78,6 +78,7 @@ def test_the_op_converts_an_output_unlike_its_fake(fresh_registry, how: str) -> 
 # -- the GPU lane --
 
 
+@pytest.mark.compile
 @pytest.mark.gpu
 def test_gpu_the_op_records_its_own_graph_on_the_default_stream_only() -> None:
     """Called directly (as a compiled model's wrapper calls it): on a side stream, as torch.compile's CUDA-graph

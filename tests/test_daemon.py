@@ -115,6 +115,7 @@ def test_no_daemon_means_none_and_stale_socket_is_replaced(tmp_path: Path) -> No
     assert not path.exists() and not wire.status_path(path).exists()
 
 
+@pytest.mark.slow
 def test_cli_start_status_stop(tmp_path: Path) -> None:
     sock = tmp_path / "run" / "cli.sock"
 

@@ -140,6 +140,7 @@ print(json.dumps({"lost": lost, "wrong": wrong, "worst_s": worst}))
 """
 
 
+@pytest.mark.slow
 def test_32_concurrent_clients_lose_nothing(daemon: Daemon, tmp_path: Path) -> None:
     clients, per_client = 32, 500
     assert client.request(daemon.sock, {"op": "tuning_put", "records": [RECORD]})["stored"] == 1
@@ -251,6 +252,7 @@ def _silent(conn: socket.socket, stopped: threading.Event) -> None:
     stopped.wait(30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("behaviour", [_drip, _silent], ids=["dripping", "silent"])
 def test_slow_daemons_cost_a_client_at_most_its_deadline(tmp_path: Path, behaviour) -> None:
     fake = FakeDaemon(tmp_path / "run" / "d.sock", behaviour)
@@ -388,6 +390,7 @@ def test_bad_frames_get_an_error_and_the_daemon_lives(threaded: DaemonServer, da
     assert threaded.store.records() == []
 
 
+@pytest.mark.slow
 def test_truncated_and_dripped_requests_are_dropped_and_the_daemon_lives(threaded: DaemonServer) -> None:
     assert raw(threaded.path, wire.HEADER.pack(100) + b'{"op"') is None  # the peer left mid-frame
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # one byte every 0.3 s: past the deadline

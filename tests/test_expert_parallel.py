@@ -21,6 +21,8 @@ import torch
 
 import selector
 
+pytestmark = pytest.mark.slow
+
 E, H, I, K = 8, 16, 8, 2
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "auto")
 GPU_BACKENDS = (*BACKENDS, "triton_fused")

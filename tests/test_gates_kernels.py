@@ -22,6 +22,8 @@ import selector
 from selector.gates import DEFAULT_GATE, Gate, clamped_swiglu
 from selector.testing import Layout, make_experts, random_routing, reference_experts, relative_error
 
+pytestmark = pytest.mark.interpreter
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 FP32_TOL = 1e-5

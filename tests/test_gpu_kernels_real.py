@@ -149,6 +149,7 @@ def _check_backend(backend: str, preset_name: str, tokens: int, weight_format: s
 # --- kernel directories and wiring, on the CPU with fake packages ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sonicmoe_kernel_dir_loads_through_kernels(tmp_path: Path) -> None:
     """The SonicMoE kernel directory wraps an importable package so that `kernels` loads it; on a fake package."""
     pytest.importorskip("kernels")

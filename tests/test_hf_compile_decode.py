@@ -25,6 +25,8 @@ from selector.registry import register_plugin, unregister_plugin  # noqa: E402
 
 from transformers import AutoModelForCausalLM, CompileConfig, Qwen2MoeConfig, StaticCache  # noqa: E402
 
+pytestmark = pytest.mark.compile
+
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="runs Triton kernels on the CPU (interpreter)")
 VOCAB = 64
@@ -56,11 +58,17 @@ def _load_fused():  # noqa: ANN202
     return triton_fused_experts_forward
 
 
+def _prepare_fused(module, problem):  # noqa: ANN001, ANN202
+    from selector.plugins.triton_fused.forward import prepare
+
+    return prepare(module, problem)
+
+
 @hookimpl
 def _fused_cpu_backends():
     # the real triton_fused adapter (graph replay at decode sizes, custom op under torch.compile), on the CPU
-    return [BackendSpec(name="fused_cpu", load=_load_fused, requirements=Requirements(devices=frozenset({"cpu"})),
-                        estimate=lambda problem, env: 1e-9)]
+    return [BackendSpec(name="fused_cpu", load=_load_fused, prepare=_prepare_fused,
+                        requirements=Requirements(devices=frozenset({"cpu"})), estimate=lambda problem, env: 1e-9)]
 
 
 @pytest.fixture
@@ -122,6 +130,7 @@ def test_tracing_leaves_the_experts_modules_untouched(name):
     assert any(set(m.__dict__) - b for m, b in zip(_experts(model), before))  # eager calls do cache
 
 
+@pytest.mark.interpreter
 @needs_interpreter
 def test_compiled_decode_is_one_graph_that_runs_the_fused_kernel(fused_cpu, monkeypatch):
     from selector.plugins.triton_fused import kernels
@@ -136,7 +145,7 @@ def test_compiled_decode_is_one_graph_that_runs_the_fused_kernel(fused_cpu, monk
     impl = kernels.fused_experts_impl
 
     def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
+        calls.append(args[1].shape[0])  # (layer record, hidden_states, ...)
         return impl(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "fused_experts_impl", counted)  # what the custom op runs
@@ -152,6 +161,7 @@ def test_compiled_decode_is_one_graph_that_runs_the_fused_kernel(fused_cpu, monk
     assert calls.count(1) == 3 * 3 * len(_experts(model))  # 3 compiled decode steps per call, every layer
 
 
+@pytest.mark.interpreter
 def test_compile_config_with_module_guards_skipped(fused_cpu, monkeypatch):
     """selector.hf.compile_config(skip_module_guards=True) reaches torch.compile through generate(): Dynamo
     consults the guard filter, and the compiled decode gives the eager tokens."""
@@ -197,6 +207,7 @@ class _FakeRecording:
         return self.run(*inputs)
 
 
+@pytest.mark.interpreter
 @needs_interpreter
 def test_decode_steps_replay_their_graph_and_never_record_again(fused_cpu, monkeypatch):
     monkeypatch.setattr(graphs, "graphs_enabled", lambda x, max_tokens, variable: 0 < x.shape[0] <= max_tokens)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_generate.py"

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_generate.py"

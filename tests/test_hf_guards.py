@@ -31,6 +31,8 @@ from transformers import AutoModelForCausalLM, CompileConfig, Qwen2MoeConfig, St
 
 from test_hf_compile_decode import INTERPRETER, _fused_cpu_backends  # noqa: E402
 
+pytestmark = pytest.mark.compile
+
 VOCAB = 64
 # What "auto" may add over batched_mm (measured with torch 2.13, transformers 5.24: 60-71 for the model,
 # 5-9 per layer of which 0-1 are evaluated in Python; before selector pinned its defaults, 3 per layer were)

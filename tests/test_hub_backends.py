@@ -339,6 +339,7 @@ def world_of_one():
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_megamoe_call_path_against_fake(fake_kernels: None, world_of_one) -> None:
     from selector.plugins.deepgemm_megamoe.forward import megamoe_experts_forward
     from selector.quant import quantize_experts, reference_forward
@@ -359,6 +360,7 @@ def test_megamoe_call_path_against_fake(fake_kernels: None, world_of_one) -> Non
     assert torch.equal(module.gate_up_proj, params_before), "the module's own parameters stay as they were"
 
 
+@pytest.mark.slow
 def test_megamoe_forward_refuses_missing_group_and_wrong_weights(fake_kernels: None) -> None:
     from selector.plugins.deepgemm_megamoe.forward import megamoe_experts_forward
     from selector.quant import quantize_experts
@@ -536,6 +538,7 @@ def test_cache_root_order(tmp_path: Path) -> None:
     assert not hub.hub_offline({"HF_HUB_OFFLINE": "0"})
 
 
+@pytest.mark.slow
 def test_kernels_itself_loads_what_locate_calls_cached(tmp_path: Path) -> None:
     """The cache layout `locate` reads is the one `kernels` loads offline (a fresh process: its constants)."""
     cache = tmp_path / "offline-cache"
@@ -765,6 +768,7 @@ def test_deepgemm_combine_sums_slots_in_the_result_dtype() -> None:
     assert relative_error(combine(out, idx, w, lay, module, torch.bfloat16), expected) < 8e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("gpu", "weight_format", "scale_format"),
     [(H100, "fp8_block", "float32"), (H100, "fp8_block", "ue8m0"), (B200, "fp8_block", "ue8m0"), (B200, "fp4", None)],
@@ -810,6 +814,7 @@ def _older_deepgemm_api(fake) -> types.SimpleNamespace:
     )
 
 
+@pytest.mark.slow
 def test_deepgemm_runs_an_earlier_release_api_on_hopper(fake_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from selector.plugins.deepgemm import forward
     from selector.quant import quantize_experts, reference_forward
@@ -836,6 +841,7 @@ def test_deepgemm_runs_an_earlier_release_api_on_hopper(fake_kernels: None, monk
         forward.deepgemm_experts_forward(fp8, x, idx, w)
 
 
+@pytest.mark.slow
 def test_deepgemm_quantised_forward_guards(fake_kernels: None) -> None:
     from selector.plugins.deepgemm.forward import deepgemm_experts_forward
     from selector.quant import quantize_experts

@@ -175,6 +175,7 @@ def test_validation_level_shapes_skips_value_checks(monkeypatch: pytest.MonkeyPa
         module(x, idx, w)
 
 
+@pytest.mark.compile
 def test_auto_under_compile_avoids_backends_that_break_the_graph() -> None:
     module = make_experts(4, 16, 8)
     x, idx, w = _inputs()
@@ -191,6 +192,7 @@ def test_auto_under_compile_avoids_backends_that_break_the_graph() -> None:
     assert "torch.compile" in traced.excluded["eager"].reason
 
 
+@pytest.mark.compile
 def test_explicit_eager_still_runs_under_compile_with_a_graph_break() -> None:
     module = make_experts(4, 16, 8)
     selector.set_experts_implementation(module, "eager")

@@ -65,6 +65,7 @@ def test_summary_takes_the_slowest_rank_and_the_table_compares_with_transformers
     assert "not run: s T=4 layer:all_to_all_padded+graph: no CUDA" in table
 
 
+@pytest.mark.slow
 def test_a_tiny_gloo_run_times_every_variant_and_agrees_with_transformers(tmp_path: Path) -> None:
     out = tmp_path / "ep.json"
     code = bench.main(["--device", "cpu", "--world", "2", "--shape", "tiny:8:16:8:2", "--tokens", "1", "3",

@@ -46,6 +46,8 @@ from selector.registry import build_registry
 from selector.requirements import evaluate
 from selector.types import Problem, Status
 
+pytestmark = pytest.mark.interpreter
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 U = 2.0**-4  # e4m3 unit roundoff
@@ -280,6 +282,7 @@ def test_fp4_exponent_spread_folding():
         assert relative_error(run(module, x, idx, w, mode), ref) < 1e-4
 
 
+@pytest.mark.compile
 def test_torch_compile_fullgraph_through_the_model_api():
     """The whole in-kernel path is one custom op: torch.compile traces the module without a graph break."""
     module = quantised(4, 64, 32, ("fp8_block", "ue8m0", (32, 32)))
@@ -592,6 +595,7 @@ def test_load_model_experts_walks_the_model(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", [("fp8_block", "float32", None), ("fp8_block", "ue8m0", None), ("fp4", "ue8m0", None)])
@@ -649,6 +653,7 @@ def test_gpu_decode_graph_replay_matches_direct_launches(monkeypatch):
     assert len(graphs.graphs_of(module, "quant")) == 6
 
 
+@pytest.mark.compile
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_torch_compile(mode):

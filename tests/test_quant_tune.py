@@ -12,6 +12,8 @@ import torch
 
 from selector.dispatch import reset_selection_caches
 
+pytestmark = pytest.mark.interpreter
+
 
 @pytest.fixture(autouse=True)
 def fresh():

@@ -54,6 +54,7 @@ def _skip_if_cpu_only(backend: str, device: str) -> None:
         pytest.skip("CUDA-only backend: covered on CPU through the Triton interpreter in its own tests")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
@@ -132,6 +133,7 @@ def test_grouped_mm_loop_fallback_matches_native() -> None:
     assert grouped_mm_loop is not None
 
 
+@pytest.mark.compile
 def test_grouped_mm_compiles_fullgraph() -> None:
     module = make_experts(4, 16, 8)
     selector.set_experts_implementation(module, "grouped_mm")
@@ -142,6 +144,7 @@ def test_grouped_mm_compiles_fullgraph() -> None:
     assert relative_error(out, reference_experts(module, x, idx, w)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.compile
 def test_auto_compiles_with_dynamic_token_counts() -> None:
     module = make_experts(4, 16, 8)
     compiled = torch.compile(module, fullgraph=True, backend="eager", dynamic=True)

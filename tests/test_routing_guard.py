@@ -299,6 +299,7 @@ def test_int32_and_int64_ids_are_guarded_alike(dtype):
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 def test_sanitize_kernel_matches_the_torch_sanitiser(guard_interpreter, ids_dtype):
     from selector.plugins.triton_common.guard import sanitize_triton
@@ -321,6 +322,7 @@ def test_sanitize_kernel_matches_the_torch_sanitiser(guard_interpreter, ids_dtyp
         guard.check()  # the torch sanitiser recorded the same faults
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 def test_sanitize_kernel_drop_matches_the_torch_sanitiser(guard_interpreter, ids_dtype):
     from selector.plugins.triton_common.guard import sanitize_triton
@@ -340,6 +342,7 @@ def test_sanitize_kernel_drop_matches_the_torch_sanitiser(guard_interpreter, ids
     guard.clear()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("tokens,hidden", [(1, 200), (5, 200), (70, 200), (3, 2100)])  # 2100: two column blocks
 def test_grouped_mm_triton_combine_matches_the_torch_tail(guard_interpreter, tokens, hidden):
     """The one-launch combine of grouped_mm on a GPU against the torch tail it replaces: the same fp32 sums (up to
@@ -364,6 +367,7 @@ def test_grouped_mm_triton_combine_matches_the_torch_tail(guard_interpreter, tok
     torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case,value", BAD_CASES, ids=[c for c, _ in BAD_CASES])
 # one token: no align or combine launch (the decode pair blocks check in gate_up, poison in down's epilogue);
 # one align program; several chunks (T*k > SINGLE_ALIGN_MAX)
@@ -385,6 +389,7 @@ def test_fused_align_and_combine_guard(guard_interpreter, case, value, tokens):
     _expect_fault(str(caught.value), value, len(slots))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case,value", BAD_CASES, ids=[c for c, _ in BAD_CASES])
 def test_one_token_down_by_output_tile_guard(guard_interpreter, case, value, monkeypatch):
     """One token whose down projection runs _token_down_kernel (large K-contiguous experts): gate_up's first
@@ -407,6 +412,7 @@ def test_one_token_down_by_output_tile_guard(guard_interpreter, case, value, mon
     C.clear_caches()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mode", ["grouped", "batched"])
 @pytest.mark.parametrize("case,value", [("id_minus_1", -1), ("id_E_plus_1000", E + 1000), ("weight_nan", float("nan"))],
                          ids=["id_minus_1", "id_E_plus_1000", "weight_nan"])  # fmt: skip
@@ -500,6 +506,7 @@ def _same(out, want, exact: bool) -> None:
         torch.testing.assert_close(out, want)
 
 
+@pytest.mark.smoke
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,value", BAD_CASES, ids=[c for c, _ in BAD_CASES])
 @pytest.mark.parametrize("name", tuple(GPU_CASES))

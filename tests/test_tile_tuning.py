@@ -377,6 +377,7 @@ def test_cli_without_cuda_prints_one_line(monkeypatch, capsys):
     assert "needs a CUDA GPU" in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_cli_without_triton_prints_one_line():
     """The module loads without triton (the kernels are imported where they run), so a CPU box that lacks it
     gets the same one line, not an ImportError traceback."""

@@ -17,6 +17,8 @@ from selector.plugins.triton_fused import tune as TU
 
 from selector.types import Problem
 
+pytestmark = pytest.mark.interpreter
+
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

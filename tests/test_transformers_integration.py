@@ -159,6 +159,7 @@ def test_missing_experts_interface_names_the_version(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_backends_match_eager_logits_and_greedy_tokens(models, kind):
     model = _model(models, kind)
@@ -425,6 +426,7 @@ def _phases(calls, layers):
     return prefill, decode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_vl_moe"])
 def test_decode_swap_on_accelerator_and_restore(models, kind):
     model = _model(models, kind)
@@ -613,6 +615,7 @@ def _check_fp8_fallback(model, calls):
 
 
 
+@pytest.mark.slow
 def test_quantized_explicit_name_runs_or_fails_loudly(monkeypatch):
     model, calls = _fp8_model(monkeypatch)
     model.set_experts_implementation("selector:grouped_mm")
@@ -665,6 +668,7 @@ def test_quantized_auto_takes_a_selector_backend_for_the_format(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("name", ["selector:grouped_mm", "selector:batched_mm"])
 def test_selector_names_trace_fullgraph(models, name):
     model = _model(models, "qwen3_moe")
@@ -689,6 +693,7 @@ def test_core_set_experts_implementation_reaches_transformers_models():
         selector.set_experts_implementation(model, {"vision_config": "eager"})  # no such sub-config
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("warm", [True, False], ids=["after-an-eager-call", "cold"])
 def test_quantized_auto_compiles_as_one_graph(monkeypatch: pytest.MonkeyPatch, warm: bool) -> None:
     """FP8 experts with "auto" under torch.compile(fullgraph=True): one graph after an eager call (the decode flag

@@ -18,6 +18,7 @@ def _run(module: torch.nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.T
     return selector.run_experts(module, x, idx, w, implementation="triton_fused")
 
 
+@pytest.mark.smoke
 def test_replays_see_fresh_inputs_each_call() -> None:
     module = make_experts(8, 64, 32, dtype=torch.bfloat16, device="cuda").requires_grad_(False)
     for _ in range(3):  # same shape: one graph, replayed with new values

@@ -27,6 +27,8 @@ from selector.plugins.triton_common import align as A
 from selector.plugins.triton_common import launch as L
 from selector.plugins.triton_fused import kernels as K
 
+pytestmark = pytest.mark.interpreter
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -933,6 +935,7 @@ def test_gpu_cuda_graph(T, monkeypatch):
         assert err < TOL[torch.bfloat16], err
 
 
+@pytest.mark.compile
 @pytest.mark.gpu
 def test_gpu_torch_compile_fullgraph(monkeypatch):
     monkeypatch.setattr(L, "POISON", False)

@@ -199,6 +199,7 @@ def fixed_timings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ran
 
 
+@pytest.mark.slow
 def test_a_cpu_run_measures_tunes_saves_and_plans(tmp_path: Path, fresh_registry, fixed_timings: list[str]) -> None:
     fresh_registry(fake_tune_backends=_TunableFake)
     _TunableFake.calls.clear()
