@@ -401,10 +401,12 @@ def _choose(problem: Problem, requested: str, bucket: int | None) -> str:
 
 
 def prepare_plan(name: str, module: torch.nn.Module, problem: Problem) -> ExpertsPlan:
-    """Backend `name`'s plan for the module and this kind of call: its `prepare`, else its forward on the module."""
+    """Backend `name`'s plan for the module and this kind of call: its `prepare`, else (no prepare, or one that
+    returns None for this problem) its forward for the weight format on the module."""
     spec = _RESOLVER.get_registry().get(name)
-    if spec.prepare is not None:
-        return spec.prepare(module, problem)
+    plan = None if spec.prepare is None else spec.prepare(module, problem)
+    if plan is not None:  # None: the backend prepares nothing of its own for this problem
+        return plan
     forward = _RESOLVER.forward_of(name, problem.weight_format)
     return ForwardPlan(
         backend=name,

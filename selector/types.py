@@ -273,8 +273,8 @@ class BackendSpec:
     than its dense one (`requirements.weight_formats` lists which formats it runs at all): the dispatch core
     picks (backend, format) -> forward once per module, so no forward branches on the format per call.
     `prepare(module, problem)` turns a module into an `ExpertsPlan` once per weights and call mode (the problem
-    says which format, layout, autograd, capture and compile); without it the plan calls the loaded forward
-    (`ForwardPlan`), so a backend that declares only `load` keeps working.
+    says which format, layout, autograd, capture and compile); without it, or where it returns None for a problem,
+    the plan calls the loaded forward (`ForwardPlan`), so a backend that declares only `load` keeps working.
     """
 
     name: str
@@ -303,7 +303,7 @@ class BackendSpec:
     # tunes the backend's kernel parameters (tiles) for `problem` at these token counts on this GPU within a
     # budget of seconds, keeps them where the backend finds them, and returns a summary for `selector tune`
     tune_kernels: Callable[[Problem, Sequence[int], float], Mapping[str, Any]] | None = None
-    prepare: Callable[[torch.nn.Module, Problem], ExpertsPlan] | None = None
+    prepare: Callable[[torch.nn.Module, Problem], ExpertsPlan | None] | None = None
 
     def supported_compile_modes(self) -> frozenset[str]:
         """The torch.compile modes the backend declares, or those its older flags imply."""

@@ -29,8 +29,9 @@ LAYOUTS = [Layout(), Layout(bias=True, transposed=True, interleaved=True), Layou
 
 
 def _prepare(module: torch.nn.Module, grad: tuple[str, ...] = ()):  # noqa: ANN202
-    from selector.plugins.triton_fused import _prepare as prepare  # what the backend's spec declares
+    from selector.registry import get_registry
 
+    prepare = get_registry().get("triton_fused").prepare  # what the backend's spec declares
     return prepare(module, replace(problem_from_module(module, top_k=2), grad_inputs=grad))
 
 

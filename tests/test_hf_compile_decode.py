@@ -133,6 +133,7 @@ def test_tracing_leaves_the_experts_modules_untouched(name):
 @pytest.mark.interpreter
 @needs_interpreter
 def test_compiled_decode_is_one_graph_that_runs_the_fused_kernel(fused_cpu, monkeypatch):
+    from selector.plugins.triton_fused import forward as fused_forward
     from selector.plugins.triton_fused import kernels
 
     model = _model("auto")
@@ -149,6 +150,7 @@ def test_compiled_decode_is_one_graph_that_runs_the_fused_kernel(fused_cpu, monk
         return impl(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "fused_experts_impl", counted)  # what the custom op runs
+    monkeypatch.setattr(fused_forward, "fused_experts_impl", counted)  # what the plan runs inside the opaque op
     from torch._dynamo.utils import counters
 
     counters.clear()

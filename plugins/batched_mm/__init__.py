@@ -13,6 +13,7 @@ from selector.plugins.quant_kernels import (
     QUANT_WEIGHT_FORMATS,
     check_quantized,
     quantised_forwards,
+    quantised_prepare,
 )
 from selector.probes import Environment
 
@@ -40,6 +41,7 @@ def selector_backends() -> Sequence[BackendSpec]:
             name="batched_mm",
             load=_load,
             format_loads=quantised_forwards("batched"),
+            prepare=quantised_prepare("batched", "batched_mm"),  # quantised layers: their kernels' plan
             # fp8_block / fp4 experts run through plugins/quant_kernels (one pair per program, no weight copies)
             # every layout of selector.layers: the gate, activation and norm run in torch between the matmuls,
             # sentinel slots compute on expert 0 with weight 0 (quantised experts: not transposed, check_quantized)

@@ -13,6 +13,7 @@ from selector.plugins.quant_kernels import (
     QUANT_WEIGHT_FORMATS,
     check_quantized,
     quantised_forwards,
+    quantised_prepare,
 )
 from selector.probes import Environment
 
@@ -42,6 +43,7 @@ def selector_backends() -> Sequence[BackendSpec]:
             name="grouped_mm",
             load=_load,
             format_loads=quantised_forwards("grouped"),
+            prepare=quantised_prepare("grouped", "grouped_mm"),  # quantised layers: their kernels' plan
             # fp8_block / fp4 experts run through plugins/quant_kernels (expert-sorted grouped Triton GEMM)
             requirements=Requirements(
                 packages={"torch": "2.9"},

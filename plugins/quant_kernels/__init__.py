@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from selector.probes import Environment
 
@@ -32,6 +33,20 @@ def quantised_forwards(mode: str) -> Mapping[str, Callable[[], ExpertsForward]]:
         return partial(quant_experts_forward, mode=mode)
 
     return {fmt: load for fmt in QUANT_WEIGHT_FORMATS}
+
+
+def quantised_prepare(mode: str, backend: str) -> Callable[[Any, Problem], Any]:
+    """A backend's `prepare` for quantised experts run by these kernels in `mode`: their plan for an fp8 / fp4
+    layer, None for a dense one (the backend's own forward runs it)."""
+
+    def prepare(module: Any, problem: Problem) -> Any:
+        if problem.weight_format == "dense":
+            return None
+        from selector.plugins.quant_kernels.forward import prepare_quantised
+
+        return prepare_quantised(module, problem, mode, backend=backend)
+
+    return prepare
 
 
 def interpreter_on() -> bool:

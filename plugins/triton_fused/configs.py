@@ -379,6 +379,23 @@ def _get_config_cached(
     )
 
 
+def tile_source(shape: LayerShape, top_k: int, device: torch.device) -> str:
+    """Where a layer's tiles come from on `device`: "tuned" (this node's table), "table" (the shipped one for this
+    GPU), "heuristic" (neither holds the shape: `default_config`), "" off CUDA (no tables there)."""
+    if device.type != "cuda":
+        return ""
+    name = _device_name(device.index)
+    if not name or not shape.gated or shape.dtype not in (torch.bfloat16, torch.float16):
+        return "heuristic"
+    key = shape_key(shape.num_experts, shape.hidden, shape.intermediate, top_k)
+    own = layout_key(key, transposed=shape.transposed, interleaved=shape.interleaved)
+    tables = {"tuned": load_user_table(name, str(user_config_dir())), "table": load_table(name, str(_config_dir()))}
+    for source, table in tables.items():
+        if any(table.get(k) for k in (own, key)):
+            return source
+    return "heuristic"
+
+
 def layer_config(shape: LayerShape, num_tokens: int, top_k: int, device: torch.device) -> dict[str, Any]:
     """``get_config`` for a layer's record (`shape`): the tile config of one call."""
     return _get_config_cached(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from selector.plugins.triton_fused import backward
+from selector.plugins.triton_fused.configs import tile_source
 from selector.plugins.triton_fused.kernels import FusedLayer, fused_experts_impl, fused_layer, run_op
 
 from selector import graphs, layers
@@ -79,7 +80,7 @@ def module_layer(module: torch.nn.Module) -> FusedLayer:
     )
 
 
-def _plan(module: torch.nn.Module, records_grad: bool) -> FusedPlan:
+def _plan(module: torch.nn.Module, records_grad: bool, top_k: int | None = None) -> FusedPlan:
     layer = module_layer(module)
     return FusedPlan(
         backend="triton_fused",
@@ -92,12 +93,14 @@ def _plan(module: torch.nn.Module, records_grad: bool) -> FusedPlan:
         # the op where autograd needs its formula or this very call is traced; an eager run inside the core's
         # opaque op (a compiled model's call) launches directly: the op's dispatch costs host time per call
         through_op=records_grad or torch.compiler.is_compiling(),
+        # where the tiles come from for this layer on its GPU (the core tells the user once about heuristic ones)
+        tiles="" if top_k is None else tile_source(layer.shape, top_k, layer.gate_up.device),
     )
 
 
 def prepare(module: torch.nn.Module, problem: Problem) -> FusedPlan:
     """The backend's plan for a dense layer and one kind of call (`problem`: whether autograd records)."""
-    return _plan(module, problem.requires_grad)
+    return _plan(module, problem.requires_grad, problem.top_k)
 
 
 def triton_fused_experts_forward(
