@@ -23,6 +23,7 @@ from selector.parallel.strategies import (
 
 if TYPE_CHECKING:
     from selector.parallel.exchange import all_reduce_forward, all_to_all_forward, all_to_all_padded_forward
+    from selector.parallel.status import ExpertParallelError
     from selector.parallel.layer import (
         ExpertParallel,
         capturing_now,
@@ -42,6 +43,7 @@ _LAZY = {
     "all_reduce_forward": "exchange",
     "all_to_all_forward": "exchange",
     "all_to_all_padded_forward": "exchange",
+    "ExpertParallelError": "status",
 }
 
 
@@ -59,6 +61,7 @@ __all__ = [
     "PREFERENCE",
     "STRATEGIES",
     "ExpertParallel",
+    "ExpertParallelError",
     "ParallelFacts",
     "Strategy",
     "all_reduce_forward",

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from selector import dispatch, layers
 from selector.model import is_experts_module
 from selector.parallel.exchange import FORWARDS
+from selector.parallel.status import Statement
 from selector.parallel.strategies import AUTO, ParallelFacts, choose, explain
 from selector.types import Availability
 
@@ -110,7 +111,16 @@ class ExpertParallel(torch.nn.Module):
         self.rank = dist.get_rank(self.group)
         self.first_expert = self.rank * local
         self._seen: set[tuple[int, ...]] = set()  # input shapes whose values were checked
-        self._counts_agree = False  # an eager padded call without a capacity proved the ranks' token counts equal
+        # told to the other ranks in each eager call's status exchange (which strategy a captured call runs);
+        # learns back whether every rank held as many tokens in the last eager call
+        self._statement = Statement(
+            captured=self.captured_strategy if isinstance(self.captured_strategy, str) else None
+        )
+
+    @property
+    def _counts_agree(self) -> bool:
+        """The last eager call's status exchange saw every rank hold as many tokens."""
+        return self._statement.counts_equal
 
     def explain(self, capturing: bool = False) -> dict[str, Availability]:
         """Every strategy's verdict for this layer and group, in the order `auto` tries them; `capturing`: as
@@ -129,7 +139,15 @@ class ExpertParallel(torch.nn.Module):
             raise ValueError(
                 "expert parallelism under a CUDA graph or torch.compile runs all_to_all_padded, which needs the "
                 "ranks' token counts to agree: pass capacity= (the most tokens any rank holds), or run one eager "
-                "call with strategy all_to_all_padded (it checks the ranks agree) before capturing or compiling"
+                "call of the layer with every rank's tokens (its status exchange checks the ranks agree) before "
+                "capturing or compiling"
+            )
+        if self.captured_strategy == "all_reduce" and not self._counts_agree:
+            # a sum over tensors of different sizes aborts gloo and reads past buffers on nccl
+            raise ValueError(
+                "expert parallelism under a CUDA graph or torch.compile runs all_reduce (same_tokens=True), which "
+                "needs every rank to hold the same tokens and cannot check it there: run one eager call of the "
+                "layer (its status exchange checks the ranks' token counts) before capturing or compiling"
             )
         return self.captured_strategy
 
@@ -138,14 +156,10 @@ class ExpertParallel(torch.nn.Module):
     ) -> torch.Tensor:
         name = self.strategy_for(hidden_states)
         args = (self.experts, self.group, self.num_experts, hidden_states, top_k_index, top_k_weights)
-        if name != "all_to_all_padded":
-            return FORWARDS[name](*args, self.implementation, seen=self._seen)
-        # every eager call proves the ranks' capacities agree (one tiny gather and a host sync): a rank cannot
-        # know which counts its peers proved already, and a check only some ranks join would hang the others
-        out = FORWARDS[name](*args, self.implementation, capacity=self.capacity, seen=self._seen)
-        if self.capacity is None and not capturing_now(hidden_states):
-            self._counts_agree = True  # the eager call checked every rank's count (it raises where they differ)
-        return out
+        # every eager call opens with the status exchange (for all_to_all it carries the split sizes): the ranks
+        # agree on strategy, counts and capacity, and bad input on any rank raises on every rank alike
+        extra = {"capacity": self.capacity} if name == "all_to_all_padded" else {}
+        return FORWARDS[name](*args, self.implementation, seen=self._seen, statement=self._statement, **extra)
 
     def extra_repr(self) -> str:
         return f"strategy={self.strategy}, num_experts={self.num_experts}, first_expert={self.first_expert}"

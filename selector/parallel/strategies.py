@@ -12,8 +12,8 @@ so the choice can be explained without a single collective.
   its own experts' share of them and sends each source its rows back; equal splits, so nothing is read back to the
   host and it captures in a CUDA graph. It moves about 1 / (1 - (1 - 1/world)^k) times the bytes of `all_to_all`.
 - `all_reduce`: every rank holds the same tokens, computes its own experts' share of every token (other ranks'
-  slots are sentinels) and a sum over the group adds the shares; no host sync, but every rank computes on all
-  tokens.
+  slots are sentinels) and a sum over the group adds the shares; no host sync under a CUDA graph or torch.compile
+  (eager calls first check the ranks' token counts in one small exchange), but every rank computes on all tokens.
 """
 
 from __future__ import annotations
