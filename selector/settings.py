@@ -124,6 +124,11 @@ _DECLARED = [
             "of each module and shape), shapes; every level but off also guards ids and weights on the device "
             "(selector.check)",
             choices=("full", "first", "shapes", "off"), default_text="full on CPU, first on GPU"),
+    Setting("SELECTOR_EP_TIMEOUT", "float", 60.0,
+            "seconds an expert-parallel layer (selector.parallel) waits in one of its collectives for the other "
+            "ranks before it raises ExpertParallelError (gloo: every collective; nccl: the status exchange that "
+            "opens each eager call); the group is out of step after that",
+            positive=True),
     Setting("SELECTOR_JIT_AMORTIZE_CALLS", "float", 1000.0,
             "over how many calls auto spreads a backend's one-time cost (download, JIT compile) in its estimate; "
             "a bad value means the default",
