@@ -6,20 +6,14 @@ matrix per (token, slot): its memory and time grow with T x k, so "auto" only pi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from selector.plugins.quant_kernels import (
-    QUANT_ACTIVATION_QUANT,
-    QUANT_WEIGHT_FORMATS,
-    check_quantized,
-    quantised_forwards,
-    quantised_prepare,
-)
+from selector.plugins.adapter import backends_hook
+from selector.plugins.quant_kernels import QUANT_FORMATS, quantised_backend
+from selector.plugins.torch_common import TRACEABLE
 from selector.probes import Environment
 
-from selector import BackendSpec, Problem, Requirements, hookimpl
+from selector import BackendSpec, Problem, Requirements
 from selector.costmodel import ceilings, floor_seconds, tokens, weight_bytes_per_expert
-from selector.types import COMPILE_MODES, EVERY_LAYOUT, GRAD_INPUTS
+from selector.types import EVERY_LAYOUT
 
 
 def _load():  # noqa: ANN202
@@ -34,28 +28,17 @@ def _estimate(problem: Problem, env: Environment) -> float:
     return launch + 2 * gathered / ceilings(problem, env).bandwidth + 1.2 * floor_seconds(problem, env)
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [
-        BackendSpec(
-            name="batched_mm",
-            load=_load,
-            format_loads=quantised_forwards("batched"),
-            prepare=quantised_prepare("batched", "batched_mm"),  # quantised layers: their kernels' plan
-            # fp8_block / fp4 experts run through plugins/quant_kernels (one pair per program, no weight copies)
-            # every layout of selector.layers: the gate, activation and norm run in torch between the matmuls,
-            # sentinel slots compute on expert 0 with weight 0 (quantised experts: not transposed, check_quantized)
-            requirements=Requirements(
-                weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
-                activation_quant=QUANT_ACTIVATION_QUANT,
-                **EVERY_LAYOUT,
-            ),
-            check=check_quantized,
-            description="gather one weight copy per (token, expert) pair, then batched matmuls",
-            estimate=_estimate,
-            # plain torch ops (gather, bmm): autograd differentiates all of it; quantised experts have no backward
-            differentiable=frozenset(GRAD_INPUTS),
-            compile_modes=frozenset(COMPILE_MODES),  # plain torch ops (and a custom op) without host syncs
-            fullgraph=True,
-        )
-    ]
+SPEC = BackendSpec(
+    name="batched_mm",
+    load=_load,
+    # fp8_block / fp4 experts run through plugins/quant_kernels (one pair per program, no weight copies)
+    **quantised_backend("batched", "batched_mm"),
+    # every layout of selector.layers: the gate, activation and norm run in torch between the matmuls, sentinel
+    # slots compute on expert 0 with weight 0 (quantised experts: not transposed, check_quantized)
+    requirements=Requirements(**QUANT_FORMATS, **EVERY_LAYOUT),
+    description="gather one weight copy per (token, expert) pair, then batched matmuls",
+    estimate=_estimate,
+    # gather and bmm (quantised experts: the kernels' custom op, which has no backward)
+    **TRACEABLE,
+)
+selector_backends = backends_hook(SPEC)

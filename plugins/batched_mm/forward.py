@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from selector import layers
-from selector.guard import sanitize_routing
+from selector.plugins.torch_common.routing import guarded_routing
 
 
 def _bmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -28,9 +28,7 @@ def batched_mm_experts_forward(
     up_w = layers.up_weight(module)
     # bad slots -> expert 0 with weight NaN: an out-of-range id would trip a device assert in the gather; every
     # slot is its own bmm batch entry, so the expert a bad slot computes on changes no other slot's bits
-    if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
-        import selector.plugins.triton_common.guard  # noqa: F401
-    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights)
+    top_k_index, top_k_weights, _ = guarded_routing(module, top_k_index, top_k_weights)
     ids = top_k_index.reshape(-1)  # [S], S = T * k
     weights = top_k_weights.reshape(-1).float()
     if layers.is_expert_parallel(module):

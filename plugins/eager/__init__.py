@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from selector.plugins.adapter import backends_hook
 from selector.probes import Environment
 
-from selector import BackendSpec, Problem, Requirements, hookimpl
+from selector import BackendSpec, Problem, Requirements
 from selector.costmodel import experts_hit, floor_seconds
 from selector.types import EVERY_LAYOUT, GRAD_INPUTS
 
@@ -25,23 +24,18 @@ def _estimate(problem: Problem, env: Environment) -> float:
     return experts_hit(problem) * per_expert + 1.5 * floor_seconds(problem, env)
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [
-        BackendSpec(
-            name="eager",
-            load=_load,
-            # the reference: every layout of selector.layers (biases, transposed, interleaved, non-gated, the
-            # module's own gate, post-expert norm, expert-parallel sentinels skipped)
-            requirements=Requirements(
-                **EVERY_LAYOUT,
-            ),
-            description="loop over the experts hit; one matmul pair per expert",
-            estimate=_estimate,
-            cuda_graph_safe=False,  # the set of experts hit is read on the host
-            compile_compatible=False,  # ... which breaks a torch.compile graph
-            compile_modes=frozenset({"default", "max-autotune-no-cudagraphs"}),  # runs around its graph break
-            fullgraph=False,  # the host-side loop over the experts hit is a graph break
-            differentiable=ALL_GRAD_INPUTS,  # plain torch ops: autograd differentiates all of it
-        )
-    ]
+SPEC = BackendSpec(
+    name="eager",
+    load=_load,
+    # the reference: every layout of selector.layers (biases, transposed, interleaved, non-gated, the module's own
+    # gate, post-expert norm, expert-parallel sentinels skipped)
+    requirements=Requirements(**EVERY_LAYOUT),
+    description="loop over the experts hit; one matmul pair per expert",
+    estimate=_estimate,
+    cuda_graph_safe=False,  # the set of experts hit is read on the host
+    compile_compatible=False,  # ... which breaks a torch.compile graph
+    compile_modes=frozenset({"default", "max-autotune-no-cudagraphs"}),  # runs around its graph break
+    fullgraph=False,  # the host-side loop over the experts hit is a graph break
+    differentiable=ALL_GRAD_INPUTS,  # plain torch ops: autograd differentiates all of it
+)
+selector_backends = backends_hook(SPEC)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from selector import layers
-from selector.guard import sanitize_routing
+from selector.plugins.torch_common.routing import guarded_routing
 
 FULLGRAPH_MESSAGE = (
     "experts backend 'eager' loops over the experts hit on the host, which breaks a torch.compile graph: "
@@ -36,9 +36,7 @@ def eager_experts_forward(
     x = hidden_states.to(up_w.dtype)
     # bad slots -> the dropped id E with weight NaN: skipped like a sentinel (no expert's batch changes), their
     # tokens' rows NaN below
-    if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
-        import selector.plugins.triton_common.guard  # noqa: F401
-    top_k_index, top_k_weights = sanitize_routing(module, top_k_index, top_k_weights, drop=True)
+    top_k_index, top_k_weights, _ = guarded_routing(module, top_k_index, top_k_weights, drop=True)
 
     if torch.compiler.is_compiling():  # say why here: under fullgraph=True this is the error the user reads
         torch._dynamo.graph_break(msg=FULLGRAPH_MESSAGE)

@@ -6,20 +6,14 @@ elsewhere a loop over experts registered as a custom op, so torch.compile still 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from selector.plugins.quant_kernels import (
-    QUANT_ACTIVATION_QUANT,
-    QUANT_WEIGHT_FORMATS,
-    check_quantized,
-    quantised_forwards,
-    quantised_prepare,
-)
+from selector.plugins.adapter import backends_hook
+from selector.plugins.quant_kernels import QUANT_FORMATS, quantised_backend
+from selector.plugins.torch_common import TRACEABLE
 from selector.probes import Environment
 
-from selector import BackendSpec, Problem, Requirements, hookimpl
+from selector import BackendSpec, Problem, Requirements
 from selector.costmodel import floor_seconds
-from selector.types import COMPILE_MODES, EVERY_LAYOUT, GRAD_INPUTS
+from selector.types import EVERY_LAYOUT
 
 
 def _load():  # noqa: ANN202
@@ -36,30 +30,18 @@ def estimate_seconds(problem: Problem, env: Environment) -> float:
     return 30e-6 + 1.2 * floor_seconds(problem, env)
 
 
-@hookimpl
-def selector_backends() -> Sequence[BackendSpec]:
-    return [
-        BackendSpec(
-            name="grouped_mm",
-            load=_load,
-            format_loads=quantised_forwards("grouped"),
-            prepare=quantised_prepare("grouped", "grouped_mm"),  # quantised layers: their kernels' plan
-            # fp8_block / fp4 experts run through plugins/quant_kernels (expert-sorted grouped Triton GEMM)
-            requirements=Requirements(
-                packages={"torch": "2.9"},
-                weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
-                activation_quant=QUANT_ACTIVATION_QUANT,
-                # every layout of selector.layers: the gate, activation and norm run in torch between the GEMMs,
-                # sentinels sort to the tail and are zeroed (quantised experts: not transposed, check_quantized)
-                **EVERY_LAYOUT,
-            ),
-            check=check_quantized,
-            description="sort by expert, then torch grouped GEMMs (loop fallback as a custom op)",
-            estimate=estimate_seconds,
-            # torch's grouped GEMM has a derivative and the loop op registers one (forward.py); quantised
-            # experts run plugins/quant_kernels, which has no backward
-            differentiable=frozenset(GRAD_INPUTS),
-            compile_modes=frozenset(COMPILE_MODES),  # plain torch ops (and a custom op) without host syncs
-            fullgraph=True,
-        )
-    ]
+SPEC = BackendSpec(
+    name="grouped_mm",
+    load=_load,
+    # fp8_block / fp4 experts run through plugins/quant_kernels (expert-sorted grouped Triton GEMM)
+    **quantised_backend("grouped", "grouped_mm"),
+    # every layout of selector.layers: the gate, activation and norm run in torch between the GEMMs, sentinels
+    # sort to the tail and are zeroed (quantised experts: not transposed, check_quantized)
+    requirements=Requirements(packages={"torch": "2.9"}, **QUANT_FORMATS, **EVERY_LAYOUT),
+    description="sort by expert, then torch grouped GEMMs (loop fallback as a custom op)",
+    estimate=estimate_seconds,
+    # torch's grouped GEMM has a derivative and the loop op registers one (forward.py); quantised experts run
+    # plugins/quant_kernels, which has no backward
+    **TRACEABLE,
+)
+selector_backends = backends_hook(SPEC)

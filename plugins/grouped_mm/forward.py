@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from selector import layers
-from selector.guard import guard_routing
+from selector.plugins.torch_common.routing import guarded_routing
 
 
 @torch.library.custom_op("selector::grouped_mm_loop", mutates_args=())
@@ -116,9 +116,7 @@ def grouped_mm_experts_forward(
     up_w = layers.up_weight(module)
     # bad slots -> the dropped id E with weight NaN: out of every matmul (an id of -1 would sort first and shift
     # every other token's rows; expert 0 would change that expert's batch), their tokens' rows NaN
-    if top_k_index.is_cuda:  # the one-launch Triton sanitiser (registered on import); dense CPU runs need no Triton
-        import selector.plugins.triton_common.guard  # noqa: F401
-    top_k_index, top_k_weights, guarded = guard_routing(module, top_k_index, top_k_weights, drop=True)
+    top_k_index, top_k_weights, guarded = guarded_routing(module, top_k_index, top_k_weights, drop=True)
 
     ids = top_k_index.reshape(-1)
     sorted_ids, order = torch.sort(ids, stable=True)  # sentinels and dropped slots (id == E) sort to the tail

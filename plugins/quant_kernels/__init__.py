@@ -18,6 +18,11 @@ from selector.types import Availability, ExpertsForward, Problem, Status
 
 QUANT_WEIGHT_FORMATS = frozenset({"fp8_block", "fp4"})
 QUANT_ACTIVATION_QUANT = frozenset({"dynamic", "static"})
+# Requirements(**QUANT_FORMATS, ...): dense experts, and the quantised ones these kernels run
+QUANT_FORMATS: Mapping[str, frozenset[str]] = {
+    "weight_formats": frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
+    "activation_quant": QUANT_ACTIVATION_QUANT,
+}
 MIN_TRITON = "3.0"
 MIN_COMPUTE_CAPABILITY = (8, 9)  # e4m3 conversions and tensor-core dots: Ada, Hopper and newer
 
@@ -51,6 +56,16 @@ def quantised_prepare(mode: str, backend: str) -> Callable[[Any, Problem], Any]:
 
 def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def quantised_backend(mode: str, backend: str) -> Mapping[str, Any]:
+    """BackendSpec(**quantised_backend(mode, name), ...): a backend whose quantised experts these kernels run in
+    `mode`, with their forwards, their plan and `check_quantized`; dense ones run the backend's own forward."""
+    return {
+        "format_loads": quantised_forwards(mode),
+        "prepare": quantised_prepare(mode, backend),
+        "check": check_quantized,
+    }
 
 
 def check_quantized(problem: Problem, env: Environment) -> Availability | None:
@@ -117,8 +132,11 @@ def check_quantized(problem: Problem, env: Environment) -> Availability | None:
 
 __all__ = [
     "QUANT_ACTIVATION_QUANT",
+    "QUANT_FORMATS",
     "QUANT_WEIGHT_FORMATS",
     "check_quantized",
     "interpreter_on",
+    "quantised_backend",
     "quantised_forwards",
+    "quantised_prepare",
 ]

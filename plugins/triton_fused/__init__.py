@@ -11,12 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from selector.plugins.grouped_mm import estimate_seconds as grouped_mm_estimate
-from selector.plugins.quant_kernels import (
-    QUANT_ACTIVATION_QUANT,
-    QUANT_WEIGHT_FORMATS,
-    check_quantized,
-    quantised_forwards,
-)
+from selector.plugins.quant_kernels import QUANT_FORMATS, QUANT_WEIGHT_FORMATS, check_quantized, quantised_forwards
 from selector.probes import Environment
 
 from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
@@ -112,8 +107,7 @@ def selector_backends() -> Sequence[BackendSpec]:
                 devices=frozenset({"cuda"}),
                 min_compute_capability=(8, 0),  # fp8 / fp4: 8.9, which check_quantized enforces
                 packages={"triton": "3.0"},
-                weight_formats=frozenset({"dense"}) | QUANT_WEIGHT_FORMATS,
-                activation_quant=QUANT_ACTIVATION_QUANT,
+                **QUANT_FORMATS,
                 activations=ACTIVATIONS,
                 non_gated=True,  # act(up) in the epilogue
                 bias=True,  # both biases added in the GEMM epilogues
