@@ -2,7 +2,9 @@
 
 File layout: {"configs": {shape_key: {token_count: config}}, ...}. Each kernel family brings its own
 `normalize` (which keys a config has, their defaults); an entry it rejects is skipped, not fatal. Tables tuned on
-this node (`selector tune`) add {"tuned": {shape_key: [token counts measured]}} and are written atomically.
+this node (`selector tune`) add {"tuned": {shape_key: [token counts measured]}} and are written atomically;
+`tuning_summary` and `run_tuner`: the summary both kernel families' tuners report, and their commands'
+ending.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -163,3 +166,48 @@ def _default_table_dir(xdg_cache_home: str | None, home: str | None, backend: st
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("selector")) / backend
+
+
+def run_tuner(tool: str, timed: str, gpu_visible: bool, debug: bool, tune: Callable[[], Any]) -> int:
+    """A tuner's `main` once its flags are read: `tune()` writes the table and returns its path. Exit 0 after
+    writing it, 1 with one line on stderr where no GPU is visible or `tune` raises (`debug`: the traceback)."""
+    if not gpu_visible:
+        print(
+            f"{tool} tune: needs a CUDA GPU and none is visible (it times {timed} on the GPU the "
+            "table is for); run it on that GPU's node",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        out = tune()
+    except Exception as exc:  # one line with the fix; --debug shows where it came from
+        if debug:
+            raise
+        print(
+            f"{tool} tune: {type(exc).__name__}: {' '.join(str(exc).split())} (rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def tuning_summary(shape: str, device: str | None, budget_s: float, skipped: str | None = None, **extra: Any) -> dict:
+    """A tuner's summary of one layer before its search (filled in as it goes): token counts tuned, cut short
+    ("tokens_partial") and left on defaults, the configs chosen and their times, and `extra` fields of its own."""
+    return {
+        "backend": "triton_fused",
+        "shape": shape,
+        "device": device,
+        "budget_s": float(budget_s),
+        "tokens_tuned": [],
+        "tokens_partial": [],
+        "tokens_default": [],
+        "configs": {},
+        "time_us": {},
+        **extra,
+        "seconds": 0.0,
+        "cut_short": False,
+        "written_to": None,
+        "skipped": skipped,
+    }

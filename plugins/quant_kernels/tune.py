@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -407,22 +406,7 @@ def tune_kernels(
     e, h, i, k = problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k
     fp4 = FORMATS.get(problem.weight_format)
     key = C.shape_key(bool(fp4), e, h, i, k)
-    summary: dict[str, Any] = {
-        "backend": "triton_fused",
-        "kernels": "quant_kernels",
-        "shape": key,
-        "device": device_name,
-        "budget_s": float(budget_s),
-        "tokens_tuned": [],
-        "tokens_partial": [],
-        "tokens_default": [],
-        "configs": {},
-        "time_us": {},
-        "seconds": 0.0,
-        "cut_short": False,
-        "written_to": None,
-        "skipped": None,
-    }
+    summary = tile_tables.tuning_summary(key, device_name, budget_s, kernels="quant_kernels")
     if fp4 is None:
         summary["skipped"] = f"weight format {problem.weight_format!r} has no quantised tiles (fp8_block, fp4 do)"
         return summary
@@ -489,28 +473,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--tokens takes a comma list of integers, got {a.tokens!r}")
     global TRY_QUANT_X_LOOP
     TRY_QUANT_X_LOOP = a.try_quant_x_loop
-    if not torch.cuda.is_available():
-        print(
-            "quant_kernels tune: needs a CUDA GPU and none is visible (it times the kernels on the GPU the "
-            "table is for); run it on that GPU's node",
-            file=sys.stderr,
-        )
-        return 1
     shapes = {s: SHAPES[s] for s in a.shapes.split(",") if s}
-    try:
+
+    def write() -> str | Path:
         out = a.out or C.table_file(torch.cuda.get_device_name())
         tune(shapes, tokens, tuple(a.formats.split(",")), out, a.budget_s)
-    except Exception as exc:  # one line with the fix; --debug shows where it came from
-        if a.debug:
-            raise
-        print(
-            f"quant_kernels tune: {type(exc).__name__}: {' '.join(str(exc).split())} "
-            "(rerun with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
-    print(f"wrote {out}")
-    return 0
+        return out
+
+    return tile_tables.run_tuner("quant_kernels", "the kernels", torch.cuda.is_available(), a.debug, write)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from selector.plugins import tile_tables
 from selector.types import Problem
 
 from . import configs as _configs
@@ -914,23 +914,7 @@ def tune_kernels(
         transposed=problem.is_transposed,
         interleaved=problem.interleaved,
     )
-    summary: dict[str, Any] = {
-        "backend": "triton_fused",
-        "shape": key,
-        "device": device_name,
-        "budget_s": float(budget_s),
-        "tokens_tuned": [],
-        "tokens_partial": [],
-        "tokens_default": [],
-        "configs": {},
-        "time_us": {},
-        "default_us": {},
-        "layer_us": {},
-        "seconds": 0.0,
-        "cut_short": False,
-        "written_to": None,
-        "skipped": _not_tunable(problem),
-    }
+    summary = tile_tables.tuning_summary(key, device_name, budget_s, _not_tunable(problem), default_us={}, layer_us={})
     if summary["skipped"]:
         return summary
     device = torch.device("cuda", problem.device_index)
@@ -1050,28 +1034,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--shape takes E,H,I,k and --tokens a comma list, as integers; got {a.shape} and {a.tokens!r}")
     if any(len(s) != 4 or min(s) < 1 for s in extra) or not tokens or min(tokens) < 1:
         p.error("--shape takes four positive integers E,H,I,k and --tokens positive integers")
-    if not torch.cuda.is_available():
-        print(
-            "triton_fused tune: needs a CUDA GPU and none is visible (it times the kernel on the GPU the "
-            "table is for); run it on that GPU's node",
-            file=sys.stderr,
-        )
-        return 1
     shapes = list(PRESETS[a.preset]) + extra
-    try:
+
+    def write() -> str:
         out = a.out or str(_configs.CONFIG_DIR / _configs.config_file_name(torch.cuda.get_device_name()))
         tune(shapes, tokens, getattr(torch, a.dtype), out, rep_ms=a.rep_ms)
-    except Exception as exc:  # one line with the fix; --debug shows where it came from
-        if a.debug:
-            raise
-        print(
-            f"triton_fused tune: {type(exc).__name__}: {' '.join(str(exc).split())} "
-            "(rerun with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
-    print(f"wrote {out}")
-    return 0
+        return out
+
+    return tile_tables.run_tuner("triton_fused", "the kernel", torch.cuda.is_available(), a.debug, write)
 
 
 if __name__ == "__main__":
