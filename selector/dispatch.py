@@ -126,12 +126,15 @@ def module_cache(module: torch.nn.Module) -> ModuleCache:
 
 
 def weights_fingerprint(module: torch.nn.Module) -> tuple:
-    """What tells the module's weights apart without reading them: each parameter's and buffer's storage, in-place
-    version, shape and dtype (an optimizer step or a `copy_` bumps the version)."""
-    return tuple(
-        [(t.data_ptr(), t._version, t.shape, t.dtype) for t in module._parameters.values() if t is not None]
-        + [(t.data_ptr(), t._version, t.shape, t.dtype) for t in module._buffers.values() if t is not None]
-    )
+    """What tells the module's weights apart without reading them: each parameter's and buffer's storage and in-place
+    version (an optimizer step, a `copy_` or a `resize_` bumps the version), and the up weight's shape (a view swapped
+    in through `.data` may keep both). Runs on every call: flat, no tuple per tensor (a third of the host time)."""
+    parts: list = [layers.up_weight(module).shape]
+    for tensors in (module._parameters, module._buffers):
+        for t in tensors.values():
+            if t is not None:
+                parts += (t.data_ptr(), t._version)
+    return tuple(parts)
 
 
 class _Resolver:
@@ -590,8 +593,16 @@ def _run_plan(
     """The run stage: the plan, replayed from a graph recorded here where its policy allows."""
     policy = prepared.graphs
     if policy is not None and graphs.graphs_enabled(hidden_states, policy.max_tokens, policy.variable):
+        graph_key = (
+            hidden_states.shape,
+            hidden_states.dtype,
+            top_k_index.shape,
+            top_k_index.dtype,
+            top_k_weights.dtype,
+            hidden_states.device,
+            prepared.serial,
+        )
         inputs = (hidden_states, top_k_index, top_k_weights)
-        graph_key = (*[(t.shape, t.dtype) for t in inputs], hidden_states.device, prepared.serial)
         return graphs.replay(module, prepared.name, graph_key, prepared.plan.run, inputs)
     return prepared.plan.run(hidden_states, top_k_index, top_k_weights)
 
