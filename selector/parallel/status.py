@@ -213,7 +213,8 @@ class Agreement:
         ]
         values = self.values if self.values is not None and self.failure is None else None
         parts = [
-            torch.tensor(host, dtype=torch.int64, device=device),
+            # staged from pageable memory at once: no wait for the device (a blocking copy would sync the stream)
+            torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True),
             values if values is not None else torch.zeros(3, dtype=torch.int64, device=device),
             pending_faults(device),
             counts.to(torch.int64) if counts is not None and self.failure is None
