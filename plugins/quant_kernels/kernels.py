@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from selector.plugins.triton_common.activation import activation as _activation
 from selector.plugins.triton_common.align import align_program
+from selector.plugins.triton_common.schedule import program_tile
 
 # --------------------------------------------------------------------------------------------------------------
 # Element helpers.
@@ -184,6 +185,35 @@ def _fp8_col_scale(
 
 
 @triton.jit
+def _fp4_tile(
+    w_base, s_base, offs_c, c_ok, k0, K, stride_wn, stride_wk, stride_sn, stride_sk, BK: tl.constexpr, BNC: tl.constexpr
+):
+    """FP4 weights of channels offs_c [BNC] and inputs [k0, k0 + BK): their e2m1 values [BNC, BK] (two a byte,
+    low nibble first) and the UE8M0 exponents [BNC, BK // 32] of their 32-input groups, unscaled."""
+    G: tl.constexpr = BK // 32
+    offs_b = k0 // 2 + tl.arange(0, BK // 2)
+    p = (
+        tl.load(
+            w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+            mask=c_ok[:, None] & (offs_b[None, :] < K // 2),
+            other=0,
+        ).to(tl.int32)
+        & 255
+    )
+    v = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BNC, BK))
+    offs_g = k0 // 32 + tl.arange(0, G)
+    eg = (
+        tl.load(
+            s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+            mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32),
+            other=0,
+        ).to(tl.int32)
+        & 255
+    )
+    return v, eg
+
+
+@triton.jit
 def _w_tile_dot(
     w_base,
     s_base,
@@ -213,25 +243,7 @@ def _w_tile_dot(
     from row desc_row (= the expert's first row + offs_c[0]); rows past the expert's are never stored."""
     if FP4:
         G: tl.constexpr = BK // 32
-        offs_b = k0 // 2 + tl.arange(0, BK // 2)
-        p = (
-            tl.load(
-                w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
-                mask=c_ok[:, None] & (offs_b[None, :] < K // 2),
-                other=0,
-            ).to(tl.int32)
-            & 255
-        )
-        v = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BNC, BK))
-        offs_g = k0 // 32 + tl.arange(0, G)
-        eg = (
-            tl.load(
-                s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
-                mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32),
-                other=0,
-            ).to(tl.int32)
-            & 255
-        )
+        v, eg = _fp4_tile(w_base, s_base, offs_c, c_ok, k0, K, stride_wn, stride_wk, stride_sn, stride_sk, BK, BNC)
         emax = tl.max(eg, axis=1)
         shift = tl.minimum(tl.maximum(eg - emax[:, None] + 6, -126), 6)
         mult = ((shift + 127) << 23).to(tl.float32, bitcast=True)
@@ -277,25 +289,7 @@ def _w_tile_f32(
     """The weight tile [BNC, BK] in fp32 and its column scale (FP4: exact values x scale, column scale 1)."""
     if FP4:
         G: tl.constexpr = BK // 32
-        offs_b = k0 // 2 + tl.arange(0, BK // 2)
-        p = (
-            tl.load(
-                w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
-                mask=c_ok[:, None] & (offs_b[None, :] < K // 2),
-                other=0,
-            ).to(tl.int32)
-            & 255
-        )
-        v = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BNC, BK))
-        offs_g = k0 // 32 + tl.arange(0, G)
-        eg = (
-            tl.load(
-                s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk,
-                mask=c_ok[:, None] & (offs_g[None, :] < (K + 31) // 32),
-                other=0,
-            ).to(tl.int32)
-            & 255
-        )
+        v, eg = _fp4_tile(w_base, s_base, offs_c, c_ok, k0, K, stride_wn, stride_wk, stride_sn, stride_sk, BK, BNC)
         w = tl.reshape(tl.reshape(v, (BNC, G, 32)) * _pow2(eg)[:, :, None], (BNC, BK))
         ws = tl.full([BNC], 1.0, tl.float32)
     else:
@@ -488,12 +482,7 @@ def _grouped_kernel(
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_blocks_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = program_tile(pid, num_blocks_m, N, BLOCK_N, GROUP_M)
 
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if (expert < 0) | (expert >= num_experts):  # a block past the used ones, or a sentinel pair

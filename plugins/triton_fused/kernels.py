@@ -63,6 +63,7 @@ from selector.plugins.triton_common.activation import gate as _gate
 from selector.plugins.triton_common.align import align, guard_args, max_blocks_for, plan_align, run_align
 from selector.plugins.triton_common.combine import combine
 from selector.plugins.triton_common.guard import check_pairs, check_slots
+from selector.plugins.triton_common.schedule import program_tile
 from selector.plugins.triton_common.launch import (
     TensorDescriptor,
     cdiv,
@@ -174,13 +175,7 @@ def _moe_gemm_kernel(
     from the same sorted rows, so the down GEMM never reads the block-order rows that gate_up skipped.
     """
     pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_blocks_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = program_tile(pid, num_blocks_m, N, BLOCK_N, GROUP_M)
 
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
