@@ -71,6 +71,9 @@ def _show(store: TuningStore, fingerprints: Fingerprints, as_json: bool) -> int:
     if summary.problem is not None:
         print(f"not usable:  {summary.problem}")
         return EXIT_BROKEN
+    if summary.read_only:
+        access, why = store.access()
+        print(f"read-only:   {why or 'SELECTOR_TUNING_STORE_READ_ONLY is set'} (shared on purpose: read, never written)")
     line = f"records:     {summary.current} current, {summary.stale} stale"
     if summary.stale:
         per_backend = ", ".join(f"{b} {n}" for b, n in summary.stale_by_backend.items())
