@@ -139,13 +139,16 @@ _DECLARED = [
             minimum=0.0),
     # --- tuning store -------------------------------------------------------------------------------------
     Setting("SELECTOR_TUNING_STORE", "path", None,
-            "the tuning store (a SQLite file of measured times); a shared folder serves a cluster where its "
-            "filesystem has working POSIX locks",
+            "the tuning store (a SQLite file of measured times) of this node's processes; nodes share one by "
+            "reading it (SELECTOR_TUNING_STORE_READ_ONLY) or through `selector store export` / `import`",
             default_text="tuning.sqlite3 in the user cache dir"),
     Setting("SELECTOR_TUNING_STORE_TIMEOUT", "float", 10.0,
             "seconds a write to the tuning store waits for other writers before it is refused; a bad value means "
             "the default",
             positive=True, on_bad="default"),
+    Setting("SELECTOR_TUNING_STORE_READ_ONLY", "bool", False,
+            "read the tuning store without ever writing it: a store shared on purpose (another user's, or in a "
+            "folder group or others may write) is then read, and said so; off, such a store is refused"),
     # --- hub kernels --------------------------------------------------------------------------------------
     Setting("SELECTOR_KERNELS_LOCK", "path", None,
             "a kernels.lock (from `kernels lock`): hub kernel pins resolve to its commits"),
