@@ -5,10 +5,12 @@ Sources, later ones overriding earlier: export files shipped in `selector/tuning
 (`$SELECTOR_TUNING_STORE`, else `tuning.sqlite3` in the user's cache folder), then what other processes shared
 through the node daemon.
 
-The store never stops a model from loading: a damaged file is moved aside and rebuilt empty, a location that
-cannot be used reads as empty and refuses writes, each with a warning. Several processes (and several nodes, on
-a filesystem with working POSIX locks) may write at once: every write is one transaction that waits for the
-others (`SELECTOR_TUNING_STORE_TIMEOUT`).
+The store never stops a model from loading: a damaged file (damaged pages too: `PRAGMA quick_check` at a
+process's first open) is moved aside and rebuilt empty, a location that cannot be used reads as empty and refuses
+writes, each with a warning. Several processes of one node may write at once: every put is one transaction, the
+writers take turns on `<folder>/locks/store-write.lock` (waiting up to `SELECTOR_TUNING_STORE_TIMEOUT`), and the
+file is in WAL mode (which needs every writer on one host). Nothing another local user controls is trusted: see
+`TuningStore`.
 """
 
 from __future__ import annotations
