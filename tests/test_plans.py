@@ -318,3 +318,16 @@ def test_a_layer_on_default_tiles_is_told_once_per_shape(fresh_registry, caplog)
     assert "E=4 H=16 I=8 k=2" in lines[0] and "runs fake_heuristic" in lines[0]
     assert "`selector tune --experts 4 --hidden 16 --intermediate 8 --top-k 2 --dtype float32`" in lines[0]
     assert dispatch.untuned_message("fake_heuristic", dispatch.call_problem(module, 2)) in lines[0]
+
+
+def test_no_plugin_source_writes_a_modules_dict() -> None:
+    """The built-in backends keep what they read off a module in their plans, never in the module: no write to a
+    `__dict__`, no `setattr` on a module, no old per-module cache prefix anywhere in plugins/."""
+    import re
+    from pathlib import Path
+
+    writes = re.compile(r"__dict__\s*\[[^\]]*\]\s*=|__dict__\.(setdefault|update)\(|setattr\(\s*module\b|MODULE_CACHE_PREFIX")
+    root = Path(__file__).resolve().parent.parent / "plugins"
+    found = [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1) if writes.search(line)]  # fmt: skip
+    assert not found, found
