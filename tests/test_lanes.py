@@ -58,3 +58,11 @@ def test_the_check_fails_the_run_in_a_pytest_of_its_own(pytester: pytest.Pyteste
     assert failed.nodeid.endswith("test_unmarked_and_slow")
     assert "more than the fast lane's 0.1 s" in str(failed.longrepr)
     assert "@pytest.mark.slow" in str(failed.longrepr)
+
+
+def test_the_limit_stretches_with_the_machines_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conftest.os, "getloadavg", lambda: (8.0, 8.0, 8.0))
+    monkeypatch.setattr(conftest.os, "cpu_count", lambda: 2)
+    assert conftest.load_factor() == 4.0
+    monkeypatch.setattr(conftest.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    assert conftest.load_factor() == 1.0
