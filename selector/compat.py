@@ -14,10 +14,13 @@ from selector.probes import PackageFacts
 from selector.requirements import version_tuple
 
 # (first, last) Transformers minor releases -> kernels range (min inclusive, max exclusive).
-_KERNELS_PINS: tuple[tuple[tuple[int, int], tuple[int, int], str, str], ...] = (
+KERNELS_PINS: tuple[tuple[tuple[int, int], tuple[int, int], str, str], ...] = (
+    ((5, 25), (5, 25), "0.19.1", "0.20"),
     ((5, 23), (5, 24), "0.18.2", "0.19"),
     ((5, 20), (5, 22), "0.17.2", "0.18"),
-    ((5, 17), (5, 17), "0.16", "0.17"),
+    ((5, 18), (5, 19), "0.17", "0.18"),
+    ((5, 15), (5, 17), "0.16", "0.17"),
+    ((5, 14), (5, 14), "0.15.2", "0.16"),
 )
 
 
@@ -34,7 +37,7 @@ def kernels_for_transformers(transformers_version: str) -> tuple[str, str] | Non
     if len(parts) < 2:
         return None
     minor = (parts[0], parts[1])
-    for first, last, low, high in _KERNELS_PINS:
+    for first, last, low, high in KERNELS_PINS:
         if first <= minor <= last:
             return low, high
     return None
@@ -63,4 +66,4 @@ def hub_kernels_verdict(env: _HasPackages) -> str | None:
     )
 
 
-__all__ = ["hub_kernels_verdict", "kernels_for_transformers"]
+__all__ = ["KERNELS_PINS", "hub_kernels_verdict", "kernels_for_transformers"]

@@ -932,8 +932,11 @@ def test_probing_does_not_import_torch() -> None:
         ("5.22.0", ("0.17.2", "0.18")),
         ("5.20.3.dev0", ("0.17.2", "0.18")),
         ("5.17.0", ("0.16", "0.17")),
-        ("5.18.0", None),  # pin not known here: not judged
-        ("5.25.0", None),
+        ("5.18.0", ("0.17", "0.18")),
+        ("5.14.1", ("0.15.2", "0.16")),
+        ("5.13.0", None),  # pin not known here: not judged
+        ("5.25.0", ("0.19.1", "0.20")),
+        ("5.26.0", None),
         ("4.57.1", None),
         ("garbage", None),
     ],
@@ -952,8 +955,8 @@ def _with_packages(**versions: str | None) -> Environment:
 
 @pytest.mark.parametrize(
     "transformers, kernels",
-    [("5.23.0", "0.18.2"), ("5.24.1", "0.18.9"), ("5.21.0", "0.17.2"), ("5.17.0", "0.16.0"),
-     ("5.23.0", None), (None, "0.12.0"), ("5.19.0", "0.1.0")],  # fmt: skip
+    [("5.23.0", "0.18.2"), ("5.24.1", "0.18.9"), ("5.25.0", "0.19.1"), ("5.21.0", "0.17.2"), ("5.17.0", "0.16.0"),
+     ("5.23.0", None), (None, "0.12.0"), ("5.13.0", "0.1.0")],  # fmt: skip
 )
 def test_hub_kernels_verdict_none_for_a_working_or_unjudged_pair(transformers: str | None, kernels: str | None) -> None:
     from selector.compat import hub_kernels_verdict
@@ -964,6 +967,7 @@ def test_hub_kernels_verdict_none_for_a_working_or_unjudged_pair(transformers: s
 @pytest.mark.parametrize(
     "transformers, kernels, pin",
     [("5.23.0", "0.17.2", ">=0.18.2,<0.19"), ("5.24.0", "0.19.0", ">=0.18.2,<0.19"),
+     ("5.25.0", "0.18.3", ">=0.19.1,<0.20"),
      ("5.22.0", "0.18.2", ">=0.17.2,<0.18"), ("5.20.0", "0.17.1", ">=0.17.2,<0.18"),
      ("5.17.0", "0.17.0", ">=0.16,<0.17")],  # fmt: skip
 )
