@@ -1,7 +1,8 @@
 """The decode phase of `generate()`: selector's grouped_mm runs as its batched_mm on accelerators.
 
 Transformers (>= 5.14) already swaps its own "grouped_mm" for "batched_mm" during the decode steps on
-non-CPU devices. selector extends that same hook (`GenerationMixin._optimize_model_for_decode`) so
+non-CPU devices (from 5.25 not on MPS with torch >= 2.15, whose grouped_mm has a native kernel). selector
+extends that same hook (`GenerationMixin._optimize_model_for_decode`) so
 "selector:grouped_mm" swaps to "selector:batched_mm" the same way, per sub-config, restored when generation
 ends or raises. "auto" needs no swap: it re-ranks per token-count bucket on every call. The hook also marks
 the decode steps (`in_decode_phase`), which quantised "auto" reads when it falls back to Transformers' FP8
@@ -26,15 +27,27 @@ logger = logging.getLogger("selector.hf")
 _DECODING: contextvars.ContextVar[bool] = contextvars.ContextVar("selector_hf_decoding", default=False)
 
 
+def _mps_keeps_grouped_mm() -> bool:
+    """Transformers 5.25+ keeps "grouped_mm" for the decode steps on MPS with torch >= 2.15 (a native kernel)."""
+    import transformers
+
+    from selector.requirements import version_tuple
+
+    return version_tuple(transformers.__version__)[:2] >= (5, 25) and version_tuple(torch.__version__)[:2] >= (2, 15)
+
+
 def _default_accelerator_check(device: torch.device) -> bool:
-    return device.type != "cpu"
+    # the rule of the installed Transformers' own hook: every device but the CPU (and MPS where it keeps grouped_mm)
+    if device.type == "cpu":
+        return False
+    return not (device.type == "mps" and _mps_keeps_grouped_mm())
 
 
 _accelerator_check: Callable[[torch.device], bool] = _default_accelerator_check
 
 
 def set_accelerator_check(check: Callable[[torch.device], bool] | None) -> None:
-    """Decide which devices get the decode swap (default: every device but the CPU). None restores it.
+    """Decide which devices get the decode swap (default: Transformers' rule). None restores it.
 
     Tests use it to run the GPU branch on a CPU; nothing else should need it.
     """
