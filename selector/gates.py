@@ -28,11 +28,20 @@ GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
 @dataclass(frozen=True)
 class Gate:
     """A named gate and its parameters: ``Gate()`` is act(gate) * up, ``Gate("clamped_swiglu", alpha=1.702,
-    limit=7.0)`` GPT-OSS's. ValueError for an unknown name or parameters the gate does not take."""
+    limit=7.0)`` GPT-OSS's. ValueError for an unknown name or parameters the gate does not take.
+
+    As a layer's gate (`Problem.gate`) it also says the activation (act_mul's act; a gate other than act_mul
+    names itself there) and whether the module's `_apply_gate` is a function the selector does not recognise
+    (`custom`, with that function's name in `source` for the reasons): then only torch code runs it and `name`
+    stays act_mul. `label()` names the gate and its parameters only.
+    """
 
     name: str = ACT_MUL
     alpha: float | None = None
     limit: float | None = None
+    activation: str = "silu"
+    custom: bool = False  # an _apply_gate that is not a gate of this module: only torch code runs it
+    source: str = ""  # a custom gate's function (e.g. "MyExperts._apply_gate"), named in the reasons
 
     def __post_init__(self) -> None:
         if self.name not in GATE_NAMES:
@@ -53,6 +62,10 @@ class Gate:
     def is_default(self) -> bool:
         """act(gate) * up: what every gated backend runs."""
         return self.name == ACT_MUL
+
+    def describe(self) -> str:
+        """The activation for act_mul, else the gate with its parameters: what a one-line summary shows."""
+        return self.activation if self.is_default else self.label()
 
     def label(self) -> str:
         """Stable text naming the gate and its parameters, e.g. ``clamped_swiglu(alpha=1.702,limit=7)``."""
