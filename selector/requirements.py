@@ -178,8 +178,8 @@ def _check_config(req: Requirements, p: Problem) -> Availability | None:
 def _check_compile(spec: BackendSpec, problem: Problem) -> Availability | None:
     """The backend's declared torch.compile modes and fullgraph against how the call is traced."""
     call, calls = problem.call, spec.calls
-    if not call.compile or not calls.compiles:
-        return None  # not traced, or not traceable at all (evaluate says so)
+    if not call.compile:
+        return None
     declared = calls.supported_compile_modes()
     if call.compile_mode is not None and call.compile_mode not in declared:
         modes = ", ".join(m for m in COMPILE_MODES if m in declared) or "none"
@@ -231,7 +231,7 @@ def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availabil
     refused = _check_compile(spec, problem)  # the declared mode / fullgraph: says more than the flag below
     if refused is not None:
         return refused
-    if problem.call.compile and not spec.calls.compiles:
+    if problem.call.compile and not spec.calls.compile_auto:
         return _unsupported("cannot be traced by torch.compile", "pick a compile-friendly backend such as grouped_mm")
     if problem.call.cuda_graph and not spec.calls.cuda_graphs:
         return _unsupported(

@@ -110,10 +110,11 @@ class CallSupport:
     """How a backend may be called: under torch.compile (which modes, fullgraph), inside CUDA-graph capture, and
     with autograd recording (which inputs its backward differentiates, for which weight formats)."""
 
-    # the torch.compile modes it runs and matches eager in (graph breaks allowed); empty: not traceable by
-    # torch.compile; None: every mode, less the CUDA-graph ones unless cuda_graphs (`supported_compile_modes`)
+    compile_auto: bool = True  # "auto" picks it while torch.compile traces (an explicit request may graph-break)
+    # the torch.compile modes it runs and matches eager in (graph breaks allowed); None: every mode, less the
+    # CUDA-graph ones unless cuda_graphs (`supported_compile_modes`)
     compile_modes: frozenset[str] | None = None
-    fullgraph: bool | None = None  # torch.compile(fullgraph=True) traces it; None: whenever it compiles at all
+    fullgraph: bool | None = None  # torch.compile(fullgraph=True) traces it; None: as compile_auto
     cuda_graphs: bool = True  # runs inside CUDA-graph capture (no host synchronisation)
     # the inputs its backward differentiates (GRAD_INPUTS); empty: no backward, refused while autograd records;
     # None: undeclared (a third-party backend from before the field): never refused, its backward is its own
@@ -127,26 +128,21 @@ class CallSupport:
             return self.compile_modes
         return frozenset(m for m in COMPILE_MODES if self.cuda_graphs or m not in GRAPH_MODES)
 
-    @property
-    def compiles(self) -> bool:
-        """Whether torch.compile may trace it at all ("auto" picks it while torch.compile traces)."""
-        return bool(self.supported_compile_modes())
-
     def traces_fullgraph(self) -> bool:
         """Whether torch.compile(fullgraph=True) traces the backend without a graph break."""
-        return self.compiles if self.fullgraph is None else self.fullgraph
+        return self.compile_auto if self.fullgraph is None else self.fullgraph
 
 
 def _fold_call_support(kwargs: dict[str, Any], older: dict[str, Any]) -> None:
-    """BackendSpec's older keywords: compile_compatible=False declares no compile mode, cuda_graph_safe is
-    cuda_graphs, and compile_modes / fullgraph / differentiable / grad_weight_formats keep their names."""
+    """BackendSpec's older keywords: compile_compatible is compile_auto, cuda_graph_safe is cuda_graphs, and
+    compile_modes / fullgraph / differentiable / grad_weight_formats keep their names."""
     calls = kwargs.get("calls") or CallSupport()
     changes = {name: older[name] for name in ("compile_modes", "fullgraph", "differentiable", "grad_weight_formats")
                if name in older}
     if "cuda_graph_safe" in older:
         changes["cuda_graphs"] = bool(older["cuda_graph_safe"])
-    if "compile_compatible" in older and not older["compile_compatible"]:
-        changes["compile_modes"] = frozenset()
+    if "compile_compatible" in older:
+        changes["compile_auto"] = bool(older["compile_compatible"])
     kwargs["calls"] = replace(calls, **changes)
 
 
@@ -511,8 +507,8 @@ class BackendSpec:
 
     @property
     def compile_compatible(self) -> bool:
-        """The older spelling of ``calls.compiles``."""
-        return self.calls.compiles
+        """The older spelling of ``calls.compile_auto``."""
+        return self.calls.compile_auto
 
     @property
     def cuda_graph_safe(self) -> bool:

@@ -159,10 +159,10 @@ SPEC = adapter.declare(
     check=hub.kernel_check(KERNEL, machine=_packages, config=_activation),
     estimate=_estimate,
     pending_cost=_pending,
-    **adapter.UNTRACED,  # the kernel asserts it is not being compiled; JIT on the first call of a shape / token bucket
-    # the hub kernel runs its own autograd Function when grad is enabled (is_inference_mode_enabled=False), and
-    # the plan copies the weights per run then, so the gradients reach the parameters
-    differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
+    # the kernel asserts it is not being compiled; JIT on the first call of a shape / token bucket. The hub kernel
+    # runs its own autograd Function when grad is enabled (is_inference_mode_enabled=False), and the plan copies
+    # the weights per run then, so the gradients reach the parameters
+    calls=replace(adapter.UNTRACED_CALLS, differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"})),
     first_call_cost=FIRST_CALL_COST,
     url="https://huggingface.co/kernels-community/sonic-moe",
 )

@@ -17,7 +17,7 @@ from selector.probes import Environment
 from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
 from selector.costmodel import floor_seconds
 from selector.gates import ACT_MUL, CLAMPED_SWIGLU
-from selector.types import COMPILE_MODES, GRAD_INPUTS, ExpertsPlan
+from selector.types import COMPILE_MODES, GRAD_INPUTS, CallSupport, ExpertsPlan
 
 if TYPE_CHECKING:  # the spec is built without importing torch
     import torch
@@ -123,10 +123,12 @@ def selector_backends() -> Sequence[BackendSpec]:
             "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,
             first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
-            differentiable=frozenset(GRAD_INPUTS),  # backward.py: recomputed in torch, dense experts only
-            grad_weight_formats=frozenset({"dense"}),
-            compile_modes=frozenset(COMPILE_MODES),  # one opaque custom op under torch.compile, graph-capturable
-            fullgraph=True,
+            calls=CallSupport(
+                differentiable=frozenset(GRAD_INPUTS),  # backward.py: recomputed in torch, dense experts only
+                grad_weight_formats=frozenset({"dense"}),
+                compile_modes=frozenset(COMPILE_MODES),  # one opaque custom op under torch.compile, capturable
+                fullgraph=True,
+            ),
             tune_kernels=_tune_kernels,  # tiles for shapes without a shipped table, into a user tile table
         )
     ]
