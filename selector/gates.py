@@ -46,6 +46,8 @@ class Gate:
     def __post_init__(self) -> None:
         if self.name not in GATE_NAMES:
             raise ValueError(f"unknown gate {self.name!r}; known gates: {', '.join(GATE_NAMES)}")
+        if self.name != ACT_MUL:  # a gate other than act_mul is the whole function: it names the activation
+            object.__setattr__(self, "activation", self.name)
         if self.name == ACT_MUL:
             if self.alpha is not None or self.limit is not None:
                 raise ValueError("gate 'act_mul' takes no parameters (its activation is the module's act_fn)")
