@@ -31,7 +31,7 @@ from selector.probes import Environment, probe_packages
 from selector import Availability, BackendSpec, Requirements, Status, hookimpl, hub
 from selector.costmodel import floor_seconds
 from selector.requirements import version_tuple
-from selector.types import CallSupport, ExpertsForward, ExpertsPlan, Problem
+from selector.types import CallMode, CallSupport, ExpertsForward, ExpertsPlan, Problem
 
 if TYPE_CHECKING:  # only for annotations
     import torch
@@ -247,7 +247,7 @@ class KernelPlan(ExpertsPlan):
 
 def differentiates_weights(problem: Problem) -> bool:
     """Whether the call records a gradient for the experts' weights (a kept copy of them would cut it)."""
-    return "expert_weights" in problem.grad_inputs
+    return "expert_weights" in problem.call.grad_inputs
 
 
 def kernel_routing(
@@ -281,8 +281,9 @@ def call_problem(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_ind
     from selector.problem import problem_from_module
 
     problem = problem_from_module(module, top_k=int(top_k_index.shape[1]))
-    return replace(problem, compile=torch.compiler.is_compiling(),
-                   grad_inputs=grad_inputs(module, hidden_states, top_k_weights))  # fmt: skip
+    recorded = grad_inputs(module, hidden_states, top_k_weights)
+    call = CallMode(compile=torch.compiler.is_compiling(), grad_inputs=recorded)
+    return replace(problem, call=call)
 
 
 def forward_of(prepare: Callable[[torch.nn.Module, Problem], ExpertsPlan]) -> ExpertsForward:

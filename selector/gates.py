@@ -16,7 +16,7 @@ Pure data: no torch, so the selection floor can read it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ACT_MUL = "act_mul"
 CLAMPED_SWIGLU = "clamped_swiglu"
@@ -33,15 +33,19 @@ class Gate:
     As a layer's gate (`Problem.gate`) it also says the activation (act_mul's act; a gate other than act_mul
     names itself there) and whether the module's `_apply_gate` is a function the selector does not recognise
     (`custom`, with that function's name in `source` for the reasons): then only torch code runs it and `name`
-    stays act_mul. `label()` names the gate and its parameters only.
+    stays act_mul. `label()` names the gate and its parameters only, and equality compares those alone (`name`,
+    `alpha`, `limit`): the layer's activation and custom gate count in `Problem`'s equality instead.
     """
 
     name: str = ACT_MUL
     alpha: float | None = None
     limit: float | None = None
-    activation: str = "silu"
-    custom: bool = False  # an _apply_gate that is not a gate of this module: only torch code runs it
-    source: str = ""  # a custom gate's function (e.g. "MyExperts._apply_gate"), named in the reasons
+    # a layer's facts about the gate, not its identity: two gates are equal (and hash alike) when they name the
+    # same gate with the same parameters, what a kernel runs; Problem compares these too
+    activation: str = field(default="silu", compare=False)
+    # an _apply_gate that is not a gate of this module: only torch code runs it
+    custom: bool = field(default=False, compare=False)
+    source: str = field(default="", compare=False)  # a custom gate's function (e.g. "MyExperts._apply_gate")
 
     def __post_init__(self) -> None:
         if self.name not in GATE_NAMES:

@@ -9,7 +9,7 @@ import enum
 import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from selector.gates import DEFAULT_GATE, Gate
@@ -363,6 +363,19 @@ class Problem:
     def requires_grad(self) -> bool:
         """The older spelling of ``call.requires_grad``."""
         return self.call.requires_grad
+
+    def _identity(self) -> tuple[Any, ...]:
+        """Every field, and the gate's layer facts its own equality leaves out (activation, custom, source)."""
+        gate = self.gate
+        return (*(getattr(self, f.name) for f in fields(self)), gate.activation, gate.custom, gate.source)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._identity() == other._identity()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
 
     def with_tokens(self, num_tokens: int | None) -> Problem:
         return replace(self, num_tokens=num_tokens)

@@ -84,8 +84,9 @@ def padded_tokens(num_tokens: int) -> int:
 
 def problem_key(problem: Problem) -> tuple:
     """The ledger key of a layer (gelu and tanh-gelu run the same GEGLU kernel)."""
-    kernel_activation = ACTIVATION_TYPES.get(problem.activation, problem.activation)
-    return adapter.shape_key(replace(problem, activation=kernel_activation), SHAPE)
+    activation = problem.gate.activation
+    kernel_activation = ACTIVATION_TYPES.get(activation, activation)
+    return adapter.shape_key(replace(problem, gate=replace(problem.gate, activation=kernel_activation)), SHAPE)
 
 
 def record_compiled(key: tuple, num_tokens: int) -> None:
@@ -126,7 +127,7 @@ def _packages(problem: Problem, env: Environment) -> Availability | None:
 def unsupported_activation(problem: Problem) -> str | None:
     if not problem.gated:
         return "non-gated experts"
-    if problem.custom_gate:
+    if problem.gate.custom:
         return "a custom gate function"
     if problem.activation not in ACTIVATION_TYPES:
         return f"the gated activation {problem.activation!r}"
