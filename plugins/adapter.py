@@ -31,7 +31,7 @@ from selector.probes import Environment, probe_packages
 from selector import Availability, BackendSpec, Requirements, Status, hookimpl, hub
 from selector.costmodel import floor_seconds
 from selector.requirements import version_tuple
-from selector.types import ExpertsForward, ExpertsPlan, Problem
+from selector.types import CallMode, CallSupport, ExpertsForward, ExpertsPlan, Problem
 
 if TYPE_CHECKING:  # only for annotations
     import torch
@@ -122,10 +122,10 @@ def backends_hook(*specs: BackendSpec) -> Callable[[], Sequence[BackendSpec]]:
     return selector_backends
 
 
-# BackendSpec(**UNTRACED, ...): run neither under torch.compile nor inside CUDA-graph capture (until verified)
-UNTRACED: Mapping[str, Any] = {
-    "compile_compatible": False, "compile_modes": frozenset(), "fullgraph": False, "cuda_graph_safe": False,
-}  # fmt: skip
+# BackendSpec(calls=replace(UNTRACED_CALLS, differentiable=...)): run neither under torch.compile nor inside CUDA-graph capture
+# (until verified). The older BackendSpec(**UNTRACED, differentiable=...) still works: UNTRACED maps "calls".
+UNTRACED_CALLS = CallSupport(compile_auto=False, compile_modes=frozenset(), fullgraph=False, cuda_graphs=False)
+UNTRACED: Mapping[str, Any] = {"calls": UNTRACED_CALLS}
 
 
 def shape_key(problem: Problem, names: Sequence[str]) -> tuple:
@@ -247,7 +247,7 @@ class KernelPlan(ExpertsPlan):
 
 def differentiates_weights(problem: Problem) -> bool:
     """Whether the call records a gradient for the experts' weights (a kept copy of them would cut it)."""
-    return "expert_weights" in problem.grad_inputs
+    return "expert_weights" in problem.call.grad_inputs
 
 
 def kernel_routing(
@@ -281,8 +281,9 @@ def call_problem(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_ind
     from selector.problem import problem_from_module
 
     problem = problem_from_module(module, top_k=int(top_k_index.shape[1]))
-    return replace(problem, compile=torch.compiler.is_compiling(),
-                   grad_inputs=grad_inputs(module, hidden_states, top_k_weights))  # fmt: skip
+    recorded = grad_inputs(module, hidden_states, top_k_weights)
+    call = CallMode(compile=torch.compiler.is_compiling(), grad_inputs=recorded)
+    return replace(problem, call=call)
 
 
 def forward_of(prepare: Callable[[torch.nn.Module, Problem], ExpertsPlan]) -> ExpertsForward:
@@ -323,7 +324,7 @@ def refuse_unless_silu_gated(module: torch.nn.Module, backend: str, runs: str, i
 
 
 __all__ = [
-    "UNTRACED", "FirstCalls", "KernelPlan", "Library", "Package", "declare", "backends_hook", "call_problem",
+    "UNTRACED", "UNTRACED_CALLS", "FirstCalls", "KernelPlan", "Library", "Package", "declare", "backends_hook", "call_problem",
     "differentiates_weights", "forward_of", "kernel_routing", "lazy", "package_verdict", "packages_check",
     "refuse_unless_silu_gated", "shape_key", "steady_estimate",
 ]  # fmt: skip

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from selector.types import COMPILE_MODES, GRAD_INPUTS, Problem
+from selector.types import COMPILE_MODES, GRAD_INPUTS, CallMode, Problem
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")  # what backends declare; anything else is "custom:<name>"
@@ -89,8 +89,9 @@ def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem 
              "custom_gate": args.custom_gate or base.custom_gate}
     problem = replace(problem, **flags)
     if args.compile_mode or args.fullgraph or args.grad:  # how the layer is called, not only its shapes
-        problem = replace(problem, compile=bool(args.compile_mode or args.fullgraph), compile_mode=args.compile_mode,
-                          fullgraph=args.fullgraph, grad_inputs=GRAD_INPUTS if args.grad else ())
+        call = CallMode(compile=bool(args.compile_mode or args.fullgraph), compile_mode=args.compile_mode,
+                        fullgraph=args.fullgraph, grad_inputs=GRAD_INPUTS if args.grad else ())
+        problem = replace(problem, call=call)
     if problem.dtype == "bfloat16" and problem.device == "cpu" and args.dtype is None:
         problem = replace(problem, dtype="float32")
     return check_problem(problem)

@@ -28,7 +28,7 @@ def compat_row(spec: BackendSpec) -> str:
     """One markdown row: the backend, each torch.compile mode, fullgraph, CUDA-graph capture, autograd."""
     modes = spec.supported_compile_modes()
     cells = [f"`{spec.name}`", *(YES if m in modes else NO for m in COMPILE_MODES)]
-    cells += [YES if spec.traces_fullgraph() else NO, YES if spec.cuda_graph_safe else NO, autograd_cell(spec)]
+    cells += [YES if spec.calls.traces_fullgraph() else NO, YES if spec.calls.cuda_graphs else NO, autograd_cell(spec)]
     return "| " + " | ".join(cells) + " |"
 
 

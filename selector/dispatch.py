@@ -50,6 +50,7 @@ from selector.tuning import measured_for
 from selector.tuning_store import tuning_table
 from selector.types import (
     Availability,
+    CallMode,
     ExpertsForward,
     ExpertsPlan,
     ForwardPlan,
@@ -206,7 +207,7 @@ class _Resolver:
 
 def failure_key(problem: Problem) -> Problem:
     """The layer a first-forward failure is remembered for: its shape and layout, whatever the call mode."""
-    return replace(problem, num_tokens=None, compile=False, cuda_graph=False, compile_mode=None, grad_inputs=())
+    return replace(problem, num_tokens=None, call=CallMode())
 
 
 _RESOLVER = _Resolver()
@@ -356,12 +357,9 @@ def call_problem(
     differentiated (`needs_grad`: `grad_inputs`; None: the module's weights under the current grad mode)."""
     if needs_grad is None:
         needs_grad = grad_inputs(module)
-    return replace(
-        problem_of(module, top_k),
-        compile=compiled or torch.compiler.is_compiling(),
-        cuda_graph=capturing,
-        grad_inputs=needs_grad,
-    )
+    compiling = compiled or torch.compiler.is_compiling()
+    call = CallMode(compile=compiling, cuda_graph=capturing, grad_inputs=tuple(needs_grad))
+    return replace(problem_of(module, top_k), call=call)
 
 
 def choose_backend(
@@ -391,7 +389,7 @@ def _choose(problem: Problem, requested: str, bucket: int | None) -> str:
         _RESOLVER.ran.add((name, problem.with_tokens(bucket)))
         return name
     # an explicit name may graph-break under torch.compile (the user's call); only auto avoids that
-    problem = replace(problem, compile=False)
+    problem = replace(problem, call=replace(problem.call, compile=False))
     key = (requested, problem)
     if key not in _RESOLVER.verdicts:
         spec = _RESOLVER.get_registry().get(requested)

@@ -16,7 +16,7 @@ Pure data: no torch, so the selection floor can read it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ACT_MUL = "act_mul"
 CLAMPED_SWIGLU = "clamped_swiglu"
@@ -28,15 +28,30 @@ GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
 @dataclass(frozen=True)
 class Gate:
     """A named gate and its parameters: ``Gate()`` is act(gate) * up, ``Gate("clamped_swiglu", alpha=1.702,
-    limit=7.0)`` GPT-OSS's. ValueError for an unknown name or parameters the gate does not take."""
+    limit=7.0)`` GPT-OSS's. ValueError for an unknown name or parameters the gate does not take.
+
+    As a layer's gate (`Problem.gate`) it also says the activation (act_mul's act; a gate other than act_mul
+    names itself there) and whether the module's `_apply_gate` is a function the selector does not recognise
+    (`custom`, with that function's name in `source` for the reasons): then only torch code runs it and `name`
+    stays act_mul. `label()` names the gate and its parameters only, and equality compares those alone (`name`,
+    `alpha`, `limit`): the layer's activation and custom gate count in `Problem`'s equality instead.
+    """
 
     name: str = ACT_MUL
     alpha: float | None = None
     limit: float | None = None
+    # a layer's facts about the gate, not its identity: two gates are equal (and hash alike) when they name the
+    # same gate with the same parameters, what a kernel runs; Problem compares these too
+    activation: str = field(default="silu", compare=False)
+    # an _apply_gate that is not a gate of this module: only torch code runs it
+    custom: bool = field(default=False, compare=False)
+    source: str = field(default="", compare=False)  # a custom gate's function (e.g. "MyExperts._apply_gate")
 
     def __post_init__(self) -> None:
         if self.name not in GATE_NAMES:
             raise ValueError(f"unknown gate {self.name!r}; known gates: {', '.join(GATE_NAMES)}")
+        if self.name != ACT_MUL:  # a gate other than act_mul is the whole function: it names the activation
+            object.__setattr__(self, "activation", self.name)
         if self.name == ACT_MUL:
             if self.alpha is not None or self.limit is not None:
                 raise ValueError("gate 'act_mul' takes no parameters (its activation is the module's act_fn)")
@@ -53,6 +68,10 @@ class Gate:
     def is_default(self) -> bool:
         """act(gate) * up: what every gated backend runs."""
         return self.name == ACT_MUL
+
+    def describe(self) -> str:
+        """The activation for act_mul, else the gate with its parameters: what a one-line summary shows."""
+        return self.activation if self.is_default else self.label()
 
     def label(self) -> str:
         """Stable text naming the gate and its parameters, e.g. ``clamped_swiglu(alpha=1.702,limit=7)``."""

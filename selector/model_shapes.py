@@ -204,7 +204,7 @@ def tile_table(problem: Problem, gpu: str) -> str | None:
 def _measured(table: TuningTable, gpu: str, problem: Problem) -> dict[str, tuple[int, ...]]:
     found = {}
     for mode in ("eager", "graph"):
-        tokens = table.token_counts(gpu, replace(problem, cuda_graph=mode == "graph"))
+        tokens = table.token_counts(gpu, replace(problem, call=replace(problem.call, cuda_graph=mode == "graph")))
         if tokens:
             found[mode] = tuple(tokens)
     return found

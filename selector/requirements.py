@@ -123,10 +123,10 @@ def _check_toolkit(req: Requirements, problem: Problem, env: Environment) -> Ava
 
 def gates_run(req: Requirements) -> frozenset[str]:
     """The gates of selector.gates a backend runs: those it declares, else act_mul, or every gate when its torch
-    code calls the module's own _apply_gate (custom_gate=True)."""
-    if req.gates is not None:
-        return req.gates
-    return frozenset(GATE_NAMES) if req.custom_gate else frozenset({ACT_MUL})
+    code calls the module's own _apply_gate (gating.custom)."""
+    if req.gating.gates is not None:
+        return req.gating.gates
+    return frozenset(GATE_NAMES) if req.gating.custom else frozenset({ACT_MUL})
 
 
 _ANOTHER = "pick another backend: `selector doctor` with this layer's flags (e.g. --weight-format) lists those that run it"
@@ -152,18 +152,20 @@ def _check_config(req: Requirements, p: Problem) -> Availability | None:
         return _unsupported(
             f"does not run {p.activation_quant} activation quantisation (runs {listed(req.activation_quant)})"
         )
-    if p.gated and not p.custom_gate and p.gate.name not in gates_run(req):
-        return _unsupported(f"does not run gate {p.gate.label()} (runs {listed(gates_run(req))})")
+    gate, gating = p.gate, req.gating
+    if p.gated and not gate.custom and gate.name not in gates_run(req):
+        return _unsupported(f"does not run gate {gate.label()} (runs {listed(gates_run(req))})")
     # a gate other than act_mul is the whole function between the projections: the activation names act_mul's act
-    if req.activations is not None and p.activation not in req.activations and (not p.gated or p.gate.is_default):
-        return _unsupported(f"does not run activation {p.activation!r} (runs {listed(req.activations)})")
+    acts = gating.activations
+    if acts is not None and gate.activation not in acts and (not p.gated or gate.is_default):
+        return _unsupported(f"does not run activation {gate.activation!r} (runs {listed(acts)})")
     flags: list[tuple[bool, bool, str]] = [
-        (p.gated, req.gated, "gated experts"),
-        (not p.gated, req.non_gated, "non-gated experts"),
+        (p.gated, gating.gated, "gated experts"),
+        (not p.gated, gating.non_gated, "non-gated experts"),
         (p.has_bias, req.bias, "expert biases"),
         (p.is_transposed, req.transposed, "the transposed weight layout"),
         (p.interleaved, req.interleaved, "interleaved gate/up weights"),
-        (p.custom_gate, req.custom_gate, "a custom gate function" + (f" ({p.gate_source})" if p.gate_source else "")),
+        (gate.custom, gating.custom, "a custom gate function" + (f" ({gate.source})" if gate.source else "")),
         (p.post_expert_norm, req.post_expert_norm, "a post-expert norm"),
         (p.expert_parallel, req.expert_parallel, "expert parallelism"),
     ]
@@ -175,14 +177,17 @@ def _check_config(req: Requirements, p: Problem) -> Availability | None:
 
 def _check_compile(spec: BackendSpec, problem: Problem) -> Availability | None:
     """The backend's declared torch.compile modes and fullgraph against how the call is traced."""
-    declared = spec.supported_compile_modes()
-    if problem.compile and problem.compile_mode is not None and problem.compile_mode not in declared:
+    call, calls = problem.call, spec.calls
+    if not call.compile:
+        return None
+    declared = calls.supported_compile_modes()
+    if call.compile_mode is not None and call.compile_mode not in declared:
         modes = ", ".join(m for m in COMPILE_MODES if m in declared) or "none"
         return _unsupported(
-            f"does not run under torch.compile mode {problem.compile_mode!r} (declares: {modes})",
+            f"does not run under torch.compile mode {call.compile_mode!r} (declares: {modes})",
             "compile with a mode it declares, or pick a backend that declares this mode (`selector doctor --markdown`)",
         )
-    if problem.compile and problem.fullgraph and not spec.traces_fullgraph():
+    if call.fullgraph and not calls.traces_fullgraph():
         return _unsupported(
             "cannot be traced with torch.compile(fullgraph=True): it breaks the graph",
             "compile without fullgraph=True, or pick a fullgraph-safe backend such as grouped_mm",
@@ -192,18 +197,19 @@ def _check_compile(spec: BackendSpec, problem: Problem) -> Availability | None:
 
 def _check_grad(spec: BackendSpec, problem: Problem) -> Availability | None:
     """The backend's declared backward against what autograd records a gradient for."""
-    if not problem.requires_grad or spec.differentiable is None:
+    call, differentiable = problem.call, spec.calls.differentiable
+    if not call.requires_grad or differentiable is None:
         return None
-    if spec.differentiable and problem.weight_format not in spec.grad_weight_formats:
+    if differentiable and problem.weight_format not in spec.calls.grad_weight_formats:
         return _unsupported(
             f"has no backward for {problem.weight_format} expert weights",
             "run under torch.no_grad() (or torch.inference_mode()), or dequantise the experts to train them",
         )
-    missing = [name for name in problem.grad_inputs if name not in spec.differentiable]
+    missing = [name for name in call.grad_inputs if name not in differentiable]
     if missing:
-        what = "has no backward" if not spec.differentiable else f"has no gradient for {', '.join(missing)}"
+        what = "has no backward" if not differentiable else f"has no gradient for {', '.join(missing)}"
         return _unsupported(
-            f"{what} (autograd records a gradient for {', '.join(problem.grad_inputs)})",
+            f"{what} (autograd records a gradient for {', '.join(call.grad_inputs)})",
             "pick a differentiable backend such as grouped_mm, or run under torch.no_grad()",
         )
     return None
@@ -225,9 +231,9 @@ def evaluate(spec: BackendSpec, problem: Problem, env: Environment) -> Availabil
     refused = _check_compile(spec, problem)  # the declared mode / fullgraph: says more than the flag below
     if refused is not None:
         return refused
-    if problem.compile and not spec.compile_compatible:
+    if problem.call.compile and not spec.calls.compile_auto:
         return _unsupported("cannot be traced by torch.compile", "pick a compile-friendly backend such as grouped_mm")
-    if problem.cuda_graph and not spec.cuda_graph_safe:
+    if problem.call.cuda_graph and not spec.calls.cuda_graphs:
         return _unsupported(
             "cannot be captured in a CUDA graph (it reads values on the host)",
             "pick a backend without host synchronisation, e.g. grouped_mm or triton_fused",

@@ -91,7 +91,7 @@ def problem_key(problem: Problem) -> str:
 
 
 def mode_of(problem: Problem) -> str:
-    return "graph" if problem.cuda_graph else "eager"
+    return "graph" if problem.call.cuda_graph else "eager"
 
 
 def _hash(facts: Mapping[str, Any]) -> str:

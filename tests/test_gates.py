@@ -302,3 +302,17 @@ def test_a_gpt_oss_config_file_becomes_its_gate(tmp_path):
     assert problem.gate == clamped_swiglu(1.702, 5.5) and not problem.custom_gate
     gate_and_layout = "/clamped_swiglu(alpha=1.702,limit=5.5)/gated+has_bias+is_transposed+interleaved"
     assert problem_key(problem).endswith(gate_and_layout)
+
+
+def test_a_gate_compares_what_kernels_run_and_a_problem_the_whole_layer():
+    from selector.types import Problem
+
+    assert Gate(activation="gelu", custom=True, source="M._apply_gate") == DEFAULT_GATE
+    assert hash(Gate(activation="gelu")) == hash(DEFAULT_GATE) and Gate() != clamped_swiglu()
+    plain = Problem(num_experts=4, hidden_size=32, intermediate_size=16, top_k=2)
+    for other in (replace(plain, custom_gate=True), replace(plain, activation="gelu"),
+                  replace(plain, custom_gate=True, gate_source="M._apply_gate")):
+        assert other.gate == plain.gate and other != plain
+    twin = replace(plain, custom_gate=True)
+    assert twin == replace(plain, custom_gate=True) and hash(twin) == hash(replace(plain, custom_gate=True))
+    assert len({plain, twin, replace(plain, activation="gelu")}) == 3

@@ -19,7 +19,7 @@ from selector.probes import Environment
 
 from selector import Availability, Problem, Requirements, Status, ToolkitRule, hub
 from selector.costmodel import floor_seconds
-from selector.types import EVERY_LAYOUT
+from selector.types import EVERY_LAYOUT, CallSupport
 
 KERNEL = hub.PINS["deep-gemm"]
 HOPPER = ToolkitRule(min_cc=(9, 0), max_cc=(10, 0), nvcc=(12, 3), family="Hopper")
@@ -125,11 +125,13 @@ SPEC = adapter.declare(
     check=hub.kernel_check(KERNEL, machine=machine_check, config=config_check),
     estimate=_estimate,
     pending_cost=_pending,
-    compile_compatible=False,  # an opaque hub kernel: torch.compile breaks the graph around it
-    differentiable=frozenset(),  # forward-only grouped GEMMs
-    compile_modes=frozenset({"default", "max-autotune-no-cudagraphs"}),  # around its graph break, no capture
-    fullgraph=False,
-    cuda_graph_safe=False,  # its JIT compiles on first call of a shape: not capturable cold; not verified warm
+    calls=CallSupport(
+        compile_auto=False,  # an opaque hub kernel: torch.compile breaks the graph around it
+        compile_modes=frozenset({"default", "max-autotune-no-cudagraphs"}),  # around its graph break, no capture
+        fullgraph=False,
+        cuda_graphs=False,  # its JIT compiles on first call of a shape: not capturable cold; not verified warm
+        differentiable=frozenset(),  # forward-only grouped GEMMs
+    ),
     first_call_cost=FIRST_CALL_COST,
     url="https://huggingface.co/kernels-community/deep-gemm",
 )

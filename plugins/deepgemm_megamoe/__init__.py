@@ -18,6 +18,8 @@ from selector.plugins import adapter
 from selector.plugins.deepgemm import KERNEL
 from selector.probes import Environment
 
+from dataclasses import replace
+
 from selector import Availability, Problem, Requirements, Status, ToolkitRule, hub
 
 BLACKWELL = ToolkitRule(min_cc=(10, 0), max_cc=None, nvcc=(12, 9), family="Blackwell")
@@ -68,8 +70,9 @@ SPEC = adapter.declare(
     description=f"DeepGEMM Mega MoE: fused FP8 x FP4 EP MoE on Blackwell, from {KERNEL}",
     check=hub.kernel_check(KERNEL, config=process_group_check),
     estimate=None,  # never measured: sorts after every backend that has an estimate
-    **adapter.UNTRACED,  # not verified under torch.compile nor in CUDA graphs: declared unsupported until it is
-    differentiable=frozenset(),  # inference-only fused kernel (its forward raises while autograd records)
+    # not verified under torch.compile nor in CUDA graphs: declared unsupported until it is; inference-only fused
+    # kernel (its forward raises while autograd records)
+    calls=replace(adapter.UNTRACED_CALLS, differentiable=frozenset()),
     first_call_cost=(
         f"downloads {KERNEL} unless cached; JIT-compiles with nvcc on the first call of a shape; allocates its "
         "symmetric buffer (a collective, ~1 MiB per token per rank) for the largest batch seen"

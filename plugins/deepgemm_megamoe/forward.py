@@ -59,7 +59,7 @@ def process_group(module: torch.nn.Module):  # noqa: ANN201
 
 
 def _check_weights(module: torch.nn.Module, problem: Problem) -> None:
-    if "hidden_states" in problem.grad_inputs:
+    if "hidden_states" in problem.call.grad_inputs:
         raise ValueError("experts backend 'deepgemm_megamoe' has no backward. fix: run under torch.no_grad().")
     if module.gate_up_proj.dtype != torch.int8:
         raise ValueError(

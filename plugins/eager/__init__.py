@@ -7,7 +7,7 @@ from selector.probes import Environment
 
 from selector import BackendSpec, Problem, Requirements
 from selector.costmodel import experts_hit, floor_seconds
-from selector.types import EVERY_LAYOUT, GRAD_INPUTS
+from selector.types import EVERY_LAYOUT, GRAD_INPUTS, CallSupport
 
 ALL_GRAD_INPUTS = frozenset(GRAD_INPUTS)
 
@@ -32,10 +32,12 @@ SPEC = BackendSpec(
     requirements=Requirements(**EVERY_LAYOUT),
     description="loop over the experts hit; one matmul pair per expert",
     estimate=_estimate,
-    cuda_graph_safe=False,  # the set of experts hit is read on the host
-    compile_compatible=False,  # ... which breaks a torch.compile graph
-    compile_modes=frozenset({"default", "max-autotune-no-cudagraphs"}),  # runs around its graph break
-    fullgraph=False,  # the host-side loop over the experts hit is a graph break
-    differentiable=ALL_GRAD_INPUTS,  # plain torch ops: autograd differentiates all of it
+    calls=CallSupport(
+        cuda_graphs=False,  # the set of experts hit is read on the host
+        compile_auto=False,  # ... which breaks a torch.compile graph
+        compile_modes=frozenset({"default", "max-autotune-no-cudagraphs"}),  # runs around its graph break
+        fullgraph=False,  # the host-side loop over the experts hit is a graph break
+        differentiable=ALL_GRAD_INPUTS,  # plain torch ops: autograd differentiates all of it
+    ),
 )
 selector_backends = backends_hook(SPEC)

@@ -26,6 +26,8 @@ from __future__ import annotations
 from selector.plugins import adapter
 from selector.probes import Environment, probe_packages
 
+from dataclasses import replace
+
 from selector import Availability, Problem, Requirements, Status, ToolkitRule, hub
 from selector.requirements import version_tuple
 
@@ -124,8 +126,8 @@ SPEC = adapter.declare(
     check=_check,
     estimate=adapter.steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),
     pending_cost=_pending,
-    **adapter.UNTRACED,  # an opaque TVM-FFI call that builds with nvcc on first use; capture not verified
-    differentiable=frozenset(),  # forward only
+    # an opaque TVM-FFI call that builds with nvcc on first use; capture not verified; forward only
+    calls=replace(adapter.UNTRACED_CALLS, differentiable=frozenset()),
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/flashinfer-ai/flashinfer",
 )

@@ -24,6 +24,8 @@ from __future__ import annotations
 from selector.plugins import adapter
 from selector.probes import Environment
 
+from dataclasses import replace
+
 from selector import Problem, Requirements, hub
 
 DISTRIBUTION = "liger-kernel"
@@ -69,8 +71,8 @@ SPEC = adapter.declare(
     check=adapter.packages_check(PACKAGES),
     estimate=adapter.steady_estimate(HOST_SECONDS, EFFICIENCY, _pending),  # max(host, 1.9 x floor) + autotuning
     pending_cost=_pending,
-    **adapter.UNTRACED,  # `.item()` inside (a graph break at best): one host sync per call (the M-tile count)
-    differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
+    # `.item()` inside (a graph break at best): one host sync per call (the M-tile count)
+    calls=replace(adapter.UNTRACED_CALLS, differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"})),
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/linkedin/Liger-Kernel",
 )

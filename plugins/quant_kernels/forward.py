@@ -226,7 +226,7 @@ def _read(module: torch.nn.Module, mode: str, config: dict | None, backend: str,
 
 def prepare_quantised(module: torch.nn.Module, problem: Problem, mode: str, backend: str) -> QuantPlan:
     """A backend's plan for a quantised layer (`problem.weight_format` fp8_block / fp4) run in `mode`."""
-    return _read(module, mode, None, backend, problem.requires_grad)
+    return _read(module, mode, None, backend, problem.call.requires_grad)
 
 
 def quant_experts_forward(

@@ -84,8 +84,9 @@ def padded_tokens(num_tokens: int) -> int:
 
 def problem_key(problem: Problem) -> tuple:
     """The ledger key of a layer (gelu and tanh-gelu run the same GEGLU kernel)."""
-    kernel_activation = ACTIVATION_TYPES.get(problem.activation, problem.activation)
-    return adapter.shape_key(replace(problem, activation=kernel_activation), SHAPE)
+    activation = problem.gate.activation
+    kernel_activation = ACTIVATION_TYPES.get(activation, activation)
+    return adapter.shape_key(replace(problem, gate=replace(problem.gate, activation=kernel_activation)), SHAPE)
 
 
 def record_compiled(key: tuple, num_tokens: int) -> None:
@@ -126,7 +127,7 @@ def _packages(problem: Problem, env: Environment) -> Availability | None:
 def unsupported_activation(problem: Problem) -> str | None:
     if not problem.gated:
         return "non-gated experts"
-    if problem.custom_gate:
+    if problem.gate.custom:
         return "a custom gate function"
     if problem.activation not in ACTIVATION_TYPES:
         return f"the gated activation {problem.activation!r}"
@@ -159,10 +160,10 @@ SPEC = adapter.declare(
     check=hub.kernel_check(KERNEL, machine=_packages, config=_activation),
     estimate=_estimate,
     pending_cost=_pending,
-    **adapter.UNTRACED,  # the kernel asserts it is not being compiled; JIT on the first call of a shape / token bucket
-    # the hub kernel runs its own autograd Function when grad is enabled (is_inference_mode_enabled=False), and
-    # the plan copies the weights per run then, so the gradients reach the parameters
-    differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"}),
+    # the kernel asserts it is not being compiled; JIT on the first call of a shape / token bucket. The hub kernel
+    # runs its own autograd Function when grad is enabled (is_inference_mode_enabled=False), and the plan copies
+    # the weights per run then, so the gradients reach the parameters
+    calls=replace(adapter.UNTRACED_CALLS, differentiable=frozenset({"hidden_states", "routing_weights", "expert_weights"})),
     first_call_cost=FIRST_CALL_COST,
     url="https://huggingface.co/kernels-community/sonic-moe",
 )

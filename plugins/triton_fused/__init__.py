@@ -17,7 +17,7 @@ from selector.probes import Environment
 from selector import Availability, BackendSpec, Problem, Requirements, Status, hookimpl
 from selector.costmodel import floor_seconds
 from selector.gates import ACT_MUL, CLAMPED_SWIGLU
-from selector.types import COMPILE_MODES, GRAD_INPUTS, ExpertsPlan
+from selector.types import COMPILE_MODES, GRAD_INPUTS, CallSupport, ExpertsPlan
 
 if TYPE_CHECKING:  # the spec is built without importing torch
     import torch
@@ -53,7 +53,7 @@ def _estimate(problem: Problem, env: Environment) -> float:
     if problem.weight_format != "dense":
         return 28e-6 + 1.15 * floor_seconds(problem, env)
     forward = 25e-6 + 1.15 * floor_seconds(problem, env)
-    if problem.requires_grad:
+    if problem.call.requires_grad:
         # A training step: after the fused forward the backward recomputes the pair rows in torch and runs six of
         # torch's grouped GEMMs (backward.py): grouped_mm's whole step, about three of its forwards, on top. On the
         # H200 a step took 1.21x grouped_mm's at T=512 and 1.12x at T=4096 (Qwen3-30B-A3B, `selector bench --modes
@@ -72,10 +72,9 @@ def _check(problem: Problem, env: Environment) -> Availability | None:
             "plugins/quant_kernels' grouped kernels, whose epilogue runs act(gate) * up",
             "pick a torch backend for this layer (grouped_mm, batched_mm or eager), or run it unquantised",
         )
-    if problem.requires_grad and (problem.activation not in BACKWARD_ACTIVATIONS or not problem.gate.is_default):
-        what = (
-            f"gate {problem.gate.label()}" if not problem.gate.is_default else f"the {problem.activation!r} activation"
-        )
+    gate = problem.gate
+    if problem.call.requires_grad and (gate.activation not in BACKWARD_ACTIVATIONS or not gate.is_default):
+        what = f"gate {gate.label()}" if not gate.is_default else f"the {gate.activation!r} activation"
         return Availability(
             Status.UNSUPPORTED_CONFIG,
             f"has no backward for {what}",
@@ -123,10 +122,12 @@ def selector_backends() -> Sequence[BackendSpec]:
             "(fp8 / fp4 experts: plugins/quant_kernels' grouped kernels with tuned tiles)",
             estimate=_estimate,
             first_call_cost="Triton compiles each tile configuration on first use (a few seconds, cached on disk)",
-            differentiable=frozenset(GRAD_INPUTS),  # backward.py: recomputed in torch, dense experts only
-            grad_weight_formats=frozenset({"dense"}),
-            compile_modes=frozenset(COMPILE_MODES),  # one opaque custom op under torch.compile, graph-capturable
-            fullgraph=True,
+            calls=CallSupport(
+                differentiable=frozenset(GRAD_INPUTS),  # backward.py: recomputed in torch, dense experts only
+                grad_weight_formats=frozenset({"dense"}),
+                compile_modes=frozenset(COMPILE_MODES),  # one opaque custom op under torch.compile, capturable
+                fullgraph=True,
+            ),
             tune_kernels=_tune_kernels,  # tiles for shapes without a shipped table, into a user tile table
         )
     ]

@@ -100,7 +100,7 @@ def _plan(module: torch.nn.Module, records_grad: bool, top_k: int | None = None)
 
 def prepare(module: torch.nn.Module, problem: Problem) -> FusedPlan:
     """The backend's plan for a dense layer and one kind of call (`problem`: whether autograd records)."""
-    return _plan(module, problem.requires_grad, problem.top_k)
+    return _plan(module, problem.call.requires_grad, problem.top_k)
 
 
 def triton_fused_experts_forward(

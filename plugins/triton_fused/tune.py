@@ -846,8 +846,8 @@ def _not_tunable(problem: Problem) -> str | None:
         return "the tile tables hold gated experts only; non-gated layers run the heuristics' tiles"
     if problem.dtype not in ("bfloat16", "float16"):
         return f"the tile tables hold bfloat16 / float16 layers only, not {problem.dtype}"
-    if problem.custom_gate or problem.post_expert_norm:
-        what = "a custom gate function" if problem.custom_gate else "a post-expert norm"
+    if problem.gate.custom or problem.post_expert_norm:
+        what = "a custom gate function" if problem.gate.custom else "a post-expert norm"
         return f"triton_fused does not run layers with {what}: there are no tiles to tune for them"
     return None
 
@@ -864,7 +864,7 @@ def persistent_candidate(problem: Problem, num_tokens: int, capability: tuple[in
         return False
     if problem.is_transposed or problem.interleaved or not problem.gate.is_default:
         return False
-    if problem.dtype not in ("bfloat16", "float16") or problem.custom_gate or problem.post_expert_norm:
+    if problem.dtype not in ("bfloat16", "float16") or problem.gate.custom or problem.post_expert_norm:
         return False
     e, h, i_dim, k = problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k
     return _k.x_copy_fits(num_tokens, k, h, i_dim, hopper_gemm.compact_rows(num_tokens * k, e))

@@ -27,6 +27,8 @@ import importlib.util
 from selector.plugins import adapter
 from selector.probes import Environment, package_variable, probe_packages
 
+from dataclasses import replace
+
 from selector import Availability, Problem, Requirements, Status, hub
 
 # OpenAI's `triton_kernels` has no PyPI distribution of its own: it is installed from Triton's repository
@@ -113,8 +115,7 @@ SPEC = adapter.declare(
     pending_cost=_pending,
     # Python planning (opt flags, descriptors) around the launches: not traced; no host sync, but capture not
     # verified, and Triton JIT-compiles on the first call of a shape
-    **adapter.UNTRACED,
-    differentiable=frozenset(),  # forward only here
+    calls=replace(adapter.UNTRACED_CALLS, differentiable=frozenset()),  # forward only here
     first_call_cost=FIRST_CALL_COST,
     url="https://github.com/triton-lang/triton/tree/main/python/triton_kernels",
 )

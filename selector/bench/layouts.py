@@ -17,7 +17,7 @@ def is_plain(problem: Problem) -> bool:
         problem.has_bias,
         problem.is_transposed,
         problem.interleaved,
-        problem.custom_gate,
+        problem.gate.custom,
         not problem.gate.is_default,
         problem.post_expert_norm,
         problem.expert_parallel,
@@ -60,8 +60,8 @@ def make_problem_layer(torch: Any, problem: Problem, device: Any, seed: int = 0)
 
     # a custom gate: Python the selector does not recognise (a copy of the clamped SwiGLU); a recognised gate:
     # declared as data, so the layer is the one problem_from_module reads back
-    gate_fn = (lambda module, x: clamped_swiglu(module, x)) if problem.custom_gate else None
-    gate = None if problem.custom_gate or problem.gate.is_default else problem.gate
+    gate_fn = (lambda module, x: clamped_swiglu(module, x)) if problem.gate.custom else None
+    gate = None if problem.gate.custom or problem.gate.is_default else problem.gate
 
     @selector.experts(
         has_bias=problem.has_bias,

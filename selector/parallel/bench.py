@@ -61,7 +61,7 @@ def parse_shape(text: str) -> Shape:
     from selector.presets import preset
 
     p = preset(text)  # ValueError listing the presets
-    if p.has_bias or p.is_transposed or p.custom_gate:
+    if p.has_bias or p.is_transposed or p.gate.custom:
         raise ValueError(f"--shape {text!r}: the benchmark builds plain gated SwiGLU experts, not this layout")
     return Shape(text, p.num_experts, p.hidden_size, p.intermediate_size, p.top_k)
 

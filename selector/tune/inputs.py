@@ -91,7 +91,7 @@ def problem_from_config(config: Mapping[str, Any], source: str = "config.json") 
         gate = clamped_swiglu(
             float(config.get("swiglu_alpha", GPT_OSS_ALPHA)), float(config.get("swiglu_limit", GPT_OSS_LIMIT))
         )
-        problem = replace(problem, has_bias=True, is_transposed=True, interleaved=True, activation=gate.name, gate=gate)
+        problem = replace(problem, has_bias=True, is_transposed=True, interleaved=True, gate=gate)
     quant = config.get("quantization_config")
     if isinstance(quant, Mapping):
         method = str(quant.get("quant_method", "")).lower()
