@@ -89,3 +89,23 @@ def test_ci_tests_both_ends_of_the_window() -> None:
     assert oldest.group(1) == MIN_TRANSFORMERS
     low, high = _expected_kernels_range()
     assert version_tuple(low) <= version_tuple(kernels.group(1)) < version_tuple(high)
+
+
+@pytest.mark.parametrize(
+    "transformers_version, torch_version, swaps_on_mps",
+    [("5.25.0", "2.15.0", False), ("5.25.0", "2.14.1", True), ("5.24.0", "2.15.0", True)],
+)
+def test_the_decode_swap_follows_the_installed_transformers_rule(
+    monkeypatch: pytest.MonkeyPatch, transformers_version: str, torch_version: str, swaps_on_mps: bool
+) -> None:
+    """Transformers 5.25+ keeps grouped_mm for the decode steps on MPS with torch >= 2.15; earlier ones swap."""
+    import torch
+    import transformers
+
+    from selector.hf import decode
+
+    monkeypatch.setattr(transformers, "__version__", transformers_version)
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    assert decode._default_accelerator_check(torch.device("mps")) is swaps_on_mps
+    assert decode._default_accelerator_check(torch.device("cuda")) is True
+    assert decode._default_accelerator_check(torch.device("cpu")) is False
