@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from selector import settings
 from selector.probes import Environment
 from selector.tuning import CPU, TuningTable, problem_key
 from selector.types import Problem
@@ -152,36 +151,6 @@ def config_shapes(config: Mapping[str, Any], source: str) -> tuple[list[tuple[tu
     return [(tuple(scopes), problem) for problem, scopes in shapes.items()], notes
 
 
-def _fused_table_dirs() -> tuple[Path | None, Path]:
-    """The fused Triton kernel's shipped tile tables and the ones tuned on this node, found as its configs module
-    finds them (SELECTOR_TRITON_FUSED_CONFIG_DIR, else the package's `configs/`; the user folder as
-    `tile_tables.user_table_dir`), without importing the kernel (it needs torch)."""
-    from importlib.util import find_spec
-
-    import platformdirs
-
-    shipped = settings.get("SELECTOR_TRITON_FUSED_CONFIG_DIR")
-    if shipped is None:
-        try:
-            spec = find_spec("selector.plugins.triton_fused")
-        except (ImportError, ValueError):
-            spec = None
-        locations = list(spec.submodule_search_locations or ()) if spec is not None else []
-        shipped = Path(locations[0]) / "configs" if locations else None
-    user = settings.get("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR")
-    user_dir = Path(user) if user else Path(platformdirs.user_cache_dir("selector")) / "triton_fused"
-    return (Path(shipped) if shipped is not None else None), user_dir
-
-
-def _table_keys(path: Path) -> set[str]:
-    """The shapes a tile table file holds tiles for (none when it is missing or unreadable)."""
-    try:
-        configs = json.loads(path.read_text()).get("configs")
-    except (OSError, ValueError, AttributeError):
-        return set()
-    return {k for k, v in configs.items() if isinstance(v, dict) and v} if isinstance(configs, dict) else set()
-
-
 def tile_table(problem: Problem, gpu: str) -> str | None:
     """"node" or "shipped" when the fused kernel's tile table for `gpu` holds tiles for `problem` (its own layout's
     entry, else the plain layout's of the same shape, as the kernel looks them up: the node's table first, and
@@ -190,15 +159,11 @@ def tile_table(problem: Problem, gpu: str) -> str | None:
         return None
     if problem.weight_format != "dense":
         return None
-    key = f"E={problem.num_experts},H={problem.hidden_size},I={problem.intermediate_size},k={problem.top_k}"
-    layout = (("transposed", problem.is_transposed), ("interleaved", problem.interleaved))
-    own = key + "".join(f",{name}" for name, on in layout if on)
-    file = gpu.strip().replace(" ", "_").replace("/", "_") + ".json"
-    shipped, user = _fused_table_dirs()
-    for where, folder in (("node", user), ("shipped", shipped)):
-        if folder is not None and _table_keys(folder / file) & {own, key}:
-            return where
-    return None
+    from selector.plugins.triton_fused.tables import lookup_keys, table_source  # torch-free
+
+    size = (problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k)
+    keys = lookup_keys(*size, transposed=problem.is_transposed, interleaved=problem.interleaved)
+    return {"tuned": "node", "table": "shipped", None: None}[table_source(gpu, keys)]
 
 
 def _measured(table: TuningTable, gpu: str, problem: Problem) -> dict[str, tuple[int, ...]]:

@@ -38,28 +38,20 @@ from typing import Any, NamedTuple
 import torch
 from selector.plugins import tile_tables
 from selector.plugins.tile_tables import read_table
+# the keys, file names and folders live in tables.py (no torch); tune.py and the tests read them from here too
+from selector.plugins.triton_fused.tables import (
+    CONFIG_DIR,
+    config_file_name,
+    layout_key,
+    lookup_keys,
+    shape_key,
+    shipped_dir,
+    user_dir,
+)
 
-from selector import settings
 
-CONFIG_DIR = Path(__file__).with_name("configs")
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory we let the pipeline use (H100/H200 allow 227 KB)
-
-
-def shape_key(num_experts: int, hidden: int, intermediate: int, top_k: int) -> str:
-    return f"E={num_experts},H={hidden},I={intermediate},k={top_k}"
-
-
-def layout_key(key: str, *, transposed: bool = False, interleaved: bool = False) -> str:
-    """The table key of a shape in a weight layout other than the plain one (``...,k=4,transposed,interleaved``):
-    such layers look up their own entry first and fall back to the plain layout's tiles of the same shape
-    (valid for every layout: the kernel reads the same tile sizes in either stride order), then the heuristics.
-    The gate is not part of the key: the epilogue's cost is small next to the GEMM the tiles are for."""
-    return key + "".join(f",{name}" for name, on in (("transposed", transposed), ("interleaved", interleaved)) if on)
-
-
-def config_file_name(device_name: str) -> str:
-    return device_name.strip().replace(" ", "_").replace("/", "_") + ".json"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -256,8 +248,7 @@ def default_config(
 
 
 def _config_dir() -> Path:
-    chosen = settings.get("SELECTOR_TRITON_FUSED_CONFIG_DIR")
-    return Path(chosen) if chosen else CONFIG_DIR
+    return shipped_dir()
 
 
 @functools.lru_cache(maxsize=16)
@@ -293,7 +284,7 @@ def lookup(table: dict[str, dict[int, dict[str, Any]]], key: str, num_tokens: in
 
 def user_config_dir() -> Path:
     """Folder of the tile tables tuned on this node (SELECTOR_TRITON_FUSED_USER_CONFIG_DIR, else the cache)."""
-    return tile_tables.user_table_dir("SELECTOR_TRITON_FUSED_USER_CONFIG_DIR", "triton_fused")
+    return user_dir()
 
 
 def user_table_path(device_name: str, directory: str | Path | None = None) -> Path:
@@ -366,10 +357,9 @@ def _get_config_cached(
         num_sms = _num_sms(device_index)
         name = _device_name(device_index)
         if name and gated and dtype in (torch.bfloat16, torch.float16):
-            key = shape_key(num_experts, hidden, intermediate, top_k)
-            own = layout_key(key, transposed=transposed, interleaved=interleaved)
+            keys = lookup_keys(num_experts, hidden, intermediate, top_k, transposed=transposed, interleaved=interleaved)
             tables = (load_user_table(name, dirs[1]), load_table(name, dirs[0]))
-            for k in dict.fromkeys((own, key)):  # this layout's tiles, else the plain layout's of the shape
+            for k in keys:  # this layout's tiles, else the plain layout's of the shape
                 for table in tables:
                     cfg = lookup(table, k, num_tokens)
                     if cfg is not None:
@@ -387,11 +377,11 @@ def tile_source(shape: LayerShape, top_k: int, device: torch.device) -> str:
     name = _device_name(device.index)
     if not name or not shape.gated or shape.dtype not in (torch.bfloat16, torch.float16):
         return "heuristic"
-    key = shape_key(shape.num_experts, shape.hidden, shape.intermediate, top_k)
-    own = layout_key(key, transposed=shape.transposed, interleaved=shape.interleaved)
+    size = (shape.num_experts, shape.hidden, shape.intermediate, top_k)
+    keys = lookup_keys(*size, transposed=shape.transposed, interleaved=shape.interleaved)
     tables = {"tuned": load_user_table(name, str(user_config_dir())), "table": load_table(name, str(_config_dir()))}
     for source, table in tables.items():
-        if any(table.get(k) for k in (own, key)):
+        if any(table.get(k) for k in keys):
             return source
     return "heuristic"
 
