@@ -29,11 +29,13 @@ def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-class _Progress:
-    """A tqdm bar when tqdm is installed, else one stderr line per cell; `line` prints beside either."""
+class ProgressBar:
+    """A tqdm bar when tqdm is installed, else one stderr line per step (`unit`: what a step is); `line` prints
+    beside either."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str = "cell") -> None:
         self.bar: Any = None
+        self.unit = unit
 
     def __call__(self, what: str, done: int, total: int) -> None:
         if self.bar is None:
@@ -42,7 +44,7 @@ class _Progress:
             except ImportError:
                 self.bar = False
             else:
-                self.bar = tqdm(total=total, unit="cell", file=sys.stderr)
+                self.bar = tqdm(total=total, unit=self.unit, file=sys.stderr)
         if self.bar is False:
             print(f"[{done}/{total}] {what}", file=sys.stderr, flush=True)
         else:
@@ -153,7 +155,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from selector.tune.inputs import TuneInputError
     from selector.tune.runner import TuneUnavailable, run_tune
 
-    progress = _Progress()
+    progress = ProgressBar()
     try:
         targets = targets_from_args(args, "cuda")
         result = run_tune(targets, tune_options(args), progress=progress, log=progress.line)
@@ -183,7 +185,7 @@ def check_choice(args: argparse.Namespace, targets: Sequence[Any], tokens: Seque
 
     reload()
     reset_selection_caches()
-    progress = _Progress()
+    progress = ProgressBar()
     try:
         bench = run_bench({t.name: t.problem for t in targets}, tokens, check_options(args), progress=progress.line)
     finally:

@@ -11,7 +11,6 @@ waited finds the shapes tuned. `SELECTOR_TUNE_ON_LOAD=<seconds>` runs this when 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -119,21 +118,19 @@ def tune_model(
 
 
 def _progress(progress: Progress | bool, total: int) -> Progress:
-    """A callback from `progress`: True draws a tqdm bar (or one stderr line per shape without tqdm)."""
+    """A callback from `progress`: True draws `selector tune`'s bar (tqdm, or one stderr line per shape)."""
     if callable(progress):
         return progress
     if not progress or total == 0:
         return lambda what, done, total: None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return lambda what, done, total: print(f"selector: tuning {what} ({done}/{total})", file=sys.stderr)
-    bar = tqdm(total=total, unit="shape", desc="selector: tuning", file=sys.stderr)
+    from selector.tune.cli import ProgressBar
+
+    bar = ProgressBar(unit="shape")
 
     def step(what: str, done: int, all_: int) -> None:
-        bar.set_postfix_str(what)
-        bar.update(done - bar.n)
         if done == all_:
             bar.close()
+        else:
+            bar(what, done, all_)
 
     return step
