@@ -15,6 +15,7 @@ from typing import Any
 
 from selector.bench.grid import BenchOptions
 from selector.tune.inputs import DTYPES, FORMATS, GRID
+from selector.tune.progress import ProgressBar
 from selector.tune.runner import TuneOptions
 
 
@@ -27,39 +28,6 @@ def _ints(text: str) -> list[int]:
 
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
-
-
-class ProgressBar:
-    """A tqdm bar when tqdm is installed, else one stderr line per step (`unit`: what a step is); `line` prints
-    beside either."""
-
-    def __init__(self, unit: str = "cell") -> None:
-        self.bar: Any = None
-        self.unit = unit
-
-    def __call__(self, what: str, done: int, total: int) -> None:
-        if self.bar is None:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                self.bar = False
-            else:
-                self.bar = tqdm(total=total, unit=self.unit, file=sys.stderr)
-        if self.bar is False:
-            print(f"[{done}/{total}] {what}", file=sys.stderr, flush=True)
-        else:
-            self.bar.set_description(what)
-            self.bar.update(1)
-
-    def line(self, text: str) -> None:
-        if self.bar:
-            self.bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()
 
 
 def targets_from_args(args: argparse.Namespace, device: str) -> list[Any]:

@@ -123,7 +123,7 @@ def _progress(progress: Progress | bool, total: int) -> Progress:
         return progress
     if not progress or total == 0:
         return lambda what, done, total: None
-    from selector.tune.cli import ProgressBar
+    from selector.tune.progress import ProgressBar
 
     bar = ProgressBar(unit="shape")
 
