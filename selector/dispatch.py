@@ -623,8 +623,8 @@ def _first_call(
             policy = plan.graphs if not needs_grad else None  # a replayed graph records nothing for autograd
             prepared = Prepared(name, plan, next(_SERIALS), policy)
             out = _run_plan(module, prepared, hidden_states, top_k_index, top_k_weights)
-            if plan.tiles == "heuristic":
-                note_untuned(name, problem)
+            if plan.tiles in ESTIMATED_TILES:
+                note_untuned(name, problem, plan.tiles)
             return prepared, out
         except ExpertsInputError:
             raise
@@ -635,25 +635,28 @@ def _first_call(
 
 
 _log = logging.getLogger("selector")
-_TOLD: set[tuple] = set()  # shapes the user was told run on default tiles, once per process
+_TOLD: set[tuple] = set()  # shapes the user was told run on estimated tiles, once per process
+# ExpertsPlan.tiles of a layer whose kernel parameters no table or tuning holds: borrowed from the nearest tabled
+# shape, or the backend's built-in defaults
+ESTIMATED_TILES = {"nearest": "tiles borrowed from the nearest shape a table holds", "heuristic": "default tiles"}
 
 
-def untuned_message(name: str, problem: Problem) -> str:
-    """The one line that says a layer runs on default kernel parameters, and the command that tunes it."""
+def untuned_message(name: str, problem: Problem, tiles: str = "heuristic") -> str:
+    """The one line that says a layer runs on estimated kernel parameters, and the command that tunes it."""
     shape = f"E={problem.num_experts} H={problem.hidden_size} I={problem.intermediate_size} k={problem.top_k}"
     command = (f"selector tune --experts {problem.num_experts} --hidden {problem.hidden_size} "
                f"--intermediate {problem.intermediate_size} --top-k {problem.top_k} --dtype {problem.dtype}")
-    return (f"selector: experts layer {shape} ({problem.dtype}, {problem.weight_format}) runs {name} on default "
-            f"tiles: no shipped table for this GPU holds it and it was not tuned here; `{command}` tunes it, "
-            "or set SELECTOR_TUNE_ON_LOAD=<seconds> to tune a model's layers when it loads")
+    return (f"selector: experts layer {shape} ({problem.dtype}, {problem.weight_format}) runs {name} on "
+            f"{ESTIMATED_TILES.get(tiles, tiles)}: no table for this GPU holds it and it was not tuned here; "
+            f"`{command}` tunes it, or set SELECTOR_TUNE_ON_LOAD=<seconds> to tune a model's layers when it loads")
 
 
-def note_untuned(name: str, problem: Problem) -> None:
+def note_untuned(name: str, problem: Problem, tiles: str = "heuristic") -> None:
     """Log `untuned_message` once per shape per process."""
     key = (name, failure_key(problem))
     if key not in _TOLD:
         _TOLD.add(key)
-        _log.warning(untuned_message(name, problem))
+        _log.warning(untuned_message(name, problem, tiles))
 
 
 def _run_traced(

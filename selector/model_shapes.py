@@ -8,7 +8,8 @@ shape; equal shapes are listed once. Per shape:
 - tabled: the fused Triton kernel's tile table for this GPU holds its tiles (the one shipped, or one tuned on
   this node by `selector tune`);
 - tuned: the tuning store holds measured times for it that are current here;
-- estimated: neither, so `auto` ranks by static estimates and the fused kernel picks tiles by heuristics.
+- estimated: neither, so `auto` ranks by static estimates and the fused kernel borrows the tiles of the nearest
+  shape a table holds (plugins/triton_fused/nearest.py).
 """
 
 from __future__ import annotations

@@ -110,8 +110,40 @@ PRESETS: dict[str, Problem] = {
     "gemma-4-26b-a4b": _shape(128, 2816, 704, 8, activation="gelu_tanh"),
 }
 
+# The perf grid's shapes (`--preset grid`).
+GRID_PRESETS: tuple[str, ...] = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-20b")
+
 # Every public checkpoint's preset (the perf grid's five included), in PRESETS' order.
 PUBLIC_PRESETS: tuple[str, ...] = tuple(PRESETS)
+
+# Shapes kept out of every shipped tile table and so out of the tile heuristic's fit (configs.nearest_config reads
+# the tables): the benchmark of untuned speed on shapes no table holds runs on these (benchmarks/untuned.py).
+HELD_OUT_PRESETS: tuple[str, ...] = (
+    "olmoe-1b-7b",
+    "glm-4.7-flash",
+    "dots.llm1",
+    "granite-3.0-3b-a800m",
+    "minimax-m2",
+    "phi-3.5-moe",
+)
+
+
+def tabled_presets() -> list[str]:
+    """The public presets whose shapes the shipped tile tables hold: one name per distinct layer (shape and
+    layout), perf grid first, held-out shapes left out."""
+    held = {_layer_of(PRESETS[n]) for n in HELD_OUT_PRESETS}
+    names: dict[tuple, str] = {}
+    for name in (*GRID_PRESETS, *PUBLIC_PRESETS):
+        layer = _layer_of(PRESETS[name])
+        if layer not in held:
+            names.setdefault(layer, name)
+    return list(names.values())
+
+
+def _layer_of(problem: Problem) -> tuple:
+    """What a tile table entry is keyed by: the sizes and the weight layout (the gate aside: the tiles serve any)."""
+    return (problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k,
+            problem.is_transposed, problem.interleaved)  # fmt: skip
 
 
 def preset(name: str) -> Problem:

@@ -443,8 +443,9 @@ class ExpertsPlan:
     the host, and `run` must depend on nothing but its arguments and the plan). `opaque_when_compiled`: under
     torch.compile without autograd, the core runs the plan eagerly inside its opaque op rather than tracing it.
     `tiles`: where its kernel parameters come from, for a backend that has any: "table" (shipped for this GPU),
-    "tuned" (tuned on this node), "heuristic" (neither: the core tells the user once, with the command that tunes
-    the shape); "" for a backend without tunable kernels.
+    "tuned" (tuned on this node), "nearest" (neither: borrowed from the nearest shape a table holds) or
+    "heuristic" (built-in defaults) — for these two the core tells the user once, with the command that tunes the
+    shape; "" for a backend without tunable kernels.
     """
 
     backend: str

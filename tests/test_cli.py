@@ -228,7 +228,7 @@ def test_tune_main_failure_is_one_line_and_debug_raises(monkeypatch, capsys) -> 
     def fails(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("out of\nresources")
 
-    monkeypatch.setattr(tune, "tune", fails)
+    monkeypatch.setattr(tune, "tune_table", fails)
     assert tune.main(["--out", "/nonexistent/t.json"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "triton_fused tune: RuntimeError: out of resources (rerun with --debug for the traceback)"

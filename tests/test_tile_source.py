@@ -1,5 +1,5 @@
-"""Where a fused layer's tiles come from (`configs.tile_source`): this node's table, the shipped one for the GPU, or
-the heuristics, with a fake GPU name and table folders in tmp_path (no GPU needed)."""
+"""Where a fused layer's tiles come from (`configs.tile_source`): this node's table, the shipped one for the GPU, the
+nearest tabled shape's, or the heuristics, with a fake GPU name and table folders in tmp_path (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_the_shipped_table_then_this_nodes_tuning(tables) -> None:
     shipped, user = tables
     _write(shipped, configs.shape_key(128, 2048, 768, 8))
     assert configs.tile_source(SHAPE, 8, CUDA) == "table"
-    assert configs.tile_source(SHAPE, 4, CUDA) == "heuristic"  # k is part of the shape's key
+    assert configs.tile_source(SHAPE, 4, CUDA) == "nearest"  # k is part of the shape's key: tiles are borrowed
     _write(user, configs.shape_key(128, 2048, 768, 8))
     assert configs.tile_source(SHAPE, 8, CUDA) == "tuned"
 

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 from selector.plugins import tile_tables
-from selector.plugins.tile_tables import read_table
+from selector.plugins.tile_tables import Table, read_table
 # the keys, file names and folders live in tables.py (no torch); tune.py and the tests read them from here too
 from selector.plugins.triton_fused.tables import (
     CONFIG_DIR,
@@ -48,6 +48,7 @@ from selector.plugins.triton_fused.tables import (
     shipped_dir,
     user_dir,
 )
+from selector.plugins.triton_fused.nearest import Layer, nearest_cell, sibling_table
 
 
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
@@ -117,6 +118,10 @@ HALF_TAIL_MIN_BLOCK_M = 64
 # k-way sum in its epilogue. Measured on the H200 (docs/design/triton_fused.md): Mixtral (I=14336) and DeepSeek-V3
 # (I=2048) 5-6% faster per layer, the Qwen shapes (I=768, 1408) and GPT-OSS's transposed weights slower.
 TOKEN_DOWN_MIN_I = 2048
+
+# Up to this many tokens a layer runs as pair blocks (kernels._pair_gemm_kernel: no align, no combine), its tiles
+# chosen as such.
+PAIR_BLOCK_MAX_TOKENS = 1
 
 
 def tma_tiles(block_m: int, block_k: int, tile_c: int, elem: int) -> bool:
@@ -331,6 +336,7 @@ def clear_caches() -> None:
     """Forget every table read and config chosen, so changed files take effect in this process."""
     load_table.cache_clear()
     load_user_table.cache_clear()
+    _table_headers.cache_clear()
     _get_config_cached.cache_clear()
 
 
@@ -346,6 +352,53 @@ class LayerShape(NamedTuple):
     interleaved: bool = False
 
 
+@functools.lru_cache(maxsize=16)
+def _capability(device_index: int | None) -> tuple[int, int]:
+    try:
+        return torch.cuda.get_device_capability(device_index or 0)
+    except Exception:
+        return (0, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _table_headers(directory: str) -> dict[str, dict[str, Any]]:
+    """{GPU name: its table's header} for every shipped table in `directory`."""
+    headers = {}
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            doc = tile_tables.read_document(path)
+        except ValueError:
+            continue
+        if isinstance(doc.get("device"), str):
+            headers[doc["device"]] = {k: v for k, v in doc.items() if k not in ("configs", "tuned")}
+    return headers
+
+
+def nearest_tables(device_index: int | None, dirs: tuple[str, str]) -> tuple[Table, ...]:
+    """The tables the nearest-cell heuristic reads on this GPU: this node's and the shipped one for this GPU, else
+    the shipped table of the GPU of the same architecture nearest in SM count (``nearest.sibling_table``)."""
+    name = _device_name(device_index)
+    own = tuple(t for t in (load_user_table(name, dirs[1]), load_table(name, dirs[0])) if t) if name else ()
+    if own:
+        return own
+    sibling = sibling_table(_table_headers(dirs[0]), _capability(device_index), _num_sms(device_index))
+    return (load_table(sibling, dirs[0]),) if sibling else ()
+
+
+def nearest_config(shape: LayerShape, num_tokens: int, top_k: int, tables: tuple[Table, ...]) -> dict[str, Any] | None:
+    """The configuration of the tabled cell nearest to this layer and token count (plugins/triton_fused/nearest.py)."""
+    layer = Layer(shape.num_experts, shape.hidden, shape.intermediate, top_k, shape.transposed, shape.interleaved)
+    found = nearest_cell(
+        tables, layer, num_tokens, pair_max_tokens=PAIR_BLOCK_MAX_TOKENS, token_down_min_i=TOKEN_DOWN_MIN_I
+    )
+    return None if found is None else dict(found[2])
+
+
+def _tabled(shape: LayerShape) -> bool:
+    """Whether tables hold tiles of this kind of layer (gated, 16-bit)."""
+    return shape.gated and shape.dtype in (torch.bfloat16, torch.float16)
+
+
 @functools.lru_cache(maxsize=4096)
 def _get_config_cached(
     shape: LayerShape, num_tokens: int, top_k: int, device: tuple[str, int | None], dirs: tuple[str, str]
@@ -356,7 +409,7 @@ def _get_config_cached(
     if device_type == "cuda":
         num_sms = _num_sms(device_index)
         name = _device_name(device_index)
-        if name and gated and dtype in (torch.bfloat16, torch.float16):
+        if name and _tabled(shape):
             keys = lookup_keys(num_experts, hidden, intermediate, top_k, transposed=transposed, interleaved=interleaved)
             tables = (load_user_table(name, dirs[1]), load_table(name, dirs[0]))
             for k in keys:  # this layout's tiles, else the plain layout's of the shape
@@ -364,6 +417,8 @@ def _get_config_cached(
                     cfg = lookup(table, k, num_tokens)
                     if cfg is not None:
                         return cfg
+        if _tabled(shape) and (cfg := nearest_config(shape, num_tokens, top_k, nearest_tables(device_index, dirs))):
+            return cfg
     return normalize(
         default_config(num_experts, hidden, intermediate, num_tokens, top_k, dtype, gated=gated, num_sms=num_sms)
     )
@@ -371,19 +426,21 @@ def _get_config_cached(
 
 def tile_source(shape: LayerShape, top_k: int, device: torch.device) -> str:
     """Where a layer's tiles come from on `device`: "tuned" (this node's table), "table" (the shipped one for this
-    GPU), "heuristic" (neither holds the shape: `default_config`), "" off CUDA (no tables there)."""
+    GPU), "nearest" (neither holds the shape: the nearest tabled cell's, `nearest_config`), "heuristic" (no table
+    to borrow from: `default_config`), "" off CUDA (no tables there)."""
     if device.type != "cuda":
         return ""
     name = _device_name(device.index)
-    if not name or not shape.gated or shape.dtype not in (torch.bfloat16, torch.float16):
+    if not name or not _tabled(shape):
         return "heuristic"
     size = (shape.num_experts, shape.hidden, shape.intermediate, top_k)
     keys = lookup_keys(*size, transposed=shape.transposed, interleaved=shape.interleaved)
-    tables = {"tuned": load_user_table(name, str(user_config_dir())), "table": load_table(name, str(_config_dir()))}
+    dirs = (str(_config_dir()), str(user_config_dir()))
+    tables = {"tuned": load_user_table(name, dirs[1]), "table": load_table(name, dirs[0])}
     for source, table in tables.items():
         if any(table.get(k) for k in keys):
             return source
-    return "heuristic"
+    return "nearest" if any(nearest_tables(device.index, dirs)) else "heuristic"
 
 
 def layer_config(shape: LayerShape, num_tokens: int, top_k: int, device: torch.device) -> dict[str, Any]:

@@ -477,9 +477,10 @@ def _w_tile(b_ptrs, w_desc, w_row0, c0, k0, k_ok, c_ok, EVEN: tl.constexpr, W_TM
 # Decode: one block per (token, slot) pair, no align launch, the combine in the down GEMM's epilogue.
 # --------------------------------------------------------------------------------------------------------------
 
-# Up to this many tokens each (token, slot) pair is a block of its own: one token's k experts are distinct, so no
-# expert's weights are read twice, and the layer is two launches instead of four (no align, no combine).
-PAIR_BLOCK_MAX_TOKENS = 1
+# Up to PAIR_BLOCK_MAX_TOKENS tokens (configs.py: the tile tables key on it too) each (token, slot) pair is a block of
+# its own: one token's k experts are distinct, so no expert's weights are read twice, and the layer is two launches
+# instead of four (no align, no combine).
+PAIR_BLOCK_MAX_TOKENS = _configs.PAIR_BLOCK_MAX_TOKENS
 PAIR_BLOCK_M = 16  # the smallest tile tl.dot takes: row 0 is the pair's, the other rows are padding
 
 

@@ -1,24 +1,27 @@
-"""Tune the fused experts kernels' tile configs on this GPU and write them as JSON (see configs.py).
+"""Tune the fused experts kernels' tile configs on this GPU and write them as a shipped table (see configs.py).
 
-    python -m selector.plugins.triton_fused.tune --preset grid --out plugins/triton_fused/configs/NVIDIA_H200.json
+    python -m selector.plugins.triton_fused.tune --preset public --out plugins/triton_fused/configs/<GPU>.json
 
-For every (shape, token count) it tries each candidate BLOCK_M; for each, it times the gate_up GEMM and the
-down GEMM separately over their candidate tiles (triton.testing.do_bench, median), and keeps the BLOCK_M whose
-align + best gate_up + best down is fastest. Random inputs, uniform top-k routing with distinct experts.
+Every public preset's layer but the held-out ones (`selector.presets.tabled_presets`), each searched by
+``tune_kernels`` within ``--budget`` seconds (``TABLE_BUDGET_S``) at the token counts `selector tune` uses, and
+merged into the table after each layer (``--resume`` goes on where a cut run stopped). A maintainer reruns it for a
+new GPU or a new release; the table's header keeps the command.
 
-``tune_kernels`` (the backend's ``BackendSpec.tune_kernels``, run by ``selector tune``) is the same search for
-one layer within a budget of seconds, written to this node's user tile table (configs.py); see its docstring.
+``tune_kernels`` (the backend's ``BackendSpec.tune_kernels``, run by ``selector tune``) is the search for one
+layer: for every token count it tries candidate BLOCK_M values, times the gate_up and down GEMMs over their
+candidate tiles (do_bench, median), keeps the fastest align + gate_up + down, and where the persistent Hopper GEMM
+can run the layer times the whole layer with and without it; see its docstring.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +35,6 @@ from . import configs as _configs
 # The kernels (and triton) are imported where a kernel runs, so the CLI and the search logic load on a machine
 # without them and say what is missing in one line.
 
-PRESETS: dict[str, list[tuple[int, int, int, int]]] = {
-    # (E, H, I, k)
-    "grid": [(60, 2048, 1408, 4), (128, 2048, 768, 8), (8, 4096, 14336, 2), (256, 7168, 2048, 8)],
-    "qwen3": [(128, 2048, 768, 8)],
-    "small": [(60, 2048, 1408, 4), (128, 2048, 768, 8)],
-}
 TOKEN_COUNTS = (1, 8, 64, 512, 4096, 16384)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N of the gated gate_up GEMM counts intermediate channels
@@ -137,190 +134,6 @@ def _bench(fn, warmup_ms: float, rep_ms: float) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e-3
-
-
-def tune_cell(
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    num_tokens: int,
-    top_k: int,
-    *,
-    gated: bool = True,
-    warmup_ms: float = 5.0,
-    rep_ms: float = 20.0,
-    log=print,
-) -> dict[str, Any]:
-    """Best config for one shape (weights w1 [E, 2I, H], w2 [E, H, I]) and token count; with timings."""
-    from . import kernels as _k
-
-    e, _, h = w1.shape
-    i_dim = w2.shape[2]
-    dev, dt = w1.device, w1.dtype
-    if num_tokens <= _k.PAIR_BLOCK_MAX_TOKENS:
-        if not gated:
-            raise ValueError("triton_fused tune: the tile tables hold gated experts only")
-        problem = Problem(
-            num_experts=e, hidden_size=h, intermediate_size=i_dim, top_k=top_k, dtype=str(dt).replace("torch.", "")
-        )
-        bench = LayerBench(problem, dev, lambda fn: _bench(fn, warmup_ms, rep_ms), weights=(w1, w2))
-        return _tune_pair_cell(bench, num_tokens, log)
-    elem = w1.element_size()
-    x = torch.randn(num_tokens, h, device=dev, dtype=dt)
-    ids, tw = _routing(num_tokens, top_k, e, dev)
-    ids_flat, tw_flat = ids.reshape(-1), tw.reshape(-1)
-    n_pairs = num_tokens * top_k
-    inter = torch.randn(_k.inter_rows_bound(n_pairs, e), i_dim, device=dev, dtype=dt)  # block order fits too
-    y = torch.empty(n_pairs, h, device=dev, dtype=dt)
-    prec = _k._dot_precision(dt)
-    layer = _k.fused_layer(w1, w2, num_experts=e, gated=gated)  # silu: the tables' tiles are per shape
-    best: dict[str, Any] | None = None
-    for bm in block_m_candidates(num_tokens, top_k, e):
-        sorted_rows, block_expert = _k.align(ids_flat, e, bm)
-        blocks = _k.Blocks(sorted_rows, block_expert, bm, n_pairs)
-        t_align = _bench(lambda: _k.align(ids_flat, e, bm), warmup_ms, rep_ms)
-        parts: dict[str, tuple[float, dict[str, int]]] = {}
-        for part in ("gate_up", "down"):
-            n_out = i_dim if part == "gate_up" else h
-            for cfg in gemm_candidates(bm, n_out, gated and part == "gate_up", elem):
-                full = dict(cfg)
-                # the TMA layout the layer would run these tiles with (kernels.part_layout)
-                tma = _k.part_layout(part, w1 if part == "gate_up" else w2, bm, full, i_dim=i_dim, gated=gated)
-                if part == "gate_up":  # x copied into block order where the layer copies it, the copy timed
-                    fn = lambda: _k._launch_gemm(  # noqa: E731
-                        layer.up,
-                        _k.rows_in_block_order(x, sorted_rows, n_pairs, top_k) if tma["a_tma"] else x,
-                        inter,
-                        blocks,
-                        None,
-                        full,
-                        a_div=1 if tma["a_tma"] else top_k,
-                        dot_prec=prec,
-                        tma=tma,
-                    )
-                else:
-                    fn = lambda: _k._launch_gemm(  # noqa: E731
-                        layer.dn, inter, y, blocks, tw_flat, full, a_div=1, dot_prec=prec, tma=tma
-                    )
-                _keep_fastest(parts, part, cfg, lambda fn=fn: _bench(fn, warmup_ms, rep_ms), log, f"BM={bm}")
-        if len(parts) < 2:
-            continue
-        total = t_align + parts["gate_up"][0] + parts["down"][0]
-        log(
-            f"  T={num_tokens} BM={bm}: align {t_align * 1e6:.1f}us gate_up {parts['gate_up'][0] * 1e6:.1f}us "
-            f"{parts['gate_up'][1]} down {parts['down'][0] * 1e6:.1f}us {parts['down'][1]}"
-        )
-        if best is None or total < best["time_s"]:
-            best = {
-                "config": {"BLOCK_M": bm, "gate_up": parts["gate_up"][1], "down": parts["down"][1]},
-                "time_s": total,
-                "gate_up_s": parts["gate_up"][0],
-                "down_s": parts["down"][0],
-                "align_s": t_align,
-            }
-    if best is None:
-        raise RuntimeError(f"no candidate config ran for T={num_tokens}")
-    return best
-
-
-def _keep_fastest(
-    best: dict[str, tuple[float, dict[str, int]]],
-    part: str,
-    cfg: dict[str, int],
-    run: Callable[[], float],
-    log,
-    label: str,
-) -> None:
-    """Times one tile config (`run()`: seconds) and keeps it as best[part] when fastest; a config that does not
-    compile or run here (resources) is logged and left out."""
-    try:
-        t = run()
-    except Exception as exc:
-        log(f"    skip {label} {part} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-        return
-    if part not in best or t < best[part][0]:
-        best[part] = (t, cfg)
-
-
-def _tune_pair_cell(bench: LayerBench, num_tokens: int, log=print) -> dict[str, Any]:
-    """``tune_cell`` where the layer runs pair blocks (no align; each GEMM's tiles timed on its own launch)."""
-    bm = 16
-    best: dict[str, tuple[float, dict[str, int]]] = {}
-    by_token = bench._k.token_down(bench.i_dim, bench.s2[1])
-    for part in GEMM_PARTS:
-        n_out = bench.i_dim if part == "gate_up" else bench.h
-        if part == "down" and by_token:
-            cands = token_down_candidates(bench.w1.element_size())
-        else:
-            cands = gemm_candidates(bm, n_out, part == "gate_up", bench.w1.element_size())
-            if part == "down":
-                cands = with_down_splits(cands)
-        for cfg in cands:
-            task = Task(num_tokens, bm, part, _cfg_items(cfg))
-            _keep_fastest(best, part, cfg, lambda task=task: bench(task), log, "pair blocks")
-    if len(best) < 2:
-        raise RuntimeError(f"no candidate config ran for T={num_tokens}")
-    log(
-        f"  T={num_tokens} pair blocks: gate_up {best['gate_up'][0] * 1e6:.1f}us {best['gate_up'][1]} "
-        f"down {best['down'][0] * 1e6:.1f}us {best['down'][1]}"
-    )
-    return {
-        "config": {"BLOCK_M": bm, "gate_up": best["gate_up"][1], "down": best["down"][1]},
-        "time_s": best["gate_up"][0] + best["down"][0],
-        "gate_up_s": best["gate_up"][0],
-        "down_s": best["down"][0],
-        "align_s": 0.0,
-    }
-
-
-def tune(
-    shapes: Iterable[tuple[int, int, int, int]],
-    token_counts: Iterable[int] = TOKEN_COUNTS,
-    dtype: torch.dtype = torch.bfloat16,
-    out_path: str | Path | None = None,
-    *,
-    warmup_ms: float = 5.0,
-    rep_ms: float = 20.0,
-    log=print,
-) -> dict[str, Any]:
-    """Tune every (shape, token count); merge into the JSON at out_path (if given) and return that document.
-
-    shapes: (E, H, I, k) tuples. Weights are random, [E, 2I, H] and [E, H, I] (gated, not transposed).
-    """
-    t0 = time.perf_counter()
-    dev = torch.device("cuda")
-    name = torch.cuda.get_device_name(dev)
-    doc: dict[str, Any] = {"version": 1, "device": name, "dtype": str(dtype).replace("torch.", ""), "configs": {}}
-    if out_path is not None and Path(out_path).exists():
-        try:
-            old = json.loads(Path(out_path).read_text())
-            if old.get("device") == name:
-                doc["configs"].update(old.get("configs", {}))
-        except ValueError:
-            pass
-    timings: dict[str, dict[str, float]] = {}
-    for e, h, i_dim, top_k in shapes:
-        key = _configs.shape_key(e, h, i_dim, top_k)
-        log(f"{key}")
-        g = torch.Generator(device=dev).manual_seed(0)
-        w1 = (torch.randn(e, 2 * i_dim, h, device=dev, dtype=dtype, generator=g) / math.sqrt(h)).contiguous()
-        w2 = (torch.randn(e, h, i_dim, device=dev, dtype=dtype, generator=g) / math.sqrt(i_dim)).contiguous()
-        entry = doc["configs"].setdefault(key, {})
-        timings[key] = {}
-        for t in token_counts:
-            best = tune_cell(w1, w2, t, top_k, warmup_ms=warmup_ms, rep_ms=rep_ms, log=log)
-            entry[str(t)] = best["config"]
-            timings[key][str(t)] = best["time_s"]
-            log(f"  T={t}: best {best['time_s'] * 1e6:.1f}us (GEMMs + align) {best['config']}")
-        del w1, w2
-        torch.cuda.empty_cache()
-    doc["tuned_seconds"] = round(time.perf_counter() - t0, 1)
-    if out_path is not None:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    _configs.clear_caches()
-    log(f"tuning took {time.perf_counter() - t0:.1f}s")
-    doc["_timings"] = timings
-    return doc
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -597,14 +410,16 @@ def run_search(
     *,
     clock: Callable[[], float] = time.perf_counter,
     start: float | None = None,
+    cost: CostGuess | None = None,
 ) -> SearchOutcome:
     """Time the cells' tasks until each is done or the budget is spent; never starts a timing expected to end
     past the budget. First pass: each cell (most important first) gets its weight's share of what is left, what
     it does not use goes to the cells after it; second pass: the budget left goes to the cells not done, in the
-    same order. `measure(task)` returns the kernel's seconds (raises when the tiles cannot run here)."""
+    same order. `measure(task)` returns the kernel's seconds (raises when the tiles cannot run here). `cost`: what
+    timings cost, learnt by an earlier search in this process (kernels it compiled are not built again)."""
     t0 = clock() if start is None else start
     deadline = t0 + max(0.0, budget_s)
-    cost = CostGuess()
+    cost = cost or CostGuess()
     order = list(cells)
 
     def work(cell: CellSearch, until: float) -> None:
@@ -891,6 +706,7 @@ def tune_kernels(
     device_name: str | None = None,
     directory: str | Path | None = None,
     capability: tuple[int, int] | None = None,
+    cost: CostGuess | None = None,
 ) -> dict[str, Any]:
     """Tune the tiles of one layer at these token counts on this GPU within `budget_s` seconds (compiles
     included) and merge them into the user tile table, where `configs.get_config` finds them first.
@@ -904,7 +720,8 @@ def tune_kernels(
     token count's best tiles with 128-row blocks are timed as a whole layer with and without it, and
     PERSISTENT is set where it is faster (``CellSearch.takes_persistent``). `measure`, `clock`, `device_name`,
     `directory` and `capability` replace the GPU timing, the clock, the GPU's name, the user table's folder and
-    the GPU's compute capability (tests). Returns a summary: tokens tuned and left on defaults, the configs
+    the GPU's compute capability (tests); `cost` carries what timings cost from one layer's search to the next.
+    Returns a summary: tokens tuned and left on defaults, the configs
     chosen with their times and the defaults' times, the whole-layer times without and with the persistent
     GEMM where they were taken, seconds spent, whether the budget cut it short, and where it was written.
     """
@@ -961,7 +778,7 @@ def tune_kernels(
     ]
     if measure is None:
         measure = LayerBench(problem, device, _do_bench_timer)
-    outcome = run_search(cells, measure, budget_s - (clock() - start), clock=clock)
+    outcome = run_search(cells, measure, budget_s - (clock() - start), clock=clock, cost=cost)
     existing = _configs.load_user_table(name, str(directory) if directory else None).get(key, {})
     shipped = _configs.load_table(name, str(_configs._config_dir())).get(key, {}) if force else {}
     dtype = getattr(torch, problem.dtype)
@@ -1016,30 +833,124 @@ def tune_kernels(
     return summary
 
 
+def table_problems(presets: Sequence[str], shapes: Sequence[tuple[int, int, int, int]]) -> list[Problem]:
+    """The layers a table is tuned for: "public" (every public preset's shape the tables hold,
+    `presets.tabled_presets`), "grid" (the perf grid's), or preset names; then plain (E, H, I, k) shapes. One per
+    table entry (shape and layout), bfloat16 on CUDA."""
+    from selector.presets import GRID_PRESETS, preset, tabled_presets
+
+    names: list[str] = []
+    for name in presets:
+        names += tabled_presets() if name == "public" else list(GRID_PRESETS) if name == "grid" else [name]
+    found = [preset(n) for n in names] + [Problem(num_experts=e, hidden_size=h, intermediate_size=i, top_k=k)
+                                          for e, h, i, k in shapes]  # fmt: skip
+    unique = {_table_key(p): replace(p, dtype="bfloat16", device="cuda") for p in reversed(found)}
+    return list(reversed(unique.values()))
+
+
+def _table_key(problem: Problem) -> str:
+    size = _configs.shape_key(problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.top_k)
+    return _configs.layout_key(size, transposed=problem.is_transposed, interleaved=problem.interleaved)
+
+
+TABLE_BUDGET_S = 20.0  # seconds per layer: tune_kernels' search finds tiles within a few per cent of a long one
+
+
+def tune_table(
+    problems: Sequence[Problem],
+    out: Path,
+    token_counts: Sequence[int] = TOKEN_COUNTS,
+    budget_s: float = TABLE_BUDGET_S,
+    *,
+    resume: bool = False,
+    command: str = "",
+    tune: Callable[..., dict[str, Any]] = tune_kernels,
+) -> Path:
+    """A shipped tile table for this GPU: each layer's tiles found by ``tune_kernels``' search (`budget_s` each; the
+    first layer also pays the persistent kernel's build), merged into `out` after each layer so a cut run keeps
+    what it found; `resume` skips the layers `out` holds. The file's header names this GPU's SM count and compute
+    capability (what ``configs.nearest_config`` matches another GPU by) and the `command` that made it."""
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    header = {
+        "version": 1,
+        "device": props.name,
+        "dtype": "bfloat16",
+        "num_sms": props.multi_processor_count,
+        "capability": list(torch.cuda.get_device_capability(device)),
+        "command": command,
+    }
+    held = set(tile_tables.read_table(out, _configs.normalize)) if resume else set()
+    cost = CostGuess()
+    with tempfile.TemporaryDirectory() as scratch:
+        for problem in problems:
+            key = _table_key(problem)
+            if key in held:
+                continue
+            built = ("layer_persistent",) in cost.compiled
+            summary = tune(problem, token_counts, budget_s + (0.0 if built else PERSISTENT_BUILD_GUESS_S),
+                           force=True, directory=scratch, cost=cost)  # fmt: skip
+            if summary["skipped"] or not summary["configs"]:
+                _log.warning("%s: not tuned (%s)", key, summary["skipped"] or "no tiles ran")
+                continue
+            tile_tables.merge_entries(out, key, summary["configs"], summary["tokens_tuned"], header, "triton_fused")
+            _log.warning("%s: T=%s in %.0f s", key, sorted(summary["configs"]), summary["seconds"])
+    _configs.clear_caches()
+    return out
+
+
+def _shape_arg(text: str) -> tuple[int, int, int, int]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 4 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--shape takes four positive integers E,H,I,k, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+def _tokens_arg(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens takes a comma list of positive integers, got {text!r}")
+    return values
+
+
+def _budget_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--budget takes a positive number of seconds, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 after writing the table, 1 when it cannot run here (one line; --debug: the traceback), 2 on bad flags."""
+    import sys
+
+    from selector.presets import PRESETS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="grid")
-    p.add_argument("--shape", action="append", default=[], help="E,H,I,k (repeatable; added to the preset)")
-    p.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)))
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--preset", action="append", choices=["public", "grid", *PRESETS],
+                   help="public (default): every public preset's shape but the held-out ones; grid; or a preset name")  # fmt: skip
+    p.add_argument("--shape", action="append", default=[], type=_shape_arg, help="E,H,I,k (repeatable)")
+    p.add_argument("--tokens", type=_tokens_arg, default=list(TOKEN_COUNTS), help="comma list of token counts")
+    p.add_argument("--budget", type=_budget_arg, default=TABLE_BUDGET_S, help="seconds of search per layer")
     p.add_argument("--out", default=None, help="JSON path (default: configs/<GPU name>.json in the package)")
-    p.add_argument("--rep-ms", type=float, default=20.0)
+    p.add_argument("--resume", action="store_true", help="skip the layers --out already holds")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     a = p.parse_args(argv)
-    try:
-        extra = [tuple(int(v) for v in s.split(",")) for s in a.shape]
-        tokens = [int(t) for t in a.tokens.split(",")]
-    except ValueError:
-        p.error(f"--shape takes E,H,I,k and --tokens a comma list, as integers; got {a.shape} and {a.tokens!r}")
-    if any(len(s) != 4 or min(s) < 1 for s in extra) or not tokens or min(tokens) < 1:
-        p.error("--shape takes four positive integers E,H,I,k and --tokens positive integers")
-    shapes = list(PRESETS[a.preset]) + extra
+    problems = table_problems(a.preset or ([] if a.shape else ["public"]), a.shape)
+    command = "python -m selector.plugins.triton_fused.tune " + " ".join((argv if argv is not None else sys.argv[1:]))
 
     def write() -> str:
-        out = a.out or str(_configs.CONFIG_DIR / _configs.config_file_name(torch.cuda.get_device_name()))
-        tune(shapes, tokens, getattr(torch, a.dtype), out, rep_ms=a.rep_ms)
-        return out
+        out = Path(a.out or _configs.CONFIG_DIR / _configs.config_file_name(torch.cuda.get_device_name()))
+        return str(tune_table(problems, out, a.tokens, a.budget, resume=a.resume, command=command.strip()))
 
     return tile_tables.run_tuner("triton_fused", "the kernel", torch.cuda.is_available(), a.debug, write)
 

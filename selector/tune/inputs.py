@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from selector.gates import GPT_OSS_ALPHA, GPT_OSS_LIMIT, clamped_swiglu
+from selector.presets import GRID_PRESETS
 from selector.types import Problem
 
-GRID = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-20b")  # --preset grid
+GRID = GRID_PRESETS  # --preset grid
 DEFAULT_TOKENS = tuple(1 << i for i in range(15))  # every power of two 1..16384
 FORMATS: dict[str, tuple[str, str | None]] = {  # --format: (weight format, scale format), as `selector bench`
     "dense": ("dense", None),
