@@ -5,7 +5,8 @@ Public API: the types plugins declare (`BackendSpec`, `Requirements`, `ToolkitRu
 API (`experts`, `set_experts_implementation`, `get_experts_implementation`, `explain_model`), the dispatch
 core's (`run_experts`, `last_backend`, `explain_module`, `reset_selection_caches`), `check` (raise what the
 device-side routing guard recorded), and the ranking (`rank`,
-`Problem`, `Ranking`, `Availability`, `Status`).
+`Problem`, `Ranking`, `Availability`, `Status`), and `TuningRecord`, one measured time as the tuning store keeps
+it. Helpers for a plugin's own tests are in `selector.testing`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ _LAZY = {
     "from_pretrained": "selector.hf",
     "from_config": "selector.hf",
     "tune_model": "selector.tune.model",
+    "TuningRecord": "selector.tuning",
 }
 
 if TYPE_CHECKING:
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
     from selector.ranking import rank
     from selector.registry import get_registry, register_plugin
     from selector.tune.model import tune_model
+    from selector.tuning import TuningRecord
 
 
 def __getattr__(name: str) -> Any:

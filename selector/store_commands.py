@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +115,8 @@ def _import(store: TuningStore, file: Path) -> int:
         records = tuning_store.read_export(file)
     except ValueError as exc:
         raise UsageError(f"{exc}; give a file written by `selector store export` or `selector bench`") from None
+    for line in unknown_key_warnings(records):
+        print(line, file=sys.stderr)
     with warnings.catch_warnings(record=True) as caught:  # the refusals are printed below, once each
         warnings.simplefilter("always", tuning_store.TuningStoreWarning)
         result = store.put(records)
@@ -123,3 +128,21 @@ def _import(store: TuningStore, file: Path) -> int:
     for reason in sorted(set(result.refused)):
         print(f"  refused {result.refused.count(reason)}: {reason}")
     return EXIT_OK if result.stored or not result.refused else EXIT_BROKEN
+
+
+def unknown_key_warnings(records: Iterable[object]) -> list[str]:
+    """One line per key of a record that is no field of the record format (misspelt, or of another tool): the
+    store keeps only the known fields, so the value would be dropped without a word."""
+    from selector.tuning import OPTIONAL, REQUIRED, unknown_keys
+
+    known = [*REQUIRED, *OPTIONAL]
+    lines = []
+    for number, record in enumerate(records, 1):
+        if not isinstance(record, dict):
+            continue  # not a record at all: the store refuses it and says why
+        what = ", ".join(f"{k} {record[k]}" for k in ("backend", "problem", "tokens") if k in record)
+        for key in unknown_keys(record):
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"warning: record {number} ({what or 'no backend'}): unknown key {key!r}{hint}, not stored")
+    return lines

@@ -21,7 +21,9 @@ A record is one flat JSON object, schema `selector.tuning/2`:
   call of the shape cost in the measuring process: JIT compiles, autotuning), `measured_at` (Unix time),
   `tool` (what made it).
 A later record for the same key (`record_key`) replaces an earlier one; a record that does not validate is
-skipped by the table and refused by the store and the daemon (`check_record` says why).
+skipped by the table and refused by the store and the daemon (`check_record` says why). `TuningRecord` is one
+record as a typed value, validated when made (docs/plugins.md shows a plugin writing its own); keys outside the
+format are dropped by the store (`unknown_keys` names them, `selector store import` warns of each).
 """
 
 from __future__ import annotations
@@ -250,6 +252,79 @@ def clean_record(r: Record) -> dict[str, Any]:
     if reason is not None:
         raise ValueError(f"tuning record refused: {reason}")
     return {name: r[name] for name in (*REQUIRED, *OPTIONAL) if name in r}
+
+
+def unknown_keys(r: Mapping[str, Any]) -> list[str]:
+    """The keys of `r` that are no field of the record format (a misspelt `time_ms`, say), sorted: the store keeps
+    only the known fields, so these would be lost."""
+    return sorted(str(k) for k in r if k not in REQUIRED and k not in OPTIONAL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuningRecord:
+    """One measured time in the record format (schema `selector.tuning/2`) that `selector bench`, `selector tune`,
+    the node daemon and `selector store export|import` share, validated when it is made (ValueError naming the
+    fault). A plugin that measures its own kernel builds one with `for_problem` and hands `to_dict()` to the
+    store (`selector.tuning_store.save_records`) or to an export file (`selector.tuning_store.write_export`).
+
+    `fingerprint`: its backend's current fingerprint here (`selector.tuning_store.current_fingerprints().of(name)`);
+    `gpu`: the GPU's name, "cpu" on the host (`gpu_of`); `problem`: `problem_key(problem)`; `mode`: "eager" or
+    "graph" (CUDA-graph replays); `tokens`: the token count measured; `time_s`: the median seconds per call;
+    `spread`: (max - min) / median over the rounds; `rounds`; `first_call_s`: the first call's seconds in a fresh
+    process (JIT, autotuning); `measured_at`: Unix time; `tool`: what measured it.
+    """
+
+    fingerprint: str
+    gpu: str
+    problem: str
+    mode: str
+    tokens: int
+    backend: str
+    time_s: float
+    spread: float | None = None
+    rounds: int | None = None
+    first_call_s: float | None = None
+    measured_at: float | None = None
+    tool: str | None = None
+
+    def __post_init__(self) -> None:
+        reason = check_record(self.to_dict())
+        if reason is not None:
+            raise ValueError(f"tuning record refused: {reason}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as the store, the daemon and export files keep it (optional fields only where set)."""
+        return {name: getattr(self, name) for name in (*REQUIRED, *OPTIONAL) if getattr(self, name) is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TuningRecord:
+        """A record read back (an export file's, a store's); ValueError naming an unknown key or the fault."""
+        unknown = unknown_keys(data)
+        if unknown:
+            raise ValueError(f"tuning record refused: unknown key{'s' * (len(unknown) > 1)} "
+                             f"{', '.join(map(repr, unknown))} "
+                             f"(known: {', '.join((*REQUIRED, *OPTIONAL))})")
+        missing = [name for name in REQUIRED if name not in data]
+        if missing:
+            raise ValueError(f"tuning record refused: missing field {missing[0]!r}")
+        return cls(**data)
+
+    @classmethod
+    def for_problem(
+        cls,
+        problem: Problem,
+        *,
+        backend: str,
+        tokens: int,
+        time_s: float,
+        fingerprint: str,
+        gpu: str,
+        **optional: Any,
+    ) -> TuningRecord:
+        """The record of `backend`'s time for `problem` at `tokens` tokens: its key and mode read off the problem
+        (`problem_key`, `mode_of`); `optional`: spread, rounds, first_call_s, measured_at, tool."""
+        return cls(fingerprint=fingerprint, gpu=gpu, problem=problem_key(problem), mode=mode_of(problem),
+                   tokens=tokens, backend=backend, time_s=time_s, **optional)
 
 
 def _nearest(tokens: Iterable[int], target: int) -> int:
