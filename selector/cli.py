@@ -99,8 +99,8 @@ def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from selector.doctor import build_report
+    from selector.plugin_probe import load_checked_registry
     from selector.probes import collect_environment
-    from selector.registry import get_registry
     from selector.render import render_json, render_markdown, render_text
 
     env = collect_environment()
@@ -108,7 +108,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         problem = problem_from_args(args, "cuda" if env.gpu.devices else "cpu")
     except ValueError as exc:  # a bad size, or an unknown preset (its message lists the known ones)
         raise UsageError(str(exc)) from exc
-    registry = get_registry()
+    registry = load_checked_registry()  # a plugin that exits or stalls a process is found in a child first
     unknown = [name for name in args.require or () if name not in registry.specs]
     if unknown:
         raise UsageError(f"--require {', '.join(unknown)}: no such backend; registered: {', '.join(registry.names)}")
@@ -143,9 +143,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from selector.registry import get_registry
+    from selector.plugin_probe import load_checked_registry
 
-    registry = get_registry()
+    registry = load_checked_registry()
     if args.json:
         print(json.dumps({"plugins": [p.to_dict() for p in registry.plugins], "problems": registry.problems}, indent=2))
     else:

@@ -9,6 +9,12 @@ class ExpertsInputError(ValueError):
     """Inputs to an experts layer that no backend should run: wrong shapes, dtypes, ids or weights."""
 
 
+class PluginUnavailableError(ImportError, ValueError):
+    """A backend asked for by name that is not registered because of its plugin (blocked, not allowed, or broken).
+
+    An ImportError (something is missing here) and, for callers that catch the unknown-name error, a ValueError."""
+
+
 def unavailable_error(name: str, verdict: Availability) -> Exception:
     """ImportError (something missing) or ValueError (configuration unsupported) for a requested backend."""
     parts = [f"experts backend {name!r} cannot run here: {verdict.reason}"]

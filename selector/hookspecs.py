@@ -20,7 +20,7 @@ def selector_backends() -> Sequence[BackendSpec]:
     """Return the experts backends this plugin provides.
 
     Called once per process when the registry is built, in a daemon thread with a time bound
-    (``SELECTOR_PLUGIN_TIMEOUT``, 30 s). Keep it cheap: declare the backend and its requirements here and
+    (``SELECTOR_PLUGIN_TIMEOUT``, 5 s). Keep it cheap: declare the backend and its requirements here and
     import heavy modules (torch, triton, a hub kernel) only in ``BackendSpec.load``. A hook that raises
     (``SystemExit`` included), does not return in time or returns something malformed is reported by
     ``selector plugins`` and ``selector doctor`` and its plugin is skipped.

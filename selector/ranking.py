@@ -66,6 +66,8 @@ def rank(
     Measurement for this problem, from the tuning store) has one, plus the one-time cost still ahead in this
     process (the backend's `pending_cost`, else the measured first-call cost unless the backend is in `warm`)
     spread over `amortize_calls` calls; else the plugin's static estimate. Each candidate says which it used.
+    A plugin that failed to load (raised, overran SELECTOR_PLUGIN_TIMEOUT, ...) is among the exclusions by its
+    plugin name, with what happened.
     """
     config = config or SelectorConfig()
     excluded: dict[str, Availability] = {}
@@ -89,6 +91,10 @@ def rank(
         else:
             found = Candidate(name=name, estimate=_estimate(registry, name, problem, env))
         runnable.append(replace(found, pinned=name == config.pin, preferred=name in config.prefer))
+
+    # a broken plugin registered no backend; say why its backends are absent
+    for name, why in registry.failed_plugins().items():
+        excluded.setdefault(name, why)
 
     def order(c: Candidate) -> tuple[int, int, float, str]:
         preference = config.prefer.index(c.name) if c.preferred else len(config.prefer)

@@ -3,14 +3,23 @@
 Built-in backends take this same road: the core never imports `plugins` by name. A plugin that fails to
 import, raises from its hook (`SystemExit` included), does not answer within SELECTOR_PLUGIN_TIMEOUT seconds,
 returns something malformed or claims a built-in backend's name is recorded and skipped, never fatal. Only
-`KeyboardInterrupt` goes through: the user asked to stop.
+`KeyboardInterrupt` goes through: the user asked to stop. A plugin that ends or stalls the whole process
+(`os._exit`, a C loop holding the GIL) is caught only by loading it in a child process first:
+`selector.plugin_probe` does that for `selector doctor` and `selector plugins` and hands the plugins it found
+unsafe to `load_registry(quarantine=...)`.
+
+SELECTOR_PLUGINS_ALLOW / SELECTOR_PLUGINS_BLOCK name plugins (entry-point or distribution names) or backends.
+A backend that is not registered because of its plugin is remembered (`Registry.unavailable`), so that a
+request for it names the plugin and what happened instead of calling the name unknown.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -19,7 +28,8 @@ from typing import Any, TypeVar
 import pluggy
 
 from selector import hookspecs, settings
-from selector.types import BackendSpec
+from selector.errors import PluginUnavailableError
+from selector.types import Availability, BackendSpec, Status
 
 ALLOW_VARIABLE = "SELECTOR_PLUGINS_ALLOW"  # declared in selector.settings
 BLOCK_VARIABLE = "SELECTOR_PLUGINS_BLOCK"
@@ -28,6 +38,11 @@ BUILTIN_DISTRIBUTION = "moe-selector"
 BUILTIN_PACKAGE = "selector.plugins."
 _NAME = re.compile(r"^[a-z0-9_]+$")
 RESERVED_NAMES = frozenset({"auto"})
+NO_ANSWER = "did not answer within"  # how a plugin that overran the timeout is reported (PluginInfo.error)
+
+# Called with (plugin name, stage) as loading goes: "import", "hook", then "done". The child process of
+# selector.plugin_probe reports these to its parent, which thus knows which plugin ended or stalled it.
+Progress = Callable[[str, str], None]
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,11 @@ class PluginInfo:
             "skipped": self.skipped,
         }
 
+    @property
+    def overran(self) -> bool:
+        """Its import or hook did not answer within SELECTOR_PLUGIN_TIMEOUT."""
+        return bool(self.error) and NO_ANSWER in str(self.error)
+
 
 @dataclass
 class Registry:
@@ -61,21 +81,41 @@ class Registry:
     plugins: list[PluginInfo] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # duplicates, malformed specs
     builtins: set[str] = field(default_factory=set)  # the plugins shipped in moe-selector (selector.plugins.*)
+    # a name a user may ask for (a backend, or a plugin whose backends are unknown) that is not registered
+    # because of its plugin: blocked, not allowed, or broken; the reason names the plugin and its distribution
+    unavailable: dict[str, Availability] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
         return sorted(self.specs)
 
     def get(self, name: str) -> BackendSpec:
-        """The spec of a registered backend, or a ValueError that lists the registered names."""
+        """The spec of a registered backend. A name left out because of its plugin raises PluginUnavailableError
+        (an ImportError and a ValueError) naming the plugin and why; any other name a ValueError listing the
+        registered names."""
         try:
             return self.specs[name]
         except KeyError:
-            raise ValueError(
-                f"unknown experts backend {name!r}; registered backends: {', '.join(self.names) or '(none)'} "
-                f"(and 'auto'). A third-party backend registers through the {hookspecs.ENTRY_POINT_GROUP!r} "
-                "entry-point group; `selector plugins` lists what loaded and what failed."
-            ) from None
+            pass
+        if name in self.unavailable:
+            why = self.unavailable[name]
+            raise PluginUnavailableError(
+                f"experts backend {name!r} is not available: {why.reason}. Fix: {why.remedy}. "
+                "`selector plugins` lists every plugin and what came of loading it."
+            )
+        raise ValueError(
+            f"unknown experts backend {name!r}; registered backends: {', '.join(self.names) or '(none)'} "
+            f"(and 'auto'). A third-party backend registers through the {hookspecs.ENTRY_POINT_GROUP!r} "
+            "entry-point group; `selector plugins` lists what loaded and what failed."
+        )
+
+    def failed_plugins(self) -> dict[str, Availability]:
+        """Each broken plugin that registered no backend, by name, with what happened: the ranking lists them
+        among its exclusions, so that `explain` says why their backends are absent."""
+        return {
+            name: why for name, why in self.unavailable.items()
+            if why.status is Status.PLUGIN_ERROR and name not in self.specs
+        }
 
 
 def plugin_versions(registry: Registry) -> dict[str, str]:
@@ -97,14 +137,24 @@ def _distribution_of(ep: metadata.EntryPoint) -> str:
     return f"{dist.metadata['Name']} {dist.version}"
 
 
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
 def _short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{_where(exc)}"
 
 
 def is_builtin(target: str, distribution: str) -> bool:
     """A backend package shipped in this distribution (`selector.plugins.<name>` from moe-selector)."""
-    name = re.sub(r"[-_.]+", "-", distribution.split(" ")[0]).lower()  # PEP 503 normalised
-    return target.startswith(BUILTIN_PACKAGE) and name == BUILTIN_DISTRIBUTION
+    return target.startswith(BUILTIN_PACKAGE) and _normalised(distribution.split(" ")[0]) == BUILTIN_DISTRIBUTION
+
+
+def lists_plugin(names: Iterable[str], plugin: str, distribution: str) -> bool:
+    """Whether an allow or block list names this plugin: its entry-point name or its distribution's name."""
+    listed = set(names)
+    dist = _normalised(distribution.split(" ")[0])
+    return plugin in listed or any(_normalised(n) == dist for n in listed)
 
 
 _T = TypeVar("_T")
@@ -129,7 +179,8 @@ def _spec_list(returned: object) -> list[object]:
 def _bounded(call: Callable[[], _T], timeout: float, what: str) -> _T:
     """`call()` in a daemon thread: its value, or what it raised (any BaseException but KeyboardInterrupt,
     re-raised here as is), or _NoAnswer after `timeout` seconds. A hung plugin is left running in its thread;
-    daemon threads do not keep the process alive at exit."""
+    daemon threads do not keep the process alive at exit. A call that holds the GIL (a C loop) keeps this thread
+    waiting until it lets go; it answered late, so it is reported as not answering too."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -139,10 +190,15 @@ def _bounded(call: Callable[[], _T], timeout: float, what: str) -> _T:
             box["error"] = exc
 
     thread = threading.Thread(target=run, name=f"selector-plugin {what}", daemon=True)
+    start = time.monotonic()
     thread.start()
     thread.join(timeout)
+    took = time.monotonic() - start
     if thread.is_alive():
-        raise _NoAnswer(f"did not answer within {timeout:g} s (raise {TIMEOUT_VARIABLE} if it is only slow)")
+        raise _NoAnswer(f"{NO_ANSWER} {timeout:g} s (raise {TIMEOUT_VARIABLE} if it is only slow)")
+    if took > timeout:
+        raise _NoAnswer(f"{NO_ANSWER} {timeout:g} s: it held this process for {took:.1f} s "
+                        f"(raise {TIMEOUT_VARIABLE} if it is only slow)")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -171,16 +227,67 @@ def _validate_spec(spec: object) -> str | None:
     return None
 
 
+def _broken(name: str, dist: str, what: str) -> Availability:
+    return Availability(
+        Status.PLUGIN_ERROR,
+        f"plugin {name!r} (distribution {dist}) {what}; its backends are not registered",
+        f"fix or update that distribution, or block it with {BLOCK_VARIABLE}={name} "
+        f"(`selector plugins` shows every plugin)",
+    )
+
+
+def _left_out(what: str, variable: str) -> Availability:
+    verb = f"is blocked by {variable}" if variable == BLOCK_VARIABLE else f"is not listed in {variable}"
+    fix = f"remove it from {variable}" if variable == BLOCK_VARIABLE else f"add it to {variable}"
+    return Availability(Status.DENIED_BY_CONFIG, f"{what} {verb}", fix)
+
+
+@dataclass(frozen=True)
+class _Lists:
+    """SELECTOR_PLUGINS_ALLOW / _BLOCK, each name either a plugin (entry point or distribution) or a backend."""
+
+    allow: frozenset[str]
+    block: frozenset[str]
+    plugin_names: frozenset[str]  # the allowed names that name an installed plugin; the rest name backends
+
+    def keeps_backend(self, backend: str, plugin: str, dist: str) -> str | None:
+        """None where the backend stays; else the variable that leaves it out."""
+        if backend in self.block:
+            return BLOCK_VARIABLE
+        if self.allow and backend not in self.allow and not lists_plugin(self.allow, plugin, dist):
+            return ALLOW_VARIABLE
+        return None
+
+    def allows_plugin(self, plugin: str, dist: str) -> bool:
+        return lists_plugin(self.allow, plugin, dist)
+
+
+def _lists(environ: Mapping[str, str] | None, eps: list[metadata.EntryPoint]) -> _Lists:
+    allow, block = settings.get(ALLOW_VARIABLE, environ), settings.get(BLOCK_VARIABLE, environ)
+    plugins = frozenset(n for n in allow if any(lists_plugin({n}, ep.name, _distribution_of(ep)) for ep in eps))
+    return _Lists(frozenset(allow), frozenset(block), plugins)
+
+
 def build_registry(
     entry_points: Iterable[metadata.EntryPoint] | None = None,
     extra_plugins: Mapping[str, object] | None = None,
     environ: Mapping[str, str] | None = None,
+    quarantine: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+    timeout: float | None = None,
 ) -> Registry:
-    """Load every plugin and collect its backends. Never raises for a plugin's fault."""
-    allow, block = settings.get(ALLOW_VARIABLE, environ), settings.get(BLOCK_VARIABLE, environ)
-    timeout = float(settings.get(TIMEOUT_VARIABLE, environ))
+    """Load every plugin and collect its backends. Never raises for a plugin's fault.
+
+    `quarantine`: plugin name -> what it did to a process that loaded it (selector.plugin_probe); such a plugin
+    is not imported and is reported broken with that. `progress` hears each plugin's stages (see `Progress`).
+    `timeout`: seconds for each import and each hook (default SELECTOR_PLUGIN_TIMEOUT)."""
+    if timeout is None:
+        timeout = float(settings.get(TIMEOUT_VARIABLE, environ))
     if entry_points is None:
         entry_points = metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
+    eps = sorted(entry_points, key=lambda e: e.name)
+    lists = _lists(environ, eps)
+    quarantine = quarantine or {}
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
@@ -189,12 +296,23 @@ def build_registry(
     sources: list[tuple[int, str, str, str, Any]] = []
     infos: list[tuple[int, PluginInfo]] = []  # listed in entry-point order, whatever order they loaded in
 
-    for position, ep in enumerate(sorted(entry_points, key=lambda e: e.name)):
-        if (allow and ep.name not in allow) or ep.name in block:
-            why = f"not in {ALLOW_VARIABLE}" if allow and ep.name not in allow else f"in {BLOCK_VARIABLE}"
-            infos.append((position, PluginInfo(ep.name, ep.value, _distribution_of(ep), skipped=why)))
+    # Allowed names that name no plugin are backend names: then the other plugins load to find them.
+    looks_up = bool(lists.allow - lists.plugin_names)
+    for position, ep in enumerate(eps):
+        dist = _distribution_of(ep)
+        variable = (BLOCK_VARIABLE if lists_plugin(lists.block, ep.name, dist)
+                    else ALLOW_VARIABLE if lists.allow and not looks_up and not lists.allows_plugin(ep.name, dist)
+                    else None)  # fmt: skip
+        if variable is not None:
+            why = f"in {BLOCK_VARIABLE}" if variable == BLOCK_VARIABLE else f"not in {ALLOW_VARIABLE}"
+            infos.append((position, PluginInfo(ep.name, ep.value, dist, skipped=why)))
+            registry.unavailable[ep.name] = _left_out(f"plugin {ep.name!r} (distribution {dist})", variable)
             continue
-        sources.append((position, ep.name, ep.value, _distribution_of(ep), ep))
+        if ep.name in quarantine:
+            infos.append((position, PluginInfo(ep.name, ep.value, dist, error=quarantine[ep.name])))
+            registry.unavailable[ep.name] = _broken(ep.name, dist, quarantine[ep.name])
+            continue
+        sources.append((position, ep.name, ep.value, dist, ep))
     for name, obj in (extra_plugins or {}).items():
         target = getattr(obj, "__name__", repr(obj))
         sources.append((len(infos) + len(sources), name, target, "(registered in code)", obj))
@@ -202,15 +320,25 @@ def build_registry(
     # Built-ins first, so that a third-party backend of the same name meets the built-in already there.
     for position, name, target, dist, obj in sorted(sources, key=lambda src: (not is_builtin(src[2], src[3]), src[0])):
         if isinstance(obj, metadata.EntryPoint):
+            if progress is not None:
+                progress(name, "import")
             try:
                 obj = _bounded(obj.load, timeout, name)
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # an import can raise anything, SystemExit included
-                infos.append((position, PluginInfo(name, target, dist, error=f"import failed: {_failure(exc)}")))
+                failure = _failure(exc)
+                infos.append((position, PluginInfo(name, target, dist, error=f"import failed: {failure}")))
+                registry.unavailable[name] = _broken(name, dist, f"failed to import: {failure}")
+                if progress is not None:
+                    progress(name, "done")
                 continue
-        info = _collect(pm, registry, name, target, dist, obj, allow, block, timeout)
+        info = _collect(pm, registry, name, target, dist, obj, lists, timeout, progress)
+        if looks_up and info.backends == () and not info.error and not lists.allows_plugin(name, dist):
+            info = PluginInfo(name, target, dist, skipped=f"none of its backends is in {ALLOW_VARIABLE}")
         infos.append((position, info))
+        if progress is not None:
+            progress(name, "done")
     registry.plugins.extend(info for _, info in sorted(infos, key=lambda item: item[0]))
     return registry
 
@@ -222,21 +350,27 @@ def _collect(
     target: str,
     dist: str,
     obj: object,
-    allow: set[str],
-    block: set[str],
+    lists: _Lists,
     timeout: float,
+    progress: Progress | None,
 ) -> PluginInfo:
+    if progress is not None:
+        progress(name, "hook")
     try:
         pm.register(obj, name=name)
         impls = [impl for impl in pm.hook.selector_backends.get_hookimpls() if impl.plugin is obj]
         if not impls:
-            return PluginInfo(name, target, dist, error="defines no selector_backends hook implementation")
+            error = "defines no selector_backends hook implementation"
+            registry.unavailable[name] = _broken(name, dist, error)
+            return PluginInfo(name, target, dist, error=error)
         specs = _bounded(lambda: [spec for impl in impls for spec in _spec_list(impl.function())], timeout, name)
     except _NotSpecs as exc:
+        registry.unavailable[name] = _broken(name, dist, str(exc))
         return PluginInfo(name, target, dist, error=str(exc))
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a hook can raise anything, SystemExit included
+        registry.unavailable[name] = _broken(name, dist, f"failed in its selector_backends hook: {_failure(exc)}")
         return PluginInfo(name, target, dist, error=f"hook failed: {_failure(exc)}")
 
     added: list[str] = []
@@ -246,11 +380,15 @@ def _collect(
         if problem:
             errors.append(problem)
             continue
-        if (allow and spec.name not in allow and name not in allow) or spec.name in block:
+        variable = lists.keeps_backend(spec.name, name, dist)
+        if variable is not None:
+            if spec.name not in registry.specs:
+                registry.unavailable[spec.name] = _left_out(
+                    f"backend {spec.name!r} (plugin {name!r}, distribution {dist})", variable)
             continue
         holder = registry.providers.get(spec.name)
         if holder is not None and holder in registry.builtins and name not in registry.builtins:
-            if name not in allow:
+            if not lists.allows_plugin(name, dist):
                 errors.append(
                     f"backend {spec.name!r} is a built-in backend's name; keeping the built-in {holder!r} "
                     f"(to let {name!r} replace it, list {name!r} in {ALLOW_VARIABLE} with every plugin to load)"
@@ -267,11 +405,14 @@ def _collect(
             continue
         registry.specs[spec.name] = spec
         registry.providers[spec.name] = name
+        registry.unavailable.pop(spec.name, None)
         added.append(spec.name)
     if is_builtin(target, dist):
         registry.builtins.add(name)
     error = "; ".join(errors) if errors else None
     registry.problems.extend(f"plugin {name!r}: {e}" for e in errors)
+    if error and not added:
+        registry.unavailable[name] = _broken(name, dist, error)
     return PluginInfo(name, target, dist, backends=tuple(added), error=error)
 
 
@@ -279,12 +420,28 @@ _REGISTRY: Registry | None = None
 _EXTRA: dict[str, object] = {}
 
 
+def load_registry(quarantine: Mapping[str, str] | None = None, problems: Iterable[str] = ()) -> Registry:
+    """Build the process-wide registry now (what `get_registry` returns from then on), leaving out the plugins in
+    `quarantine` (plugin name -> what it did in a child process that loaded it) and adding `problems` (of that
+    check) to its own. A plugin that overran SELECTOR_PLUGIN_TIMEOUT is named in a warning."""
+    global _REGISTRY
+    registry = build_registry(extra_plugins=_EXTRA, quarantine=quarantine)
+    registry.problems.extend(problems)
+    for info in registry.plugins:
+        if info.overran:
+            warnings.warn(
+                f"selector: plugin {info.name!r} (distribution {info.distribution}) {info.error}; its backends "
+                f"are left out in this process",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    _REGISTRY = registry
+    return registry
+
+
 def get_registry() -> Registry:
     """The process-wide registry, built on first use."""
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = build_registry(extra_plugins=_EXTRA)
-    return _REGISTRY
+    return _REGISTRY if _REGISTRY is not None else load_registry()
 
 
 def register_plugin(plugin: object, name: str | None = None) -> None:

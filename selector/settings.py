@@ -115,10 +115,16 @@ _DECLARED = [
             "comma list of plugin or backend names to load; every other plugin is skipped (empty: all). A "
             "third-party plugin listed here may replace a built-in backend of the same name"),
     Setting("SELECTOR_PLUGINS_BLOCK", "names", frozenset(), "comma list of plugin or backend names to skip"),
-    Setting("SELECTOR_PLUGIN_TIMEOUT", "float", 30.0,
-            "seconds a plugin's import or selector_backends hook may take before it is reported as not answering "
-            "and skipped (it keeps running in a daemon thread); a bad value means the default",
+    Setting("SELECTOR_PLUGIN_TIMEOUT", "float", 5.0,
+            "seconds a plugin's import or selector_backends hook may take in a model's process before it is "
+            "reported as not answering (named in a warning and in the ranking's reasons) and skipped (it keeps "
+            "running in a daemon thread); a bad value means the default",
             positive=True, on_bad="default"),
+    Setting("SELECTOR_PLUGIN_DEADLINE", "float", 3.0,
+            "selector doctor and selector plugins first load the plugins in a child process: seconds each "
+            "plugin's import, then its hook, may take there before the child is stopped and that plugin reported "
+            "(as one that exits the process is) and left out; 0 loads them in the command's own process",
+            minimum=0.0),
     Setting("SELECTOR_VALIDATE", "choice", None,
             "input checks at the experts boundary: full (values every call), first (values on the first call "
             "of each module and shape), shapes; every level but off also guards ids and weights on the device "
