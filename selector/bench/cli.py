@@ -9,14 +9,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from selector.arguments import number, whole_number, whole_numbers
 from selector.bench.cells import DEFAULT_PRESETS, DEFAULT_TOKENS, FORMATS, MODES, BenchResult, measured_rows
 from selector.bench.grid import BenchOptions
 
 DEFAULT_MODES = ["eager", "graph"]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def _ints_text(values: tuple[int, ...]) -> str:
@@ -48,6 +45,17 @@ def _compile_modes(text: str) -> list[str]:
     from selector.types import COMPILE_MODES
 
     return _some_of(text, tuple(COMPILE_MODES))
+
+
+def _preset(text: str) -> str:
+    """A preset's name as `selector.presets` spells it; a usage error listing the known ones."""
+    from selector.presets import preset
+
+    try:
+        preset(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.lower()
 
 
 def _layers(text: str) -> int:
@@ -118,18 +126,32 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
     )
 
 
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """What makes the flags unusable together, or None: checked before torch is imported or a GPU looked for."""
+    if args.stack is not None and not args.compile:
+        return "--stack goes with --compile (layers per compiled module)"
+    if args.compile and args.modes not in (DEFAULT_MODES, ["train"]):
+        return "with --compile, --modes is train (a training step per call) or left out (a forward)"
+    if args.compile and (args.merge or args.resume):
+        return "--merge and --resume go with the grid, not --compile"
+    if args.backends:
+        from selector.registry import get_registry
+
+        names = get_registry().names
+        known = [*names, "auto"] if args.compile else names  # --compile times auto as one of its backends
+        unknown = [n for n in args.backends if n not in known]
+        if unknown:
+            return f"--backends {', '.join(unknown)}: no such backend; registered: {', '.join(known)}"
+    return None
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    problem = usage_problem(args)
+    if problem is not None:
+        print(f"selector bench: {problem}", file=sys.stderr)
+        return 2
     import torch
 
-    if args.stack is not None and not args.compile:
-        print("selector bench: --stack goes with --compile (layers per compiled module)", file=sys.stderr)
-        return 2
-    if args.compile and args.modes not in (DEFAULT_MODES, ["train"]):
-        print(
-            "selector bench: with --compile, --modes is train (a training step per call) or left out (a forward)",
-            file=sys.stderr,
-        )
-        return 2
     if not torch.cuda.is_available():  # before any cell: the run times kernels against the GPU's floor
         build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
         print(
@@ -138,9 +160,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    if args.compile and (args.merge or args.resume):
-        print("selector bench: --merge and --resume go with the grid, not --compile", file=sys.stderr)
-        return 2
     if args.compile:
         return _cmd_compiled(args)
     from selector.bench.grid import run_bench
@@ -206,11 +225,11 @@ def register(sub: Any) -> None:
     """Add the `bench` subcommand to the CLI's subparsers."""
     bench = sub.add_parser("bench", help="time every backend per cell against the floor and Transformers' backends")
     bench.add_argument(
-        "--preset", action="append", help=f"shape preset (repeatable); default: {', '.join(DEFAULT_PRESETS)}"
+        "--preset", action="append", type=_preset, help=f"shape preset (repeatable); default: {', '.join(DEFAULT_PRESETS)}"
     )
     bench.add_argument(
         "--tokens",
-        type=_ints,
+        type=whole_numbers(1),
         help=f"comma list of token counts; default: {_ints_text(DEFAULT_TOKENS)} (with --compile: 1,8,64,512,4096)",
     )
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -224,9 +243,12 @@ def register(sub: Any) -> None:
         "their gradients checked against float64; never saved as tuning records); with --compile "
         "only train, to time training steps compiled against uncompiled",
     )
-    bench.add_argument("--graph-max-tokens", type=int, default=4096)
-    bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (all backends each round)")
-    bench.add_argument("--memory-cap-gb", type=float, default=40.0, help="skip cells needing more temporaries")
+    bench.add_argument("--graph-max-tokens", type=whole_number(0), default=4096, help="graph mode up to this token "
+                       "count (0: none)")
+    bench.add_argument("--rounds", type=whole_number(1), default=5,
+                       help="interleaved rounds per cell (all backends each round)")
+    bench.add_argument("--memory-cap-gb", type=number(0.0, inclusive=False), default=40.0,
+                       help="skip cells needing more temporaries")
     bench.add_argument("--no-peers", action="store_true", help="leave out Transformers' backends")
     bench.add_argument(
         "--formats",

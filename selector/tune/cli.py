@@ -13,17 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from selector.arguments import number, whole_number, whole_numbers
 from selector.bench.grid import BenchOptions
 from selector.tune.inputs import DTYPES, FORMATS, GRID
 from selector.tune.progress import ProgressBar
 from selector.tune.runner import TuneOptions
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of integers, e.g. 1,8,64") from None
 
 
 def _names(text: str) -> list[str]:
@@ -175,21 +169,27 @@ def register(sub: Any) -> None:
     )
     tune.add_argument("config", nargs="*", help="a Transformers config.json, or a model directory holding one")
     tune.add_argument("--preset", action="append", help=f"a known shape (repeatable); grid: {', '.join(GRID)}")
-    tune.add_argument("--experts", type=int, help="number of experts E")
-    tune.add_argument("--hidden", type=int, help="hidden size H")
-    tune.add_argument("--intermediate", type=int, help="intermediate size I per expert")
-    tune.add_argument("--top-k", type=int, help="experts per token k")
+    tune.add_argument("--experts", type=whole_number(1), help="number of experts E")
+    tune.add_argument("--hidden", type=whole_number(1), help="hidden size H")
+    tune.add_argument("--intermediate", type=whole_number(1), help="intermediate size I per expert")
+    tune.add_argument("--top-k", type=whole_number(1), help="experts per token k")
     tune.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the config's, else bfloat16)")
     tune.add_argument("--format", choices=list(FORMATS), help="weight format (default: the config's, else dense)")
-    tune.add_argument("--tokens", type=_ints, help="comma list of token counts (default: every power of two 1..16384)")
-    tune.add_argument("--batch-sizes", type=_ints, help="the model's own batch sizes, added to the token counts")
+    tune.add_argument("--tokens", type=whole_numbers(1),
+                      help="comma list of token counts (default: every power of two 1..16384)")
+    tune.add_argument("--batch-sizes", type=whole_numbers(1),
+                      help="the model's own batch sizes, added to the token counts")
     tune.add_argument("--modes", type=_names, default=["eager", "graph"], help="comma list of eager,graph")
-    tune.add_argument("--graph-max-tokens", type=int, default=512, help="graph mode up to this token count")
+    tune.add_argument("--graph-max-tokens", type=whole_number(0), default=512,
+                      help="graph mode up to this token count (0: none)")
     tune.add_argument("--backends", type=_names, help="comma list of backends (default: every one that can run here)")
-    tune.add_argument("--kernel-budget-s", type=float, default=60.0, help="seconds per layer for kernel tuning hooks")
-    tune.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell")
-    tune.add_argument("--memory-cap-gb", type=float, default=40.0, help="leave out a backend needing more temporaries")
-    tune.add_argument("--lock-timeout", type=float, default=600.0, help="seconds to wait for another tuner on the GPU")
+    tune.add_argument("--kernel-budget-s", type=number(0.0), default=60.0,
+                      help="seconds per layer for kernel tuning hooks (0: none)")
+    tune.add_argument("--rounds", type=whole_number(1), default=5, help="interleaved rounds per cell")
+    tune.add_argument("--memory-cap-gb", type=number(0.0, inclusive=False), default=40.0,
+                      help="leave out a backend needing more temporaries")
+    tune.add_argument("--lock-timeout", type=number(0.0), default=600.0,
+                      help="seconds to wait for another tuner on the GPU")
     tune.add_argument("--force", action="store_true", help="measure cells already measured under this fingerprint")
     tune.add_argument("--dry-run", action="store_true", help="list what would be measured; measure nothing")
     tune.add_argument("--check", metavar="DIR", help="then time auto against every backend in a fresh interleaved "
