@@ -4,9 +4,10 @@ markdown or JSON. Nothing here imports torch, so a cold run stays fast on a CPU-
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import selector
 from selector.compat import hub_kernels_verdict
@@ -16,10 +17,14 @@ from selector.parallel.report import ParallelSection, no_group_section
 from selector.probes import Environment
 from selector.ranking import rank
 from selector.registry import Registry
+from selector.settings import setting
 from selector.tuning import TuningTable, measured_for
 from selector.types import Availability, Problem, Ranking, Status
 
 SCHEMA = "selector.doctor/1"  # bump on any incompatible change to the JSON layout
+
+
+CheckStatus = Literal["ok", "warning", "failed"]
 
 
 @dataclass(frozen=True)
@@ -30,10 +35,16 @@ class Check:
     ok: bool
     title: str
     detail: tuple[str, ...] = ()
-    warning: bool = False  # ok but worth a look (overrides, disagreeing variables)
+    warning: str = ""  # why a check that passed is worth a look (overrides, disagreeing variables); "" when not
+
+    @property
+    def status(self) -> CheckStatus:
+        """The one verdict every rendering shows: a failed check is failed, whatever it also warns about."""
+        return "failed" if not self.ok else "warning" if self.warning else "ok"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"section": self.section, "ok": self.ok, "warning": self.warning, "title": self.title, "detail": list(self.detail)}
+        return {"section": self.section, "ok": self.ok, "status": self.status, "warning": self.status == "warning",
+                "title": self.title, "detail": list(self.detail)}
 
 
 @dataclass(frozen=True)
@@ -118,7 +129,8 @@ def _gpu_check(env: Environment) -> Check:
     )
     driver = f"driver {gpu.driver_version or '?'} (CUDA {gpu.driver_cuda_version or '?'})"
     title = f"GPU: {len(gpu.devices)} x {gpu.devices[0].name}, {driver}"
-    return Check("gpu", True, title, (*lines, f"source: {gpu.source}{suffix}"), warning=gpu.overridden)
+    overridden = f"the GPU facts are overridden ({gpu.source})" if gpu.overridden else ""
+    return Check("gpu", True, title, (*lines, f"source: {gpu.source}{suffix}"), warning=overridden)
 
 
 def _toolkit_check(env: Environment) -> Check:
@@ -127,7 +139,8 @@ def _toolkit_check(env: Environment) -> Check:
     if tk.usable_for_jit and tk.nvcc_version:
         v = f"{tk.nvcc_version[0]}.{tk.nvcc_version[1]}"
         title = f"CUDA toolkit: nvcc {v} at {tk.root} (found by {tk.found_by})"
-        return Check("toolkit", True, title, detail, warning=bool(tk.warnings) or tk.overridden)
+        why = "; ".join(tk.warnings) or ("the toolkit facts are overridden" if tk.overridden else "")
+        return Check("toolkit", True, title, detail, warning=why)
     title = f"CUDA toolkit: {tk.problem or 'not found'}"
     return Check("toolkit", False, title, (*detail, "needed only by backends that compile kernels at run time"))
 
@@ -173,9 +186,11 @@ def _tuning_check(table: TuningTable, where: str) -> Check:
         detail.append(f"{table.invalid} record(s) that do not validate: skipped")
     if not len(table):
         detail.append("auto ranks by static estimates here: `selector tune --preset <model>` measures them")
-        return Check("tuning", True, "Tuning: no measured times for this environment", tuple(detail), warning=True)
+        return Check("tuning", True, "Tuning: no measured times for this environment", tuple(detail),
+                     warning="no measured times: auto ranks by static estimates")
+    untrusted = [f"{n} {what} record(s)" for n, what in ((table.stale, "stale"), (table.invalid, "invalid")) if n]
     return Check("tuning", True, f"Tuning: {len(table)} measured time(s) for this environment", tuple(detail),
-                 warning=bool(table.stale or table.invalid))
+                 warning=", ".join(untrusted) + " not used" if untrusted else "")
 
 
 def _plugins_check(registry: Registry) -> Check:
@@ -188,6 +203,39 @@ def _plugins_check(registry: Registry) -> Check:
     detail += [f"{p.name}: skipped, {p.skipped}" for p in skipped]
     detail += registry.problems
     return Check("plugins", not failed and not registry.problems, title, tuple(detail))
+
+
+def malformed_settings(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """The SELECTOR_* variables of `environ` that selector cannot use: (one message per malformed value, as
+    selector.settings parses it when it reads it; the names that are no setting at all)."""
+    malformed, unknown = [], []
+    for name in sorted(n for n in environ if n.startswith("SELECTOR_")):
+        try:
+            declared = setting(name)
+        except KeyError:
+            unknown.append(name)
+            continue
+        raw = environ[name]
+        if declared.empty_is_unset and not raw.strip():
+            continue
+        try:
+            declared.parse(raw)
+        except ValueError as exc:
+            fallback = f" (read as its default, {declared.shown_default()})" if declared.on_bad == "default" else ""
+            malformed.append(f"{exc}{fallback}")
+    return malformed, unknown
+
+
+def _settings_check(environ: Mapping[str, str]) -> Check:
+    """A malformed setting fails here rather than at the first forward (or, for one that falls back to its
+    default, rather than never); a SELECTOR_* name that is no setting (a typo?) is worth a look."""
+    malformed, unknown = malformed_settings(environ)
+    detail = (*malformed, *(f"{n}: not a selector setting (`selector doctor --help` lists them)" for n in unknown))
+    if malformed:
+        return Check("settings", False, f"Settings: {len(malformed)} malformed SELECTOR_* variable(s)", detail)
+    count = sum(1 for n in environ if n.startswith("SELECTOR_"))
+    title = f"Settings: {count} SELECTOR_* variable(s) set, none malformed"
+    return Check("settings", True, title, detail, warning=f"unknown: {', '.join(unknown)}" if unknown else "")
 
 
 def default_problem(env: Environment) -> Problem:
@@ -207,13 +255,15 @@ def build_report(
     tuning_store: str = "",
     parallel: ParallelSection | None = None,
     model: ModelSection | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> DoctorReport:
     """Everything doctor shows, computed once. `problem` adds a ranking; `required` backends must run here.
     `tuning`: the measured times of this environment (the ranking uses them where they cover the problem, and
     says so); `tuning_store`: where they were read from. `parallel`: the expert-parallel strategies judged for a
     group (`selector.parallel.report`; a group asked for in which no strategy runs is broken); without it the
     section says there is no process group. `model`: a model config's shapes and their coverage
-    (`selector.model_shapes.model_section`), shown as its own section.
+    (`selector.model_shapes.model_section`), shown as its own section. `environ` (default: os.environ): where the
+    SELECTOR_* settings are read; a malformed one is broken.
 
     The backend lines are the ranking's verdicts on the judged problem (one judgement, the one `auto` makes).
     """
@@ -224,12 +274,16 @@ def build_report(
         except ConfigError as exc:
             broken.append(str(exc))
             config = SelectorConfig()
-    checks = [_gpu_check(env), _toolkit_check(env), _packages_check(env), _plugins_check(registry)]
+    environ = os.environ if environ is None else environ
+    broken += malformed_settings(environ)[0]  # set on purpose, so a request: selector would refuse or ignore it
+    checks = [_gpu_check(env), _toolkit_check(env), _packages_check(env), _plugins_check(registry),
+              _settings_check(environ)]
     if tuning is not None:
         checks.append(_tuning_check(tuning, tuning_store or "(given)"))
     # An installed plugin is not a request: its failure is reported; it breaks only what names its backends
     # (a --require or a pin of a name it would have provided is then "not registered").
-    warnings = [f"plugin {p.name}: {p.error}" for p in registry.plugins if p.error]
+    warnings = [f"{c.section}: {c.warning}" for c in checks if c.status == "warning"]
+    warnings += [f"plugin {p.name}: {p.error}" for p in registry.plugins if p.error]
 
     judged = problem or default_problem(env)
     if problem is None and not env.gpu.devices:

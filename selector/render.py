@@ -6,12 +6,17 @@ import json
 from collections.abc import Iterable, Sequence
 
 from selector.compat_table import markdown_table
-from selector.doctor import DoctorReport
+from selector.doctor import Check, DoctorReport
 from selector.model_shapes import ModelSection, ModelShape, status_counts
 from selector.parallel.report import section_markdown, section_text
 from selector.types import BackendSpec, Candidate, Ranking
 
 OK, BAD, WARN = "✓", "✗", "!"
+
+
+def check_mark(check: Check) -> str:
+    """The mark of a check's status, the same in text and markdown (JSON carries the status itself)."""
+    return {"ok": OK, "warning": WARN, "failed": BAD}[check.status]
 
 
 def format_seconds(seconds: float) -> str:
@@ -82,8 +87,7 @@ def render_text(report: DoctorReport) -> str:
 
     lines = [f"selector {selector.__version__} doctor", ""]
     for c in report.checks:
-        mark = OK if c.ok and not c.warning else WARN if c.ok else BAD
-        lines.append(f"[{mark}] {c.title}")
+        lines.append(f"[{check_mark(c)}] {c.title}")
         lines.extend(f"    {d}" for d in c.detail)
     lines += ["", f"Backends (judged for {report.backend_problem.describe()}):"]
     for b in report.backends:
@@ -125,9 +129,8 @@ def render_markdown(report: DoctorReport, specs: Iterable[BackendSpec] = ()) -> 
 
     lines = [f"# selector {selector.__version__} doctor", "", "| check | status | detail |", "|---|---|---|"]
     for c in report.checks:
-        mark = OK if c.ok else BAD
         detail = "<br>".join(c.detail).replace("|", "\\|")
-        lines.append(f"| {c.title.replace('|', '/')} | {mark} | {detail} |")
+        lines.append(f"| {c.title.replace('|', '/')} | {check_mark(c)} | {detail} |")
     lines += ["", f"## Backends ({report.backend_problem.describe()})", "",
               "| backend | status | reason | fix |", "|---|---|---|---|"]
     for b in report.backends:
@@ -141,6 +144,12 @@ def render_markdown(report: DoctorReport, specs: Iterable[BackendSpec] = ()) -> 
     specs = list(specs)
     if specs:
         lines += ["", "## torch.compile, CUDA graphs and autograd (as declared)", "", markdown_table(specs)]
+    if report.warnings:
+        lines += ["", "## Warnings", "", *(f"- {w}" for w in report.warnings)]
+    if report.broken:
+        lines += ["", "## Problems", "", *(f"- {b}" for b in report.broken)]
+    else:
+        lines += ["", f"{OK} usable: {', '.join(report.usable)}"]
     return "\n".join(lines) + "\n"
 
 

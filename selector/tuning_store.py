@@ -1028,7 +1028,8 @@ def describe_sources() -> str:
     access, why = default_store().access()
     state = {"read-only": f"read-only, shared on purpose: {why}; ", "refused": f"not used: {why}; ",
              "missing": "not made yet; "}.get(access, "")
-    return f"{store_path()} ({state}and shipped files in {DATA_DIR}, and the node daemon when one runs)"
+    shipped = f"shipped files in {DATA_DIR}, and " if DATA_DIR.is_dir() else ""  # name only a folder that exists
+    return f"{store_path()} ({state}and {shipped}the node daemon when one runs)"
 
 
 def known_records(fingerprints: Sequence[str] | None = None) -> list[dict[str, Any]]:
