@@ -34,8 +34,9 @@ def check_problem(problem: Problem) -> Problem:
     _positive("--intermediate", problem.intermediate_size)
     _positive("--top-k", problem.top_k)
     _positive("--tokens", problem.num_tokens)
-    if problem.activation not in ACTIVATIONS and not (problem.activation.startswith("custom:") and
-                                                      len(problem.activation) > len("custom:")):
+    named_by_gate = problem.activation == problem.gate.name  # a gate other than act_mul names itself (GPT-OSS)
+    if problem.activation not in ACTIVATIONS and not named_by_gate and not (
+            problem.activation.startswith("custom:") and len(problem.activation) > len("custom:")):
         raise UsageError(f"--activation {problem.activation!r} is not one of {', '.join(ACTIVATIONS)} "
                          "or custom:<name>")
     if problem.top_k > problem.num_experts:
@@ -64,17 +65,32 @@ def _add_problem_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grad", action="store_true", help="autograd records (training): backends need a backward")
 
 
+SIZE_FLAGS = ("--experts", "--hidden", "--intermediate", "--top-k")
+# What the other layer options are read from (argparse's dest, flag), each only with a layer to apply it to
+LAYER_OPTIONS = (("dtype", "--dtype"), ("device", "--device"), ("tokens", "--tokens"), ("activation", "--activation"),
+                 ("weight_format", "--weight-format"), ("scale_format", "--scale-format"), ("non_gated", "--non-gated"),
+                 ("bias", "--bias"), ("transposed", "--transposed"), ("interleaved", "--interleaved"),
+                 ("custom_gate", "--custom-gate"), ("compile_mode", "--compile-mode"), ("fullgraph", "--fullgraph"),
+                 ("grad", "--grad"))
+
+
 def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem | None:
-    """The Problem the options describe, or None when none was given."""
+    """The Problem the options describe, or None when none was given. UsageError for layer options without a
+    layer (--preset, or all four sizes): nothing would read them."""
     from selector.presets import preset
 
     sizes = (args.experts, args.hidden, args.intermediate, args.top_k)
+    missing = ", ".join(flag for flag, v in zip(SIZE_FLAGS, sizes) if v is None)
     if args.preset is None and all(v is None for v in sizes):
+        given = [flag for dest, flag in LAYER_OPTIONS if getattr(args, dest) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)} describe a layer and no layer is given: add --preset NAME, or all "
+                             f"of {' '.join(SIZE_FLAGS)} (missing: {missing})")
         return None
     if args.preset is not None:
         base = preset(args.preset)
-    elif any(v is None for v in sizes):
-        raise UsageError("give --preset, or all of --experts --hidden --intermediate --top-k")
+    elif missing:
+        raise UsageError(f"give --preset, or all of {' '.join(SIZE_FLAGS)} (missing: {missing})")
     else:
         base = Problem(num_experts=args.experts, hidden_size=args.hidden, intermediate_size=args.intermediate,
                        top_k=args.top_k)
@@ -103,6 +119,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from selector.probes import collect_environment
     from selector.render import render_json, render_markdown, render_text
 
+    _positive("--ep-size", args.ep_size)
     env = collect_environment()
     try:
         problem = problem_from_args(args, "cuda" if env.gpu.devices else "cpu")
@@ -121,7 +138,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         from selector.doctor import default_problem
         from selector.parallel.report import build_section, doctor_facts
 
-        _positive("--ep-size", args.ep_size)
         experts = (problem or default_problem(env)).num_experts
         facts, nccl = doctor_facts(env, args.ep_size, experts, args.ep_backend, args.ep_same_tokens)
         parallel = build_section(facts, f"--ep-size {args.ep_size}", nccl)
