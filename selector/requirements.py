@@ -1,7 +1,9 @@
 """Judges one backend's requirements against the probe facts and the problem: a pure function, no I/O.
 
-Machine facts are checked before the configuration, so an explicit request on the wrong machine says what
-is missing (ImportError) before it talks about dtypes (ValueError).
+Machine facts are checked before the configuration: the device first (a CUDA-only backend asked for on a CPU
+says it needs a CUDA GPU, not that the CPU model's float32 is the wrong dtype), then packages and the toolkit,
+so an explicit request on the wrong machine says what is missing (ImportError) before it talks about dtypes
+(ValueError).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ def _cc(cc: tuple[int, int]) -> str:
 
 def _check_device(req: Requirements, problem: Problem, env: Environment) -> Availability | None:
     if problem.device not in req.devices:
+        needs = "needs a CUDA GPU: " if req.devices == {"cuda"} else ""
         return Availability(
             Status.UNSUPPORTED_DEVICE,
-            f"runs on {', '.join(sorted(req.devices))}, not on {problem.device}",
+            f"{needs}runs on {', '.join(sorted(req.devices))}, not on {problem.device}",
             f"move the model to {' or '.join(sorted(req.devices))}, or pick a backend that runs on {problem.device}",
         )
     if problem.device != "cuda":

@@ -63,10 +63,12 @@ def test_a_backend_that_writes_into_its_inputs_or_returns_garbage_is_caught() ->
     assert failure.startswith("fake_zeros runs the plain layout but T=1: differs from the float64 reference")
 
 
-def test_a_backend_that_cannot_run_here_is_reported_not_failed() -> None:
+def test_a_backend_that_cannot_run_here_is_reported_and_fails_having_checked_nothing() -> None:
     gpu_only = BackendSpec("fake_gpu", load=_eager_forward, requirements=Requirements(devices=frozenset({"cuda"})))
     report = check_backend_contract(gpu_only, device="cpu")
-    assert report.ok and report.results["plain"].startswith("cannot run here: runs on cuda, not on cpu")
+    assert not report.ok and report.checked == []  # a check that ran nothing proves nothing
+    assert report.failures[0].startswith("fake_gpu checked no layout on cpu (float32): ")
+    assert report.results["plain"].startswith("cannot run here: needs a CUDA GPU: runs on cuda, not on cpu")
     assert report.results["bias"] == "not declared"
 
 
