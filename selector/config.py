@@ -1,18 +1,23 @@
 """User and project preferences: prefer, deny or pin backends, from YAML files.
 
-Files are read in this order, later ones overriding earlier keys: the user file
-(`<user config dir>/selector/config.yaml`), the project file (`selector.yaml` in the working directory),
-then the file that `SELECTOR_CONFIG` names. A file that does not parse is an error naming the file and line.
+Which files, in this order (a later file's keys override an earlier one's):
+1. the user file, `<user config dir>/selector/config.yaml` (`user_config_path`), when it exists;
+2. the file `SELECTOR_CONFIG` names, when set: it must exist, and the project file is then not read;
+   else the project file: `selector.yaml` in the project root (`project_root`), the nearest of the current
+   directory and its parents that holds `pyproject.toml` or `.git` (the current directory when none does).
+   A `selector.yaml` in a sub-folder of a project is never read.
+A file that does not parse is an error naming the file and line.
 
-The project file is read from whatever folder the process starts in, so nothing in it is trusted: files over
+A config file may come from a checkout the user did not write, so nothing in it is trusted: files over
 `MAX_BYTES`, YAML aliases (the "billion laughs" bomb), nesting deeper than `MAX_DEPTH`, bytes that are not
 UTF-8 and backend names the registry does not know are one-line `ConfigError`s naming the file, never a
-traceback, a MemoryError or a silently ignored name. A pin is an explicit request: `selector doctor` exits 1
-when the pinned backend cannot run here.
+traceback, a MemoryError or a silently ignored name. A pin that cannot run here makes `auto` rank as if there
+were none, with one warning naming the pin and why; `selector doctor` reports it as broken (exit 1).
 """
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +29,7 @@ from selector import settings
 
 CONFIG_VARIABLE = "SELECTOR_CONFIG"
 PROJECT_FILE = "selector.yaml"
+PROJECT_MARKERS = ("pyproject.toml", ".git")  # what makes a folder a project root (.git: a folder or a file)
 KEYS = ("prefer", "deny", "pin")
 MAX_BYTES = 64 * 1024  # a preferences file is a few lines; anything bigger is a mistake or an attack
 MAX_DEPTH = 8  # the format needs 2 levels (a mapping of lists)
@@ -166,14 +172,38 @@ def check_names(config: SelectorConfig, registered: Collection[str]) -> None:
                 )
 
 
+def project_root(start: Path | None = None) -> Path | None:
+    """The folder whose `selector.yaml` is the project file: the nearest of `start` (default: the current
+    directory) and its parents that holds one of PROJECT_MARKERS, else `start` itself. None when the current
+    directory cannot be read (deleted under the process)."""
+    try:
+        here = (start or Path.cwd()).resolve()
+        for folder in (here, *here.parents):
+            if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+                return folder
+    except OSError:  # a folder on the way that may not be listed, or a deleted working directory
+        return None
+    return here
+
+
 def config_paths(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> list[Path]:
-    paths = [user_config_path(), (cwd or Path.cwd()) / PROJECT_FILE]
+    """The files `load_config` reads, in order: the user file, then `SELECTOR_CONFIG`'s file or the project file.
+
+    ConfigError naming the variable and the path when `SELECTOR_CONFIG` names no readable file.
+    """
     explicit = settings.get(CONFIG_VARIABLE, environ)
-    if explicit is not None:
-        if not explicit.is_file():
-            raise ConfigError(f"{CONFIG_VARIABLE}={explicit}: no such file")
-        paths.append(explicit)
-    return paths
+    if explicit is None:
+        root = project_root(cwd)
+        return [user_config_path()] + ([] if root is None else [root / PROJECT_FILE])
+    try:
+        mode = explicit.stat().st_mode
+    except OSError as exc:
+        what = "no such file" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc.strerror or exc})"
+        raise ConfigError(f"{CONFIG_VARIABLE}={explicit}: {what}; fix the path or unset {CONFIG_VARIABLE}") from None
+    if not stat.S_ISREG(mode):
+        what = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ConfigError(f"{CONFIG_VARIABLE}={explicit}: {what}; name the YAML file itself")
+    return [user_config_path(), explicit]
 
 
 def load_config(

@@ -421,9 +421,9 @@ def _auto_pick(problem: Problem, bucket: int | None) -> str:
     key = (problem, bucket)
     if key not in _RESOLVER.auto:
         ranking = _RESOLVER.rank(problem.with_tokens(bucket))
-        pin = _RESOLVER.get_config().pin
-        if pin is not None and pin in ranking.excluded:  # a pin is an explicit request: it fails loudly
-            raise unavailable_error(pin, ranking.excluded[pin])
+        config = _RESOLVER.get_config()
+        if config.pin is not None and config.pin in ranking.excluded:
+            _warn_pin_skipped(config, ranking.excluded[config.pin])
         failed = [f"{n}: {a.reason}" for n, a in ranking.excluded.items()]
         for candidate in ranking.candidates:
             try:  # a backend whose implementation fails to load is skipped, as auto promises
@@ -436,6 +436,25 @@ def _auto_pick(problem: Problem, bucket: int | None) -> str:
         else:
             raise ImportError(f"no experts backend can run this layer here ({'; '.join(failed)})")
     return _RESOLVER.auto[key]
+
+
+_PINS_WARNED: set[tuple[str, str]] = set()  # (pin, reason) already warned about in this process
+
+
+def _warn_pin_skipped(config: SelectorConfig, verdict: Availability) -> None:
+    """A config pin that cannot run a layer here: auto ranks the others, as the config promises; say so once."""
+    key = (str(config.pin), verdict.reason)
+    if key in _PINS_WARNED:
+        return
+    _PINS_WARNED.add(key)
+    where = config.sources.get("pin") or ", ".join(config.files) or "the config"
+    fix = f"{verdict.remedy}, or remove the pin" if verdict.remedy else "remove the pin"
+    warnings.warn(
+        f"selector: pinned backend {config.pin!r} (from {where}) cannot run here ({verdict.status.value}: "
+        f"{verdict.reason}); auto picks from the other backends. Fix: {fix}",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 _TRACKED: weakref.WeakValueDictionary[str, torch.nn.Module] = weakref.WeakValueDictionary()

@@ -110,7 +110,8 @@ def _probe_settings() -> list[Setting]:
 _DECLARED = [
     # --- selection and loading ---------------------------------------------------------------------------
     Setting("SELECTOR_CONFIG", "path", None,
-            "a YAML file read after the user and project files (prefer / deny / pin); it must exist"),
+            "the YAML file (prefer / deny / pin) read after the user file, instead of the project root's "
+            "selector.yaml; it must exist"),
     Setting("SELECTOR_PLUGINS_ALLOW", "names", frozenset(),
             "comma list of plugin or backend names to load; every other plugin is skipped (empty: all). A "
             "third-party plugin listed here may replace a built-in backend of the same name"),

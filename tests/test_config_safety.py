@@ -151,24 +151,6 @@ def test_no_estimate_only_when_the_backend_gives_none() -> None:
     assert "slow             estimated 2.5 s" in lines[1] and lines[2].endswith("blank            (no estimate)")
 
 
-def test_a_pin_that_cannot_run_here_raises_at_the_first_forward(tmp_path, monkeypatch) -> None:
-    """pin: triton_fused on a CPU layer is an explicit request: the first forward says why it cannot run."""
-    import torch
-
-    import selector
-    from experts_fixtures import make_experts, random_routing
-
-    path = tmp_path / "pin.yaml"
-    path.write_text("pin: triton_fused\n")
-    monkeypatch.setenv("SELECTOR_CONFIG", str(path))
-    selector.reset_selection_caches()
-    module = make_experts(4, 16, 8)
-    idx, w = random_routing(3, 4, 2)
-    with pytest.raises(ImportError, match="triton_fused") as info:
-        module(torch.randn(3, 16), idx, w)
-    assert "cuda" in str(info.value)
-
-
 def test_a_key_given_twice_is_refused_naming_the_line(tmp_path: Path) -> None:
     """YAML would keep the last `pin` silently; the file means two things, so it is refused."""
     with pytest.raises(ConfigError, match=r"selector\.yaml:3:1: malformed YAML: the key 'pin' is given twice"):
