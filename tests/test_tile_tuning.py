@@ -78,8 +78,8 @@ def _brute_force(cell: TU.CellSearch) -> tuple[dict, float]:
         total = fake_kernel_seconds(TU.Task(cell.num_tokens, bm, "align"))
         chosen = {"BLOCK_M": bm}
         for part in TU.GEMM_PARTS:
-            t, cfg = min((fake_kernel_seconds(TU.Task(cell.num_tokens, bm, part, TU._cfg_items(c))), c)
-                         for c in parts[part])  # fmt: skip
+            t, cfg = min(((fake_kernel_seconds(TU.Task(cell.num_tokens, bm, part, TU._cfg_items(c))), c)
+                          for c in parts[part]), key=lambda timed: timed[0])  # fmt: skip
             total += t
             chosen[part] = cfg
         if best is None or total < best[1]:
@@ -617,3 +617,21 @@ def test_the_user_table_folder_follows_the_cache_variables_although_it_is_rememb
     assert C.user_config_dir() == tmp_path / "mine"
     quant = tile_tables.user_table_dir("SELECTOR_QUANT_USER_CONFIG_DIR", "quant_kernels")
     assert quant == tmp_path / "b" / "selector" / "quant_kernels"
+
+
+def test_a_budget_cut_before_the_layer_timings_keeps_the_persistent_choice_of_the_tiles_it_replaces(monkeypatch):
+    """Tune-on-load in a new process cannot afford the persistent kernel's build guess: the tiles it found keep the
+    persistent GEMM where the configuration that ran before (a table's, or the nearest tabled shape's) had it."""
+    from selector.plugins.triton_fused import hopper_gemm
+
+    monkeypatch.setattr(hopper_gemm, "AVAILABLE", True)
+    monkeypatch.setattr(C, "_device_name", lambda index: FAKE_GPU)
+    e, h, i, k = SHAPE
+    C.write_user_entries(FAKE_GPU, C.shape_key(e * 2, h, i, k), {4096: {"BLOCK_M": 128, "PERSISTENT": 1}}, [4096])
+    assert C.get_config(e, h, i, 4096, k, torch.bfloat16, device="cuda")["PERSISTENT"] == 1  # borrowed
+    clock = FakeClock()
+    gpu = FakeGpu(clock, compile_s=0.5, seconds=_layer_seconds(450e-6))
+    summary = TU.tune_kernels(PROBLEM, (4096,), TU.PERSISTENT_BUILD_GUESS_S / 2, measure=gpu, clock=clock,
+                              device_name=FAKE_GPU, capability=(9, 0))  # fmt: skip
+    assert "layer_persistent" not in [t.part for t in gpu.tasks], "the persistent build did not fit the budget"
+    assert summary["configs"][4096]["BLOCK_M"] == 128 and summary["configs"][4096]["PERSISTENT"] == 1

@@ -695,6 +695,13 @@ def _prior() -> dict[str, dict[int, dict[str, Any]]]:
     return table
 
 
+def _keep_persistent(found: dict[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
+    """`found` with the persistent GEMM where the configuration it replaces had it and the blocks still fit it."""
+    if before.get("PERSISTENT") and found["BLOCK_M"] == _configs.PERSISTENT_BLOCK_M:
+        return _configs.normalize({**found, "PERSISTENT": 1})
+    return found
+
+
 def tune_kernels(
     problem: Problem,
     token_counts: Sequence[int] = TOKEN_COUNTS,
@@ -776,16 +783,22 @@ def tune_kernels(
         )
         for t in todo
     ]
+    dtype = getattr(torch, problem.dtype)
+    shape = _configs.LayerShape(problem.num_experts, problem.hidden_size, problem.intermediate_size, dtype,
+                                transposed=problem.is_transposed, interleaved=problem.interleaved)  # fmt: skip
+    before = {t: _configs.layer_config(shape, t, problem.top_k, device) for t in todo}  # what runs untuned
     if measure is None:
         measure = LayerBench(problem, device, _do_bench_timer)
     outcome = run_search(cells, measure, budget_s - (clock() - start), clock=clock, cost=cost)
     existing = _configs.load_user_table(name, str(directory) if directory else None).get(key, {})
     shipped = _configs.load_table(name, str(_configs._config_dir())).get(key, {}) if force else {}
-    dtype = getattr(torch, problem.dtype)
     entries: dict[int, dict[str, Any]] = {}
     for t in todo:
         cell = outcome.cells[t]
         found = cell.result()
+        if found is not None and cell.persistent and LAYER_PARTS[1] not in cell.layer_s:
+            # a budget cut before the whole-layer timings: keep the persistent choice of the tiles that ran before
+            found = (_keep_persistent(found[0], before[t]), found[1])
         if found is not None:
             entries[t] = found[0]
             summary["tokens_tuned" if cell.done else "tokens_partial"].append(t)
