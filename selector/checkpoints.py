@@ -19,18 +19,26 @@ Transformers' ``FineGrainedFP8Config`` where Transformers is installed (which va
 dict otherwise; what the config leaves out is read off the tensors (dtypes, scale grid). ``dequantize=True``
 (or the config's own ``dequantize``) turns the experts into dense ones in the compute dtype, as
 ``FineGrainedFP8Config(dequantize=True)`` does in Transformers: the bf16 backends then run them.
+
+Loading checks every tensor once, before anything is put on the module; each error names the tensor's checkpoint
+key and its file: a weight or scale missing or of the wrong dtype or shape, a hidden size other than the model's,
+a weight scale that is NaN, infinite, zero or negative (one reduction per scale tensor, never per forward), and a
+config.json or index that cannot be read or holds values of the wrong type.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from selector import layers
 from selector import quant as Q
 
 SCALE_SUFFIXES = ("weight_scale_inv", "scale", "qscale_weight")
@@ -66,13 +74,57 @@ def read_quantization_config(config: Any) -> dict[str, Any]:
             "dequantize": False,
         }
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        path = path / "config.json" if path.is_dir() else path
-        config = json.loads(path.read_text()) if path.exists() else {}
+        path = _config_file(config)
+        data = _read_json_object(path) if path.exists() else {}
+        try:
+            return _normalise_quantization_config(data)
+        except (ValueError, TypeError) as exc:  # the file's values: name the file
+            raise ValueError(f"{path}: {exc}") from exc
+    return _normalise_quantization_config(config)
+
+
+def _config_file(config: str | os.PathLike) -> Path:
+    path = Path(config)
+    return path / "config.json" if path.is_dir() else path
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or a ValueError naming the file (unreadable, not JSON, not an object)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def _check_config_types(config: Mapping[str, Any]) -> None:
+    """Types the config checks of Transformers do not make (a string block size passes their length test)."""
+    block = config.get("weight_block_size")
+    if block is not None and not (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(f"quantization_config.weight_block_size must be two positive integers, found {block!r}")
+    for key in ("quant_method", "fmt", "scale_fmt", "activation_scheme", "expert_dtype"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise ValueError(f"quantization_config.{key} must be a string, found {config[key]!r}")
+    if config.get("dequantize") is not None and not isinstance(config["dequantize"], bool):
+        raise ValueError(f"quantization_config.dequantize must be true or false, found {config['dequantize']!r}")
+
+
+def _normalise_quantization_config(config: Any) -> dict[str, Any]:
     if isinstance(config, Mapping) and "quantization_config" in config:
         config = config["quantization_config"]
+        if config is None:  # a dense model's config.json
+            return read_quantization_config(None)
+        if not isinstance(config, Mapping):
+            raise ValueError(f"quantization_config must be a JSON object or null, found {config!r}")
     expert_dtype = None
     if isinstance(config, Mapping):
+        _check_config_types(config)
         method = str(config.get("quant_method", "fp8")).lower()
         if method != "fp8":
             raise ValueError(f"quantization_config.quant_method is {method!r}: only fine-grained 'fp8' checkpoints load here")
@@ -107,12 +159,8 @@ def _declares_quantisation(config: Any) -> bool:
     if config is None:
         return False
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.exists():
-            return False
-        config = json.loads(path.read_text())
-        return isinstance(config, Mapping) and config.get("quantization_config") is not None
+        path = _config_file(config)
+        return path.exists() and _read_json_object(path).get("quantization_config") is not None
     if isinstance(config, Mapping):
         if "quantization_config" in config:
             return config["quantization_config"] is not None
@@ -167,11 +215,16 @@ class _Checkpoint:
         files = self._files(source)
         if not files:
             raise FileNotFoundError(f"no .safetensors files at {source}")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where: dict[str, Any] = {}
-        for handle in self._handles:
+        self._where: dict[str, tuple[Any, Path]] = {}  # key -> (open file, its path)
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except FileNotFoundError:
+                raise
+            except Exception as exc:  # safetensors' own error type: a header it cannot parse
+                raise ValueError(f"cannot read {file} as safetensors: {exc}") from exc
             for key in handle.keys():
-                self._where[key] = handle
+                self._where[key] = (handle, file)
         self.files = files
 
     @staticmethod
@@ -181,8 +234,7 @@ class _Checkpoint:
             if path.is_dir():
                 index = path / INDEX_FILE
                 if index.exists():
-                    names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                    return [path / n for n in names]
+                    return _indexed_files(index)
                 return sorted(path.glob("*.safetensors"))
             return [path]
         return [Path(p) for p in source]
@@ -191,13 +243,30 @@ class _Checkpoint:
         return key in self._where
 
     def get(self, key: str) -> torch.Tensor:
-        return self._where[key].get_tensor(key)
+        return self._where[key][0].get_tensor(key)
+
+    def file_of(self, key: str) -> Path:
+        """The file that holds `key` (what an error about the tensor names)."""
+        return self._where[key][1]
 
     def first(self, base: str, suffixes: Iterable[str]) -> torch.Tensor | None:
         for suffix in suffixes:
             if f"{base}.{suffix}" in self:
                 return self.get(f"{base}.{suffix}")
         return None
+
+
+def _indexed_files(index: Path) -> list[Path]:
+    """The files an index's ``weight_map`` lists, each checked to exist; errors name the index."""
+    weight_map = _read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        found = repr(weight_map)[:80]
+        raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> file name, found {found}")
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    for file in files:
+        if not file.exists():
+            raise FileNotFoundError(f"{file}, listed in {index}, does not exist")
+    return files
 
 
 def _as_weight(t: torch.Tensor) -> torch.Tensor:
@@ -269,7 +338,12 @@ class _Expect:
         self.block: tuple[int, int] | None = (1, Q.FP4_GROUP) if self.fp4 else qc["block_size"]
         self.block_from = "the config" if self.block is not None else ""
 
-    def weight(self, name: str, t: torch.Tensor) -> None:
+    @property
+    def pack(self) -> int:
+        """Weights per stored element along the input dim (fp4 packs two in a byte)."""
+        return 2 if self.fp4 else 1
+
+    def weight(self, name: str, t: torch.Tensor, file: Path) -> None:
         if t.dtype not in self.weight_dtypes:
             kind = "fp4" if self.fp4 else "fp8"
             fix = "store every expert's weights in one format"
@@ -280,7 +354,7 @@ class _Expect:
                 )
             raise ValueError(
                 f"{name} is {t.dtype}, but the checkpoint is {kind} ({self.why}): expected "
-                f"{_names(self.weight_dtypes)} ({self.where}); fix: {fix}"
+                f"{_names(self.weight_dtypes)} (in {file}); fix: {fix}"
             )
 
     def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
@@ -289,7 +363,10 @@ class _Expect:
         assert self.block is not None
         return -(-rows // self.block[0]), -(-cols // self.block[1])
 
-    def scale(self, weight_name: str, w: torch.Tensor, s: torch.Tensor | None, scale_names: Iterable[str]) -> None:
+    def scale(
+        self, weight_name: str, w: torch.Tensor, s: torch.Tensor | None, scale_names: Iterable[str], file: Path | None
+    ) -> None:
+        """`s` (found under scale_names[0], in `file`) fits `w` in dtype and shape, and holds only usable values."""
         names = list(scale_names)
         if s is not None and s.dim() >= 2 and self.block is None:  # no config block: read it off the first scale
             try:
@@ -297,7 +374,7 @@ class _Expect:
             except ValueError as exc:
                 raise ValueError(
                     f"{names[0]} has shape {list(s.shape)}, which fits no block size for {weight_name} "
-                    f"{list(w.shape)}: {exc} ({self.where})"
+                    f"{list(w.shape)}: {exc} (in {file})"
                 ) from None
             self.block_from = names[0]
         shape = None if self.block is None else [*w.shape[:-2], *self.scale_shape(w.shape[-2], w.shape[-1])]
@@ -310,18 +387,91 @@ class _Expect:
                 "would be wrong by their scales)"
             )
         if s.dtype not in self.scale_dtypes:
-            raise ValueError(f"{names[0]} is {s.dtype}: expected {want} for {weight_name} ({self.where})")
+            raise ValueError(f"{names[0]} is {s.dtype}: expected {want} for {weight_name} (in {file})")
         if list(s.shape) != shape:
             block = "" if self.fp4 else f", block {self.block} read off {self.block_from}"
             raise ValueError(
                 f"{names[0]} has shape {list(s.shape)}: expected {want} for {weight_name} "
-                f"{list(w.shape)}{block} ({self.where})"
+                f"{list(w.shape)}{block} (in {file})"
             )
+        _check_scale_values(names[0], s, file)
+
+
+def _check_scale_values(name: str, s: torch.Tensor, file: Path | None) -> None:
+    """Every weight scale finite and positive, or a ValueError naming the tensor and its file.
+
+    A NaN scale makes the layer's output NaN; an inf, zero or negative one gives weights off by that factor with
+    a finite output, so nothing later would notice. One pass over the tensor, at load only: never per forward.
+    """
+    if s.dtype in _UE8M0_DTYPES:  # a power of two per byte, every one positive; 0xFF is NaN
+        bad = s.view(torch.uint8) == 0xFF
+    else:
+        bad = ~((s > 0) & (s < math.inf))  # NaN compares false
+    if not bool(bad.any()):
+        return
+    first = tuple(bad.nonzero()[0].tolist())
+    value = "NaN (byte 0xff)" if s.dtype in _UE8M0_DTYPES else f"{s[first].item()}"
+    raise ValueError(
+        f"{name} (in {file}) has {int(bad.sum())} of {s.numel()} scale value(s) that are not finite and positive, "
+        f"the first {value} at index {list(first)}: the weights it scales would be NaN or wrong by that factor; fix: "
+        "re-export or repair the checkpoint"
+    )
 
 
 def _scale_names(base: str, ckpt: "_Checkpoint") -> list[str]:
     found = [f"{base}.{s}" for s in SCALE_SUFFIXES if f"{base}.{s}" in ckpt]
     return found[:1] + [f"{base}.{s}" for s in SCALE_SUFFIXES if f"{base}.{s}" not in found[:1]]
+
+
+def _most_common(values: Iterable[int]) -> int:
+    return Counter(values).most_common(1)[0][0]
+
+
+def _check_weight_shapes(
+    ckpt: "_Checkpoint",
+    weights: list[tuple[str, torch.Tensor, bool]],
+    hidden: int | None,
+    pack: int,
+    fused: bool,
+) -> None:
+    """Every weight of one experts module fits the model's hidden size and the checkpoint's intermediate size; a
+    ValueError names the first that does not, with its file.
+
+    `weights`: (checkpoint key, tensor, is_down): per expert [out, in], fused [E, out, in]; down_proj [.., H, I / pack],
+    the others [.., I, H / pack], a fused gate_up_proj [E, 2 I, H / pack] (`pack`: 2 for fp4, two values a byte).
+    `hidden` is the model's H (None: read off the checkpoint); I is what most weights say, so the odd one is named.
+    """
+    ndim = 3 if fused else 2
+    up_rows = 2 if fused and weights[0][0].endswith("gate_up_proj") else 1
+    for name, w, _ in weights:
+        if w.dim() != ndim:
+            raise ValueError(
+                f"{name} has shape {list(w.shape)} (in {ckpt.file_of(name)}): expected a {ndim}-D weight "
+                f"[{'E, ' if ndim == 3 else ''}out, in]"
+            )
+
+    def hidden_of(w: torch.Tensor, down: bool) -> int:
+        return w.shape[-2] if down else w.shape[-1] * pack
+
+    def inter_of(w: torch.Tensor, down: bool) -> int:
+        return w.shape[-1] * pack if down else w.shape[-2] // up_rows
+
+    h = hidden if hidden is not None else _most_common(hidden_of(w, down) for _, w, down in weights)
+    inter = _most_common(inter_of(w, down) for _, w, down in weights)
+    for name, w, down in weights:
+        want = [*w.shape[:-2], *((h, inter // pack) if down else (up_rows * inter, h // pack))]
+        if list(w.shape) == want:
+            continue
+        if hidden is not None and hidden_of(w, down) != hidden:
+            raise ValueError(
+                f"hidden size mismatch: {name} {list(w.shape)} (in {ckpt.file_of(name)}) has hidden size "
+                f"{hidden_of(w, down)}, the model's experts {hidden}; fix: load the checkpoint made for this model "
+                "(or build the model from that checkpoint's config)"
+            )
+        raise ValueError(
+            f"{name} has shape {list(w.shape)} (in {ckpt.file_of(name)}): expected {want} (hidden size {h}, "
+            f"intermediate size {inter}{'' if fused else ' as most weights say'})"
+        )
 
 
 def _check_per_expert(
@@ -330,45 +480,67 @@ def _check_per_expert(
     projections: Mapping[str, tuple[list, list]],
     qc: Mapping[str, Any],
     declared: bool,
+    hidden: int | None = None,
 ) -> bool:
     """True when the per-expert tensors are quantised (and then every one is checked); raises on any gap."""
     everything = [(proj, e, w, s) for proj, (ws, ss) in projections.items() for e, (w, s) in enumerate(zip(ws, ss))]
     quantised = declared or any(s is not None or _is_quantised_weight(w) for _, _, w, s in everything)
-    if not quantised:
+    expect = None
+    if quantised:
+        first = next((s for _, _, _, s in everything if s is not None), None)
+        where = f"looked in {', '.join(map(str, ckpt.files))}"
+        expect = _Expect(prefix, qc, declared, everything[0][2], first, where)
+        for proj, e, w, _ in everything:
+            name = f"{prefix}.{e}.{proj}.weight"
+            expect.weight(name, w, ckpt.file_of(name))
+    weights = [(f"{prefix}.{e}.{proj}.weight", w, proj == "down_proj") for proj, e, w, _ in everything]
+    _check_weight_shapes(ckpt, weights, hidden, expect.pack if expect else 1, fused=False)
+    if expect is None:
         return False
-    first = next((s for _, _, _, s in everything if s is not None), None)
-    where = f"looked in {', '.join(map(str, ckpt.files))}"
-    expect = _Expect(prefix, qc, declared, everything[0][2], first, where)
-    for proj, e, w, _ in everything:
-        expect.weight(f"{prefix}.{e}.{proj}.weight", w)
+    checks = expect
+
+    def check_scale(proj: str, e: int, w: torch.Tensor, s: torch.Tensor | None) -> None:
+        base = f"{prefix}.{e}.{proj}"
+        names = _scale_names(base, ckpt)
+        checks.scale(f"{base}.weight", w, s, names, ckpt.file_of(names[0]) if s is not None else None)
+
     # the first scale present sets the block (when the config gives none), so a missing one is told its shape
     for proj, e, w, s in everything:
         if s is not None:
-            base = f"{prefix}.{e}.{proj}"
-            expect.scale(f"{base}.weight", w, s, _scale_names(base, ckpt))
+            check_scale(proj, e, w, s)
             break
     for proj, e, w, s in everything:
-        base = f"{prefix}.{e}.{proj}"
-        expect.scale(f"{base}.weight", w, s, _scale_names(base, ckpt))
+        check_scale(proj, e, w, s)
     return True
 
 
 def _check_fused(
-    ckpt: "_Checkpoint", prefix: str, tensors: Mapping[str, Any], fused_up: str, qc: Mapping[str, Any], declared: bool
+    ckpt: "_Checkpoint",
+    prefix: str,
+    tensors: Mapping[str, Any],
+    fused_up: str,
+    qc: Mapping[str, Any],
+    declared: bool,
+    hidden: int | None = None,
 ) -> bool:
     pairs = [
         (fused_up, tensors["up"], tensors["up_scale"]),
         (f"{prefix}.down_proj", tensors["down"], tensors["down_scale"]),
     ]
     quantised = declared or any(s is not None or _is_quantised_weight(w) for _, w, s in pairs)
-    if not quantised:
+    expect = None
+    if quantised:
+        first = next((s for _, _, s in pairs if s is not None), None)
+        expect = _Expect(prefix, qc, declared, pairs[0][1], first, f"looked in {', '.join(map(str, ckpt.files))}")
+        for name, w, _ in pairs:
+            expect.weight(name, w, ckpt.file_of(name))
+    weights = [(name, w, name.endswith(".down_proj")) for name, w, _ in pairs]
+    _check_weight_shapes(ckpt, weights, hidden, expect.pack if expect else 1, fused=True)
+    if expect is None:
         return False
-    first = next((s for _, _, s in pairs if s is not None), None)
-    expect = _Expect(prefix, qc, declared, pairs[0][1], first, f"looked in {', '.join(map(str, ckpt.files))}")
-    for name, w, _ in pairs:
-        expect.weight(name, w)
     for name, w, s in pairs:
-        expect.scale(name, w, s, [f"{name}_scale_inv"])
+        scale_name = f"{name}_scale_inv"
+        expect.scale(name, w, s, [scale_name], ckpt.file_of(scale_name) if s is not None else None)
     return True
 
 
@@ -421,11 +593,13 @@ def _up_down_from_checkpoint(
     interleaved: bool,
     qc: Mapping[str, Any] | None = None,
     declared: bool = False,
+    hidden: int | None = None,
 ) -> dict:
     """{up, up_scale, down, down_scale, act1, act2} stacked over experts; scales None for dense checkpoints.
 
-    A quantised checkpoint (by its config or its tensors) with a weight or scale tensor missing, of the wrong
-    dtype or shape raises a ValueError naming it: loading it as dense would run with weights off by their scales.
+    A weight of the wrong shape or hidden size (`hidden`: the model's), and in a quantised checkpoint (by its
+    config or its tensors) a weight or scale tensor missing, of the wrong dtype or shape, or a scale that is not
+    finite and positive, raise a ValueError naming the tensor and its file: loading it would run with wrong weights.
     """
     qc = qc if qc is not None else read_quantization_config(None)
     fused_up = f"{prefix}.gate_up_proj" if gated else f"{prefix}.up_proj"
@@ -444,7 +618,13 @@ def _up_down_from_checkpoint(
             "act1": opt(f"{prefix}.gate_up_proj_activation_scale"),
             "act2": opt(f"{prefix}.down_proj_activation_scale"),
         }
-        if not _check_fused(ckpt, prefix, fused, fused_up, qc, declared):
+        for name, key in ((fused_up, "up"), (f"{prefix}.down_proj", "down")):
+            if fused[key].dim() == 3 and fused[key].shape[0] != num_experts:
+                raise ValueError(
+                    f"checkpoint has {fused[key].shape[0]} experts, the module {num_experts}: {name} "
+                    f"{list(fused[key].shape)} (in {ckpt.file_of(name)})"
+                )
+        if not _check_fused(ckpt, prefix, fused, fused_up, qc, declared, hidden):
             fused["up_scale"] = fused["down_scale"] = None
         for key, name in (("act1", "gate_up_proj"), ("act2", "down_proj")):
             if (fused["act1"] is None) != (fused["act2"] is None):
@@ -460,7 +640,7 @@ def _up_down_from_checkpoint(
     if gated:
         gw, gs, ga = _stack_projection(ckpt, prefix, "gate_proj", num_experts)
         projections["gate_proj"] = (gw, gs)
-    quantised = _check_per_expert(ckpt, prefix, projections, qc, declared)
+    quantised = _check_per_expert(ckpt, prefix, projections, qc, declared, hidden)
     dw, uw = [_as_weight(w) for w in dw], [_as_weight(w) for w in uw]
     if gated:
         gw = [_as_weight(w) for w in gw]
@@ -470,8 +650,9 @@ def _up_down_from_checkpoint(
             if quantised:
                 if gs[0].shape[0] != gw[0].shape[0]:
                     raise ValueError(
-                        "interleaved gate/up experts need one scale row per weight row (fp4, or fp8 with block n = 1) "
-                        "to interleave DeepSeek-style gate_proj/up_proj scales"
+                        f"{_scale_names(f'{prefix}.0.gate_proj', ckpt)[0]} {list(gs[0].shape)}: interleaved gate/up "
+                        "experts need one scale row per weight row (fp4, or fp8 with block n = 1) to interleave "
+                        "DeepSeek-style gate_proj/up_proj scales"
                     )
                 up_scale = torch.stack([torch.stack([a, b], dim=1).reshape(-1, a.shape[-1]) for a, b in zip(gs, us)])
         else:
@@ -543,7 +724,8 @@ def load_experts(
     num_experts = int(getattr(module, "num_experts", old.shape[0]))
 
     ckpt = _Checkpoint(source)
-    t = _up_down_from_checkpoint(ckpt, prefix, num_experts, gated, interleaved, qc, declared)
+    hidden = layers.dims(module)[1]
+    t = _up_down_from_checkpoint(ckpt, prefix, num_experts, gated, interleaved, qc, declared, hidden)
     up, down = t["up"], t["down"]
     if up.shape[0] != num_experts or down.shape[0] != num_experts:
         raise ValueError(f"{prefix}: checkpoint has {up.shape[0]} experts, the module {num_experts}")
@@ -570,10 +752,6 @@ def load_experts(
     if activation_quant == "static" and (t["act1"] is None or t["act2"] is None):
         raise ValueError(f"{prefix}: static activation quantisation but the checkpoint has no activation_scale tensors")
 
-    hidden = down.shape[1]
-    want_hidden = up.shape[2] * (2 if fp4 else 1)
-    if want_hidden != hidden:
-        raise ValueError(f"{prefix}: up projection takes {want_hidden} inputs but down_proj gives {hidden} outputs")
     scales = (_as_scale(t["up_scale"], ue8m0).to(device), _as_scale(t["down_scale"], ue8m0).to(device))
     acts = (t["act1"].to(device), t["act2"].to(device)) if activation_quant == "static" else None
     Q.set_quantized(module, fmt, up.to(device), scales[0], down.to(device), scales[1], compute, acts)

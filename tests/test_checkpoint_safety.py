@@ -276,3 +276,224 @@ def test_fused_naming_bad_activation_scale_is_named(tmp_path: Path, name: str, b
     t[f"{P}.{name}"] = bad
     with pytest.raises(ValueError, match=rf"{P}\.{name}: {message}"):
         load(write(tmp_path, t, STATIC_CONFIG))
+
+
+# Weight scales that are not finite and positive, wrong-shape weights, a bad config.json or index, and a hidden size
+# other than the model's: each refused at load, the message naming the tensor's checkpoint key and its file.
+
+SCALE = f"{P}.1.up_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(float("nan"), "nan"), (float("inf"), "inf"), (0.0, "0.0"), (-0.5, "-0.5")]
+)
+def test_a_weight_scale_that_is_not_finite_and_positive_is_named_with_its_file(
+    tmp_path: Path, value: float, shown: str
+) -> None:
+    t = fp8_tensors()
+    t[SCALE] = t[SCALE].clone()
+    t[SCALE][1, 0] = value
+    source = write(tmp_path, t, FP8_CONFIG)
+    with pytest.raises(ValueError) as info:
+        load(source)
+    assert str(info.value).startswith(
+        f"{SCALE} (in {source / 'model.safetensors'}) has 1 of 4 scale value(s) that are not finite and positive, "
+        f"the first {shown} at index [1, 0]"
+    )
+
+
+def test_a_nan_ue8m0_scale_is_named_with_its_file(tmp_path: Path) -> None:
+    t = fp8_tensors("ue8m0")
+    raw = t[SCALE].view(torch.uint8).clone()
+    raw[0, 1] = 0xFF  # the one e8m0 byte that is no power of two: NaN
+    t[SCALE] = raw.view(t[SCALE].dtype)
+    source = write(tmp_path, t)
+    with pytest.raises(ValueError) as info:
+        load(source)
+    msg = str(info.value)
+    assert msg.startswith(f"{SCALE} (in {source / 'model.safetensors'}) has 1 of 4 scale value(s)")
+    assert "the first NaN (byte 0xff) at index [0, 1]" in msg
+
+
+def test_a_bad_fused_scale_is_named_with_its_file(tmp_path: Path) -> None:
+    t = fused_tensors()
+    name = f"{P}.down_proj_scale_inv"
+    t[name] = t[name].clone()
+    t[name][2, 1, 0] = -1.0
+    source = write(tmp_path, t, FP8_CONFIG)
+    with pytest.raises(ValueError) as info:
+        load(source)
+    msg = str(info.value)
+    assert msg.startswith(f"{name} (in {source / 'model.safetensors'}) has 1 of 12 scale value(s)")
+    assert "the first -1.0 at index [2, 1, 0]" in msg
+
+
+def write_sharded(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> tuple[Path, Path]:
+    """Experts 0 in one shard, the others in a second, with the index Transformers writes; returns the shards."""
+    first = {k: v for k, v in tensors.items() if k.startswith(f"{P}.0.")}
+    rest = {k: v for k, v in tensors.items() if k not in first}
+    shards = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
+    save_file(first, str(shards[0]))
+    save_file(rest, str(shards[1]))
+    weight_map = {k: (shards[0] if k in first else shards[1]).name for k in tensors}
+    (tmp_path / C.INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    return shards
+
+
+def test_a_bad_scale_in_a_sharded_checkpoint_names_its_own_shard(tmp_path: Path) -> None:
+    t = fp8_tensors()
+    t[SCALE] = torch.full_like(t[SCALE], float("nan"))
+    _, second = write_sharded(tmp_path, t)
+    with pytest.raises(ValueError) as info:
+        load(tmp_path)
+    assert str(info.value).startswith(f"{SCALE} (in {second}) has 4 of 4 scale value(s)")
+
+
+def test_an_intact_sharded_checkpoint_loads(tmp_path: Path) -> None:
+    t = fp8_tensors()
+    write_sharded(tmp_path, t)
+    module = load(tmp_path)
+    assert torch.equal(module.down_proj_scale_inv[2], t[f"{P}.2.down_proj.weight_scale_inv"])
+
+
+def test_a_weight_of_the_wrong_intermediate_size_is_named_with_its_file(tmp_path: Path) -> None:
+    t = fp8_tensors()
+    name = f"{P}.2.down_proj.weight"
+    t[name] = t[name][:, :32].contiguous()
+    t[f"{P}.2.down_proj.weight_scale_inv"] = t[f"{P}.2.down_proj.weight_scale_inv"][:, :1].contiguous()  # fits it
+    source = write(tmp_path, t, FP8_CONFIG)
+    with pytest.raises(ValueError) as info:
+        load(source)
+    assert str(info.value) == (
+        f"{name} has shape [64, 32] (in {source / 'model.safetensors'}): expected [64, 64] "
+        "(hidden size 64, intermediate size 64 as most weights say)"
+    )
+
+
+def test_a_weight_of_the_wrong_rank_is_named_with_its_file(tmp_path: Path) -> None:
+    t = fp8_tensors()
+    name = f"{P}.1.gate_proj.weight"
+    t[name] = t[name][None].contiguous()
+    source = write(tmp_path, t, FP8_CONFIG)
+    with pytest.raises(ValueError) as info:
+        load(source)
+    file = source / "model.safetensors"
+    assert str(info.value).startswith(f"{name} has shape [1, 64, 64] (in {file}): expected a 2-D")
+
+
+def test_a_fused_weight_of_the_wrong_shape_is_named_with_its_file(tmp_path: Path) -> None:
+    t = fused_tensors()
+    name = f"{P}.down_proj"
+    t[name] = t[name][:, :, :32].contiguous()
+    source = write(tmp_path, t, FP8_CONFIG)
+    with pytest.raises(ValueError) as info:
+        load(source)
+    file = source / "model.safetensors"
+    assert str(info.value).startswith(f"{name} has shape [3, 64, 32] (in {file}): expected [3, 64, 64]")
+
+
+def test_a_dense_weight_of_the_wrong_shape_is_named_with_its_file(tmp_path: Path) -> None:
+    t = dense_tensors()
+    name = f"{P}.0.up_proj.weight"
+    t[name] = t[name][:48].contiguous()
+    source = write(tmp_path, t)
+    with pytest.raises(ValueError) as info:
+        load(source)
+    file = source / "model.safetensors"
+    assert str(info.value).startswith(f"{name} has shape [48, 64] (in {file}): expected [64, 64]")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "cannot read {file}: Expecting property name"),
+        ("[1, 2]", "{file} holds a JSON list, expected an object"),
+        ('{"quantization_config": "fp8"}', "{file}: quantization_config must be a JSON object or null, found 'fp8'"),
+        ('{"quantization_config": {"quant_method": "fp8", "weight_block_size": "32"}}',
+         "{file}: quantization_config.weight_block_size must be two positive integers, found '32'"),
+        ('{"quantization_config": {"quant_method": 8}}', "{file}: quantization_config.quant_method must be a string"),
+        ('{"quantization_config": {"quant_method": "fp8", "dequantize": "yes"}}',
+         "{file}: quantization_config.dequantize must be true or false, found 'yes'"),
+        ('{"quantization_config": {"quant_method": "fp8", "scale_fmt": "e5m2"}}', "{file}: scale_fmt must be"),
+    ],
+    ids=["not-json", "a-list", "config-a-string", "block-a-string", "method-a-number", "dequantize-a-string",
+         "unknown-scale-format"],
+)  # fmt: skip
+def test_a_bad_config_json_is_named(tmp_path: Path, text: str, message: str) -> None:
+    write(tmp_path, fp8_tensors())
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError) as info:
+        load(tmp_path)
+    assert str(info.value).startswith(message.format(file=tmp_path / "config.json"))
+
+
+def test_an_index_without_a_weight_map_is_named(tmp_path: Path) -> None:
+    write(tmp_path, fp8_tensors(), FP8_CONFIG)
+    (tmp_path / C.INDEX_FILE).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError) as info:
+        load(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / C.INDEX_FILE}: 'weight_map' must be an object")
+
+
+def test_an_index_listing_a_missing_shard_names_both(tmp_path: Path) -> None:
+    write(tmp_path, fp8_tensors(), FP8_CONFIG)
+    (tmp_path / C.INDEX_FILE).write_text(json.dumps({"weight_map": {f"{P}.0.up_proj.weight": "gone.safetensors"}}))
+    with pytest.raises(FileNotFoundError) as info:
+        load(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / 'gone.safetensors'}, listed in {tmp_path / C.INDEX_FILE}")
+
+
+def test_a_file_that_is_not_safetensors_is_named(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(ValueError) as info:
+        load(tmp_path)
+    assert str(info.value).startswith(f"cannot read {tmp_path / 'model.safetensors'} as safetensors")
+
+
+def hidden_mismatch(name: str, shape: list[int], file: Path, checkpoint: int, model: int) -> str:
+    return (f"hidden size mismatch: {name} {shape} (in {file}) has hidden size {checkpoint}, "
+            f"the model's experts {model}")  # fmt: skip
+
+
+@pytest.mark.parametrize("model_hidden", [32, 128])
+def test_a_checkpoint_of_another_hidden_size_is_refused_naming_both(tmp_path: Path, model_hidden: int) -> None:
+    source = write(tmp_path, fp8_tensors(), FP8_CONFIG)
+    with pytest.raises(ValueError) as info:
+        C.load_experts(make_experts(E, model_hidden, I), source, P)
+    want = hidden_mismatch(f"{P}.0.down_proj.weight", [H, I], source / "model.safetensors", H, model_hidden)
+    assert str(info.value).startswith(want)
+
+
+def test_a_fused_checkpoint_of_another_hidden_size_is_refused_naming_both(tmp_path: Path) -> None:
+    source = write(tmp_path, fused_tensors(), FP8_CONFIG)
+    with pytest.raises(ValueError) as info:
+        C.load_experts(make_experts(E, 2 * H, I), source, P)
+    want = hidden_mismatch(f"{P}.gate_up_proj", [E, 2 * I, H], source / "model.safetensors", H, 2 * H)
+    assert str(info.value).startswith(want)
+
+
+def test_an_fp4_checkpoint_of_another_hidden_size_is_refused_naming_both(tmp_path: Path) -> None:
+    source = write(tmp_path, C.experts_state_dict(Q.quantize_experts(make_experts(E, H, I, seed=3), "fp4"), P))
+    with pytest.raises(ValueError) as info:
+        C.load_experts(make_experts(E, 2 * H, I), source, P)
+    want = hidden_mismatch(f"{P}.0.down_proj.weight", [H, I // 2], source / "model.safetensors", H, 2 * H)
+    assert str(info.value).startswith(want)
+
+
+def test_a_dense_checkpoint_of_another_hidden_size_is_refused_naming_both(tmp_path: Path) -> None:
+    source = write(tmp_path, dense_tensors())
+    with pytest.raises(ValueError) as info:
+        C.load_experts(make_experts(E, 2 * H, I), source, P)
+    want = hidden_mismatch(f"{P}.0.down_proj.weight", [H, I], source / "model.safetensors", H, 2 * H)
+    assert str(info.value).startswith(want)
+
+
+def test_one_expert_of_another_hidden_size_is_named(tmp_path: Path) -> None:
+    t = fp8_tensors()
+    name = f"{P}.2.gate_proj.weight"
+    t[name] = torch.cat([t[name], t[name]], dim=1)  # [I, 2H]
+    t[f"{P}.2.gate_proj.weight_scale_inv"] = torch.ones(2, 4)
+    source = write(tmp_path, t, FP8_CONFIG)
+    with pytest.raises(ValueError) as info:
+        load(source)
+    assert str(info.value).startswith(hidden_mismatch(name, [I, 2 * H], source / "model.safetensors", 2 * H, H))
