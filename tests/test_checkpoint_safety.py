@@ -1,4 +1,5 @@
-"""Quantised checkpoints with missing, misshapen or mistyped tensors raise, naming the tensor; never a dense load."""
+"""Checkpoints with missing, misshapen or mistyped tensors, bad weight scales, another hidden size than the model's,
+or an unreadable config.json or index raise, naming the tensor and its file; never a dense or silent load."""
 
 from __future__ import annotations
 
