@@ -1,24 +1,35 @@
 """Testing helpers for backend authors: random experts modules of every layout, a float64 reference written from
-the definition, and a contract check that runs a backend on every layout it declares.
+the definition, a contract check that runs a backend on every combination of the layout flags it declares, and
+an installed-looking distribution written to a folder, to test the entry-point road without installing.
 
     from selector.testing import check_backend_contract
-    report = check_backend_contract(MY_SPEC)       # every declared layout, on this machine's device
+    report = check_backend_contract(MY_SPEC)       # every declared layout combination, on this machine's device
     assert report.ok, report.describe()
 
-The reference loops over tokens and slots in float64 on the CPU, straight from the definition (not from any
-backend), so a backend checked against it is checked against the maths, not against another backend.
+The reference computes, in float64 on the CPU, every token's own experts slot by slot, straight from the
+definition (not from any backend), so a backend checked against it is checked against the maths, not against
+another backend.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import itertools
+import os
+import re
+import textwrap
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 import selector
+from selector.gates import CLAMPED_SWIGLU
+from selector.hookspecs import ENTRY_POINT_GROUP
 from selector.layers import clamped_swiglu
+from selector.requirements import gates_run
+from selector.types import Requirements
 
 
 @dataclass(frozen=True)
@@ -95,14 +106,21 @@ def make_experts(
 
 
 def random_routing(
-    num_tokens: int, num_experts: int, top_k: int, device: str = "cpu", skew: bool = False, sentinel: bool = False
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    device: str = "cpu",
+    skew: bool = False,
+    sentinel: bool = False,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct experts per token; `skew` sends most tokens to expert 0; `sentinel` marks some slots id == E."""
-    scores = torch.rand(num_tokens, num_experts)
+    """Distinct experts per token; `skew` sends most tokens to expert 0; `sentinel` marks some slots id == E;
+    `generator`: a CPU generator to draw from (default: torch's global one)."""
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
     if skew:
         scores[:, 0] += 10.0
     index = scores.topk(top_k, dim=1).indices
-    weights = torch.softmax(torch.randn(num_tokens, top_k), dim=1)
+    weights = torch.softmax(torch.randn(num_tokens, top_k, generator=generator), dim=1)
     if sentinel and num_tokens:
         index[::2, -1] = num_experts
     return index.to(device), weights.to(device)
@@ -111,28 +129,38 @@ def random_routing(
 def reference_experts(
     module: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """float64 loop over tokens and slots, straight from the definition."""
-    ref = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
+    """float64, straight from the definition: for each slot j, every token t runs its own expert idx[t, j]
+    (weights gathered per token, one matrix-vector product each) and adds w[t, j] times its output; a sentinel id
+    (== num_experts) adds nothing. Runs on a float64 copy of the module, unless it is one already."""
+    ref = module if _is_float64_on_cpu(module) else copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
     x, idx, w = hidden.detach().cpu().double(), index.cpu(), weights.detach().cpu().double()
     gated = getattr(ref, "has_gate", True)
-    up_w = ref.gate_up_proj if gated else ref.up_proj
+    # each token's matrix-vector product: weights [E, in, out] when transposed, else [E, out, in]
+    matvec = "ti,tio->to" if ref.is_transposed else "ti,toi->to"
+    up_w, down_w = (ref.gate_up_proj if gated else ref.up_proj), ref.down_proj
+    up_b = (ref.gate_up_proj_bias if gated else ref.up_proj_bias) if ref.has_bias else None
+    down_b = ref.down_proj_bias if ref.has_bias else None
+    norm = ref.post_expert_norm if getattr(ref, "has_post_expert_norm", False) else None  # older Transformers: none
     out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(idx.shape[1]):
-            e = int(idx[t, j])
-            if e >= ref.num_experts:
-                continue
-            up = x[t] @ up_w[e] if ref.is_transposed else up_w[e] @ x[t]
-            if ref.has_bias:
-                up = up + (ref.gate_up_proj_bias[e] if gated else ref.up_proj_bias[e])
-            h = ref._apply_gate(up) if gated else ref.act_fn(up)
-            down = h @ ref.down_proj[e] if ref.is_transposed else ref.down_proj[e] @ h
-            if ref.has_bias:
-                down = down + ref.down_proj_bias[e]
-            if getattr(ref, "has_post_expert_norm", False):  # Transformers before the norm has no such flag
-                down = ref.post_expert_norm(down)
-            out[t] += w[t, j] * down
+    for j in range(idx.shape[1]):
+        tokens = (idx[:, j] < ref.num_experts).nonzero().squeeze(1)  # sentinel slots contribute nothing
+        e = idx[tokens, j]
+        up = torch.einsum(matvec, x[tokens], up_w[e])
+        if up_b is not None:
+            up = up + up_b[e]
+        h = ref._apply_gate(up) if gated else ref.act_fn(up)
+        down = torch.einsum(matvec, h, down_w[e])
+        if down_b is not None:
+            down = down + down_b[e]
+        if norm is not None:
+            down = norm(down)
+        out.index_add_(0, tokens, w[tokens, j, None] * down)
     return out
+
+
+def _is_float64_on_cpu(module: torch.nn.Module) -> bool:
+    tensors = [*module.parameters(), *module.buffers()]
+    return bool(tensors) and all(t.dtype == torch.float64 and t.device.type == "cpu" for t in tensors)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -148,45 +176,80 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 # --- the contract check ------------------------------------------------------------------------------------------
 
-# Layouts the check builds, each named by the Requirements flag a backend sets to run it (None: the plain layout).
-CONTRACT_LAYOUTS: tuple[tuple[str | None, Layout], ...] = (
-    (None, Layout()),
-    ("non_gated", Layout(gated=False)),
-    ("bias", Layout(bias=True)),
-    ("transposed", Layout(transposed=True)),
-    ("interleaved", Layout(interleaved=True)),
-    ("custom_gate", Layout(custom_gate=True, interleaved=True)),
-    ("post_expert_norm", Layout(post_norm=True)),
-    ("expert_parallel", Layout(expert_parallel=True)),
-)
-# what Layout field each Requirements flag turns on, to name a failing layout by what it declares
-_FLAGS = {
-    "non_gated": "gated",
-    "bias": "bias",
-    "transposed": "transposed",
-    "interleaved": "interleaved",
-    "custom_gate": "custom_gate",
-    "post_expert_norm": "post_norm",
-    "expert_parallel": "expert_parallel",
+# The layout flags a backend declares in its Requirements (`custom_gate`: it runs GPT-OSS's clamped SwiGLU, through
+# the module's own _apply_gate or as a gate of selector.gates). The check runs every combination of those it
+# declares that makes a layer, so a bias lost only in the transposed path is caught.
+LAYOUT_FLAGS = ("non_gated", "bias", "transposed", "interleaved", "custom_gate", "post_expert_norm", "expert_parallel")
+# what module each activation name a backend may declare (Requirements.gating.activations) is built with
+_ACTIVATION_MODULES = {
+    "silu": torch.nn.SiLU,
+    "gelu": torch.nn.GELU,
+    "gelu_tanh": lambda: torch.nn.GELU(approximate="tanh"),
+    "relu": torch.nn.ReLU,
 }
+
+
+def declared_flags(requirements: Requirements) -> tuple[str, ...]:
+    """The flags of LAYOUT_FLAGS a backend's `Requirements` turn on, in that order."""
+    custom = requirements.gating.custom or (requirements.interleaved and CLAMPED_SWIGLU in gates_run(requirements))
+    on = {flag: custom if flag == "custom_gate" else bool(getattr(requirements, flag)) for flag in LAYOUT_FLAGS}
+    return tuple(flag for flag in LAYOUT_FLAGS if on[flag])
+
+
+def contract_layouts(requirements: Requirements) -> list[tuple[str, Layout]]:
+    """(name, Layout) for every combination of the declared layout flags that makes a layer, smallest first:
+    "plain", "bias", ..., "bias+transposed", ... A non-gated layer has no gate channels (no interleaved, no
+    custom gate); the clamped SwiGLU reads interleaved channels, so a custom gate comes with them where the
+    backend declares them; the gated layouts need `gating.gated`."""
+    flags = declared_flags(requirements)
+    gated_ok = requirements.gating.gated
+    layouts: dict[Layout, str] = {}
+    for size in range(len(flags) + 1):
+        for chosen in itertools.combinations(flags, size):
+            gated = "non_gated" not in chosen
+            if (gated and not gated_ok) or (not gated and {"interleaved", "custom_gate"} & set(chosen)):
+                continue
+            layout = Layout(
+                gated=gated,
+                bias="bias" in chosen,
+                transposed="transposed" in chosen,
+                interleaved="interleaved" in chosen or ("custom_gate" in chosen and "interleaved" in flags),
+                custom_gate="custom_gate" in chosen,
+                post_norm="post_expert_norm" in chosen,
+                expert_parallel="expert_parallel" in chosen,
+            )
+            # {custom_gate} and {interleaved, custom_gate} can make one layer: it keeps the shorter name
+            layouts.setdefault(layout, "+".join(chosen) or "plain")
+    return [(name, layout) for layout, name in layouts.items()]
+
+
+def _activation_for(requirements: Requirements) -> torch.nn.Module:
+    """SiLU, or the first activation the backend declares when it does not run SiLU."""
+    declared = requirements.gating.activations
+    if declared is None or "silu" in declared:
+        return torch.nn.SiLU()
+    name = next((n for n in _ACTIVATION_MODULES if n in declared), "silu")
+    return _ACTIVATION_MODULES[name]()
 
 
 @dataclass
 class ContractReport:
-    """What the contract check ran: per layout, "ok", "not declared", "cannot run here: ..." or the failure."""
+    """What the contract check ran: per layout, "ok", "not declared", "cannot run here: ..." or the failure;
+    `checked` names the layouts it ran. A report that checked none fails: it proves nothing."""
 
     backend: str
     device: str
     dtype: str
     results: dict[str, str] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    checked: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
     def describe(self) -> str:
-        lines = [f"{self.backend} on {self.device} ({self.dtype}):"]
+        lines = [f"{self.backend} on {self.device} ({self.dtype}): {len(self.checked)} layouts checked"]
         lines += [f"  {layout}: {result}" for layout, result in self.results.items()]
         return "\n".join(lines)
 
@@ -202,10 +265,11 @@ def check_backend_contract(
     top_k: int = 2,
     seed: int = 0,
 ) -> ContractReport:
-    """Run a backend (`BackendSpec`, or a registered name) on every layout of CONTRACT_LAYOUTS it declares here
-    and compare it with the float64 reference; a declared layout whose output is wrong (or that raises, writes
-    into its inputs, or returns the wrong shape or dtype) is a failure. Layouts it does not declare are not run:
-    the dispatch core never sends them (closed world). `device`: "cuda" when available, else "cpu"."""
+    """Run a backend (`BackendSpec`, or a registered name) on every combination of the layout flags it declares
+    (`contract_layouts`: bias with transposed, interleaved with a custom gate, ...) that runs here, and compare it
+    with the float64 reference; a layout whose output is wrong (or that raises, writes into its inputs, or returns
+    the wrong shape or dtype) is a failure, and so is a check that ran no layout at all. Flags it does not declare
+    are not run: the dispatch core never sends them (closed world). `device`: "cuda" when available, else "cpu"."""
     from selector.dispatch import get_backend_registry
     from selector.environment import current_environment
     from selector.problem import problem_from_module
@@ -218,32 +282,49 @@ def check_backend_contract(
         raise TypeError(f"check_backend_contract takes a BackendSpec or a backend name, got {type(spec).__name__}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     report = ContractReport(spec.name, device, str(dtype).removeprefix("torch."))
+    req = spec.requirements
     env = current_environment()
+    act = _activation_for(req)
     forward = None
-    for flag, layout in CONTRACT_LAYOUTS:
-        name = flag or "plain"
-        module = make_experts(num_experts, hidden, inter, layout, dtype=dtype, device=device, seed=seed)
+    refusals: list[str] = []
+    for name, layout in contract_layouts(req):
+        module = make_experts(num_experts, hidden, inter, layout, dtype=dtype, device=device, act=act, seed=seed)
         verdict = evaluate(spec, problem_from_module(module, top_k=top_k), env)
         if not verdict.ok:
-            declared = flag is None or getattr(spec.requirements, flag)
-            report.results[name] = f"cannot run here: {verdict.reason}" if declared else "not declared"
+            report.results[name] = f"cannot run here: {verdict.reason}"
+            refusals.append(verdict.reason)
             continue
         if forward is None:
             forward = spec.load()
+        ref = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)  # one float64 copy for every call
         problems = [
-            _contract_failure(forward, module, layout, t, num_experts, top_k, dtype, device, seed) for t in token_counts
+            _contract_failure(forward, module, ref, layout, t, num_experts, top_k, dtype, device, seed)
+            for t in token_counts
         ]
         found = [f"T={t}: {p}" for t, p in zip(token_counts, problems) if p]
         report.results[name] = "; ".join(found) if found else "ok"
+        report.checked.append(name)
         if found:
-            what = f"declares {flag}=True" if flag else "runs the plain layout"
+            flags = [f"{flag}=True" for flag in name.split("+") if flag != "plain"]
+            what = f"declares {', '.join(flags)}" if flags else "runs the plain layout"
             report.failures.append(f"{spec.name} {what} but {found[0]}")
+    declared = declared_flags(req)
+    undeclared = (["plain"] if not req.gating.gated else []) + [f for f in LAYOUT_FLAGS if f not in declared]
+    report.results.update(dict.fromkeys(undeclared, "not declared"))
+    if not report.checked:
+        why = "; ".join(dict.fromkeys(refusals)) or "it declares no layout (neither gated nor non-gated experts)"
+        report.failures.append(
+            f"{spec.name} checked no layout on {device} ({report.dtype}): {why}. A check that runs nothing proves "
+            "nothing: pass the device and dtype it runs (check_backend_contract(spec, device=..., dtype=...)), or "
+            "skip the test on a machine where it cannot run"
+        )
     return report
 
 
 def _contract_failure(
     forward: object,
     module: torch.nn.Module,
+    reference: torch.nn.Module,
     layout: Layout,
     tokens: int,
     num_experts: int,
@@ -253,9 +334,10 @@ def _contract_failure(
     seed: int,
 ) -> str | None:
     """Why one call breaks the contract, or None."""
-    torch.manual_seed(seed + tokens)
-    x = (torch.randn(tokens, module.down_proj.shape[-1 if layout.transposed else -2]) * 0.5).to(dtype).to(device)
-    index, weights = random_routing(tokens, num_experts, top_k, device, sentinel=layout.expert_parallel)
+    gen = torch.Generator().manual_seed(seed + tokens)
+    hidden = module.down_proj.shape[-1 if layout.transposed else -2]
+    x = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(dtype).to(device)
+    index, weights = random_routing(tokens, num_experts, top_k, device, sentinel=layout.expert_parallel, generator=gen)
     weights = weights.to(dtype)
     before = (x.clone(), index.clone(), weights.clone())
     try:
@@ -270,7 +352,7 @@ def _contract_failure(
         return f"returned {got}, expected {tuple(x.shape)} {x.dtype}"
     if tokens == 0:
         return None
-    ref = reference_experts(module, x, index, weights)
+    ref = reference_experts(reference, x, index, weights)
     out64 = out.detach().cpu().double()
     if not torch.isfinite(out64).all():
         return "returned NaN or inf"
@@ -287,16 +369,47 @@ def assert_backend_contract(spec: object, **options: object) -> ContractReport:
     return report
 
 
+# --- an outside plugin without installing it -------------------------------------------------------------------
+
+
+def write_distribution(
+    root: str | os.PathLike[str],
+    name: str,
+    entry_points: Mapping[str, str],
+    files: Mapping[str, str] | None = None,
+    version: str = "0.1",
+) -> Path:
+    """Lay out a distribution as pip installs one, under `root`: `files` (path relative to root -> text: the
+    plugin's modules) and a `<name>-<version>.dist-info` folder with METADATA and an entry_points.txt that lists
+    `entry_points` (entry-point name -> "module" or "module:object") in selector's group. With `root` on
+    sys.path, importlib.metadata finds it as it finds an installed plugin, so the registry loads it the way it
+    loads every plugin. Returns the dist-info folder."""
+    root = Path(root)
+    for relative, text in (files or {}).items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    info = root / f"{re.sub(r'[-_.]+', '_', name)}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = "".join(f"{ep} = {target}\n" for ep, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{lines}")
+    return info
+
+
 __all__ = [
-    "CONTRACT_LAYOUTS",
+    "LAYOUT_FLAGS",
     "ContractReport",
     "Layout",
     "TOLERANCE",
     "assert_backend_contract",
     "check_backend_contract",
     "clamped_swiglu",
+    "contract_layouts",
+    "declared_flags",
     "make_experts",
     "random_routing",
     "reference_experts",
     "relative_error",
+    "write_distribution",
 ]
