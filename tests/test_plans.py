@@ -292,32 +292,38 @@ def test_bad_input_is_never_taken_for_a_backend_failure(raising) -> None:
     assert raising.calls == 0
 
 
-class HeuristicTilesPlugin:
-    """The preparing fake, its plans on heuristic tiles (a shape no table or tuning covers)."""
+def _tiles_plugin(tiles: str) -> type:
+    """The preparing fake, its plans on `tiles` ("heuristic" or "nearest": a shape no table or tuning covers)."""
 
-    @staticmethod
-    @hookimpl
-    def selector_backends():
-        (spec,) = PreparingPlugin.selector_backends()
-        real = spec.prepare
-        return [replace(spec, name="fake_heuristic", prepare=lambda m, p: replace(real(m, p), tiles="heuristic"))]
+    class TilesPlugin:
+        @staticmethod
+        @hookimpl
+        def selector_backends():
+            (spec,) = PreparingPlugin.selector_backends()
+            real = spec.prepare
+            return [replace(spec, name=f"fake_{tiles}", prepare=lambda m, p: replace(real(m, p), tiles=tiles))]
+
+    return TilesPlugin
 
 
-def test_a_layer_on_default_tiles_is_told_once_per_shape(fresh_registry, caplog) -> None:
-    """The first forward of a shape whose plan runs on heuristic tiles logs one line naming the shape and the
-    command that tunes it; later calls, and other modules of the same shape, say nothing."""
-    fresh_registry(fake_heuristic=HeuristicTilesPlugin)
+@pytest.mark.parametrize("tiles,said", [("heuristic", "default tiles"), ("nearest", "nearest shape a table holds")])
+def test_a_layer_on_estimated_tiles_is_told_once_per_shape(fresh_registry, caplog, tiles, said) -> None:
+    """The first forward of a shape whose plan runs on estimated tiles (the heuristics, or borrowed from the nearest
+    tabled shape) logs one line naming the shape and the command that tunes it; later calls, and other modules of
+    the same shape, say nothing."""
+    name = f"fake_{tiles}"  # told once per backend and shape in a process: each case has its own name
+    fresh_registry(**{name: _tiles_plugin(tiles)})
     x, idx, w = _inputs()
     with caplog.at_level("WARNING", logger="selector"), torch.no_grad():
         for module in (make_experts(4, 16, 8), make_experts(4, 16, 8)):
-            selector.set_experts_implementation(module, "fake_heuristic")
+            selector.set_experts_implementation(module, name)
             module(x, idx, w)
             module(x, idx, w)
-    lines = [r.getMessage() for r in caplog.records if "default tiles" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
     assert len(lines) == 1, lines
-    assert "E=4 H=16 I=8 k=2" in lines[0] and "runs fake_heuristic" in lines[0]
+    assert "E=4 H=16 I=8 k=2" in lines[0] and f"runs {name}" in lines[0]
     assert "`selector tune --experts 4 --hidden 16 --intermediate 8 --top-k 2 --dtype float32`" in lines[0]
-    assert dispatch.untuned_message("fake_heuristic", dispatch.call_problem(module, 2)) in lines[0]
+    assert dispatch.untuned_message(name, dispatch.call_problem(module, 2), tiles) in lines[0]
 
 
 def test_no_plugin_source_writes_a_modules_dict() -> None:
