@@ -215,11 +215,11 @@ def test_hf_fp8_wiring_hands_transformers_the_layers_own_tensors(monkeypatch: py
         assert mod.gate_up_proj.data_ptr() == layer.gate_up_proj.data_ptr()
         assert mod.down_proj_scale_inv.data_ptr() == layer.down_proj_scale_inv.data_ptr()
         idx, w = random_routing(torch, 5, 6, 2, "cpu", seed=3)
-        x = torch.randn(5, 256, dtype=torch.bfloat16)
+        x = torch.randn(5, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))  # not the global RNG
         ref = quant.reference_forward(layer, x, idx, w)
         for fn in (hf.fp8_grouped_mm_experts_forward, hf.fp8_batched_mm_experts_forward):
             out = fn(mod, x, idx, w)
-            assert out.shape == x.shape and relative_error(out, ref) < 2e-2, fn.__name__
+            assert out.shape == x.shape and relative_error(out, ref) < 3e-2, fn.__name__  # fp8 activations, bf16 out
     finally:
         sys.modules.pop("finegrained_fp8", None)  # the FAKE: no later import may find it
 
