@@ -86,6 +86,9 @@ _LOCK_POLL_S = 0.02
 _ATTEMPTS = 5  # opens of a store that other processes of this user rebuild meanwhile
 _WRITER_POLL_S = 0.002  # a write holds the store for about a millisecond: look again soon
 _FIX = " (set SELECTOR_TUNING_STORE to a file you may write)"
+WRITE_LOCK = "store-write"  # writers take turns on it
+REPAIR_LOCK = "store-repair"  # one process moves a damaged store aside
+STORE_LOCKS = frozenset({WRITE_LOCK, REPAIR_LOCK})  # the store's own, in locks/ beside the measurement locks
 T = TypeVar("T")
 
 
@@ -735,7 +738,7 @@ class TuningStore:
     def _writer_turn(self) -> int | None:
         """Wait (up to timeout_s) for this process's turn to write: the lock `store-write`; its descriptor (closing
         it ends the turn), None where locks cannot be had (SQLite's busy timeout then orders the writers)."""
-        fd = self._lock_file("store-write")
+        fd = self._lock_file(WRITE_LOCK)
         if fd is None:
             return None
         if _flock_blocking(fd, self.timeout_s):
@@ -747,14 +750,14 @@ class TuningStore:
         """Move a damaged store aside and leave an empty one, under a lock so that two processes finding the same
         damage move it once (the second finds the rebuilt store and keeps it)."""
         self._drop_connection()
-        fd = self._lock_file("store-repair")
+        fd = self._lock_file(REPAIR_LOCK)
         turn: int | None = None
         own = where is None
         try:
             if fd is not None:
                 with contextlib.suppress(OSError):  # a filesystem without flock: repair unguarded, as one process would
                     fcntl.flock(fd, fcntl.LOCK_EX)
-            turn = self._lock_file("store-write")  # no writer inside the file while it is moved
+            turn = self._lock_file(WRITE_LOCK)  # no writer inside the file while it is moved
             if turn is not None:
                 _flock(turn, self.timeout_s, lambda exc: None, _WRITER_POLL_S)
             fresh = self._locate(write=True)  # what the name holds now, under the lock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
@@ -15,6 +16,7 @@ from selector.probes import collect_environment
 
 from selector.daemon import client, wire
 from selector.daemon.server import DaemonError, DaemonServer
+from selector.tuning_store import STORE_LOCKS
 
 
 @pytest.fixture
@@ -88,6 +90,19 @@ def test_jobs_in_progress_are_the_held_measurement_locks(server: DaemonServer) -
             assert not again  # the probe left the lock as it found it
     assert client.jobs_in_progress(environ) == []
     assert client.jobs_in_progress({wire.SOCKET_VARIABLE: str(server.path.parent / "none.sock")}) is None
+
+
+def test_a_put_in_progress_is_not_a_job(server: DaemonServer) -> None:
+    environ = {wire.SOCKET_VARIABLE: str(server.path)}
+    assert server.store.put([RECORD]).stored == 1  # makes locks/ and the store's own lock files
+    for name in sorted(STORE_LOCKS):
+        fd = os.open(server.store.path.parent / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # as a writer (or a repair) holds it while its put runs
+            with server.store.measurement_lock("gpu-0", timeout_s=1):
+                assert client.jobs_in_progress(environ) == ["gpu-0"]
+        finally:
+            os.close(fd)
 
 
 def test_bad_requests_get_errors_not_crashes(server: DaemonServer) -> None:

@@ -228,10 +228,12 @@ class DaemonServer:
         """The measurement locks held now beside the store (`<store folder>/locks/<name>.lock`, taken by a tuner
         for each GPU it measures on): a lock this probe cannot share is held. The probe holds a shared lock for
         an instant, so a tuner trying at that moment tries again at its next poll."""
+        from selector.tuning_store import STORE_LOCKS
+
         folder = Path(str(getattr(self.store, "path", ""))).parent / "locks"
-        try:
+        try:  # the store's own locks (held for a moment by each put) are no jobs
             names = sorted(p.name for p in os.scandir(folder) if p.name.endswith(".lock") and p.is_file(
-                follow_symlinks=False))
+                follow_symlinks=False) and p.name.removesuffix(".lock") not in STORE_LOCKS)
         except OSError:
             return []
         held = []
