@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from experts_fixtures import Layout, make_experts
+from experts_fixtures import Layout, make_experts, same_rows
 
 import selector
 from selector import guard
@@ -383,7 +383,7 @@ def test_fused_align_and_combine_guard(guard_interpreter, case, value, tokens):
     out = triton_fused_experts_forward(m, x, bad_ids, bad_w)
     poisoned = torch.isnan(out).all(dim=1)
     assert torch.equal(poisoned.cpu(), _bad_tokens(slots, tokens))
-    assert torch.equal(out[~poisoned], clean[~poisoned])  # other tokens bit for bit
+    assert same_rows(out[~poisoned], clean[~poisoned])  # other tokens: the same bits on a GPU
     with pytest.raises(ExpertsInputError) as caught:
         selector.check()
     _expect_fault(str(caught.value), value, len(slots))
