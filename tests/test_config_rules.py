@@ -241,3 +241,31 @@ def test_readme_names_each_backend_as_transformers_runs_it() -> None:
     idx, w = random_routing(3, 4, 2)
     with pytest.raises(ImportError, match="needs a CUDA GPU"):
         ALL_EXPERTS_FUNCTIONS["selector:deepgemm"](module, torch.randn(3, 16), idx, w)
+
+
+def test_a_transformers_name_selector_also_has_says_how_to_ask_for_selector_s_and_why_it_cannot_run() -> None:
+    """Under Transformers a bare name it knows runs Transformers' function: the selection report says which name
+    runs selector's and, where selector's cannot run here (a CUDA kernel on this CPU), why, in selector's words."""
+    import torch
+    import transformers
+
+    import selector
+    from selector import hf
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = selector.from_config(transformers.AutoModelForCausalLM, config, experts_implementation="grouped_mm")
+    entry = hf.selection_report(model).entries[0]
+    assert entry.runs == "transformers" and entry.hint == "`selector:grouped_mm` runs selector's"
+    assert "`selector:grouped_mm` runs selector's" in entry.lines()[0]
+    if torch.cuda.is_available():
+        return
+    model.set_experts_implementation("deepgemm")
+    entry = hf.selection_report(model).entries[0]
+    if entry.runs == "selector":  # a Transformers without a deepgemm of its own: the bare name is selector's
+        return
+    assert entry.hint.startswith("`selector:deepgemm` runs selector's, which cannot run here: ")
+    assert "CUDA" in entry.hint and entry.to_dict()["hint"] == entry.hint

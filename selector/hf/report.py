@@ -11,7 +11,7 @@ import torch
 
 from selector import dispatch
 from selector.hf.modules import experts_modules
-from selector.hf.names import AUTO, TRANSFORMERS_FALLBACK
+from selector.hf.names import AUTO, PREFIX, TRANSFORMERS_FALLBACK
 from selector.hf.quantized import adopt_quantized, is_quantized, quantized_plan
 from selector.hf.registration import register_with_transformers
 from selector.types import Availability, Problem, Ranking
@@ -35,6 +35,8 @@ class ScopeSelection:
     by_tokens: Mapping[int, str | None] = field(default_factory=dict)  # "auto": the pick per token count
     ranking: Ranking | None = None
     error: str | None = None  # an explicit backend that cannot run here: what the first forward raises
+    # Transformers' own name that selector also has: how to ask for selector's, and why it cannot run here if not
+    hint: str | None = None
 
     @property
     def excluded(self) -> Mapping[str, Availability]:
@@ -51,6 +53,7 @@ class ScopeSelection:
             "by_tokens": {str(k): v for k, v in self.by_tokens.items()},
             "ranking": self.ranking.to_dict() if self.ranking else None,
             "error": self.error,
+            "hint": self.hint,
         }
 
     def lines(self) -> list[str]:
@@ -61,7 +64,7 @@ class ScopeSelection:
         if self.runs == "transformers" and self.requested == AUTO:
             head += " (no selector backend takes this weight format: Transformers' own FP8 function)"
         elif self.runs == "transformers":
-            head += " (Transformers' own implementation)"
+            head += f" (Transformers' own implementation{'; ' + self.hint if self.hint else ''})"
         out = [head]
         if self.by_tokens:
             out.append("  per token count: " + ", ".join(f"T={t}: {n}" for t, n in self.by_tokens.items()))
@@ -149,7 +152,8 @@ def _scope_entry(
 ) -> ScopeSelection:
     request = names.get(requested) if isinstance(requested, str) else None
     if request is None:  # Transformers' own ("eager", "grouped_mm", ...)
-        return ScopeSelection(scope, requested, "transformers", paths, problem, requested)
+        hint = _selector_twin(requested, module, problem, names)
+        return ScopeSelection(scope, requested, "transformers", paths, problem, requested, hint=hint)
     ranking = dispatch.explain_module(module, top_k=problem.top_k)
     if request == AUTO and is_quantized(module):  # no selector backend for the format: Transformers' FP8 one
         by_tokens = {t: quantized_plan(module, t, problem.top_k, decoding=False) for t in tokens}
@@ -164,6 +168,16 @@ def _scope_entry(
         why = ranking.excluded[request]
         error = f"{why.status.error_type.__name__}: {why.reason}"
     return ScopeSelection(scope, requested, "selector", paths, problem, request, {}, ranking, error)
+
+
+def _selector_twin(requested: object, module: torch.nn.Module, problem: Problem, names: Mapping[str, str]) -> str | None:
+    """For a name Transformers runs itself that selector has too: the name that asks for selector's, and, where
+    selector's cannot run here, its reason in selector's words (a CUDA-only kernel on a CPU says so)."""
+    own = f"{PREFIX}{requested}" if isinstance(requested, str) else None
+    if own is None or names.get(own) != requested:
+        return None
+    why = dispatch.explain_module(module, top_k=problem.top_k).excluded.get(requested)
+    return f"`{own}` runs selector's" + (f", which cannot run here: {why.reason}" if why else "")
 
 
 def log_selection(model: torch.nn.Module, level: int = logging.INFO) -> SelectionReport:
