@@ -153,19 +153,24 @@ def test_the_table_command_tunes_each_layer_once_and_resumes(tmp_path: Path, mon
         key = TU._table_key(problem)
         seen.append((key, budget_s))
         cost.compiled.add(("layer_persistent",))  # the first layer built the persistent kernel
-        return {"skipped": None, "configs": {t: _cfg(16 if t == 1 else 128) for t in token_counts},
-                "tokens_tuned": list(token_counts), "seconds": 1.0}  # fmt: skip
+        # the budget cut the first token count's search and never reached the last one
+        configs = {t: _cfg(16 if t == 1 else 128) for t in token_counts}
+        return {"skipped": None, "configs": configs, "tokens_tuned": list(token_counts[1:-1]),
+                "tokens_partial": list(token_counts[:1]), "seconds": 1.0}  # fmt: skip
 
     problems = TU.table_problems(["grid", "qwen3-30b-a3b"], [(40, 1536, 896, 6)])
     assert len(problems) == 6 and all(p.dtype == "bfloat16" and p.device == "cuda" for p in problems)
     out = tmp_path / "table.json"
-    TU.tune_table(problems[:2], out, (1, 4096), 20.0, command="cmd", tune=fake_search)
+    TU.tune_table(problems[:2], out, (1, 64, 4096), 20.0, command="cmd", tune=fake_search)
     assert [b for _, b in seen] == [20.0 + TU.PERSISTENT_BUILD_GUESS_S, 20.0]  # the build is paid once
     doc = json.loads(out.read_text())
     assert doc["device"] == "Fake Hopper" and doc["capability"] == [9, 0] and doc["num_sms"] == 114
-    assert doc["command"] == "cmd" and len(doc["configs"]) == 2
+    assert doc["commands"] == ["cmd"] and len(doc["configs"]) == 2
+    key = TU._table_key(problems[0])
+    assert sorted(doc["configs"][key]) == ["1", "64"] and doc["tuned"][key] == [64], "measured cells only"
     seen.clear()
-    TU.tune_table(problems, out, (1, 4096), 20.0, resume=True, tune=fake_search)
+    TU.tune_table(problems, out, (1, 64, 4096), 20.0, resume=True, command="cmd2", tune=fake_search)
+    assert json.loads(out.read_text())["commands"] == ["cmd", "cmd2"]
     assert [k for k, _ in seen] == [TU._table_key(p) for p in problems[2:]]
     assert len(tile_tables.read_table(out, C.normalize)) == 6
 
@@ -175,7 +180,11 @@ def test_the_table_command_rejects_bad_flags(capsys: pytest.CaptureFixture[str])
         with pytest.raises(SystemExit) as info:
             TU.main(argv)
         assert info.value.code == 2
-    assert "--budget takes a positive number" in capsys.readouterr().err
+    assert "--budget: -1: expected a number > 0" in capsys.readouterr().err
+    assert TU._shown_command(["--preset", "public", "--out", "/somewhere/NVIDIA_X.json", "--budget", "17"],
+                             Path("/somewhere/NVIDIA_X.json")) == (
+        "python -m selector.plugins.triton_fused.tune --preset public --budget 17 --out "
+        "plugins/triton_fused/configs/NVIDIA_X.json")  # fmt: skip
 
 
 @pytest.mark.parametrize("path", sorted(C.CONFIG_DIR.glob("*.json")), ids=lambda p: p.stem)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from selector.arguments import number, whole_numbers
 from selector.plugins import tile_tables
 from selector.types import Problem
 
@@ -881,17 +882,23 @@ def tune_table(
 ) -> Path:
     """A shipped tile table for this GPU: each layer's tiles found by ``tune_kernels``' search (`budget_s` each; the
     first layer also pays the persistent kernel's build), merged into `out` after each layer so a cut run keeps
-    what it found; `resume` skips the layers `out` holds. The file's header names this GPU's SM count and compute
-    capability (what ``configs.nearest_config`` matches another GPU by) and the `command` that made it."""
+    what it found; `resume` skips the layers `out` holds. Only measured cells are written (finished searches are
+    listed as "tuned", those the budget cut keep their best tiles so far); a token count the search never reached
+    is left to the table's other token counts of the layer. The header names this GPU's SM count and compute
+    capability (what ``configs.nearest_config`` matches another GPU by) and the `commands` that made the table."""
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
+    try:
+        made_by = [c for c in tile_tables.read_document(out).get("commands", []) if isinstance(c, str)]
+    except ValueError:
+        made_by = []
     header = {
         "version": 1,
         "device": props.name,
         "dtype": "bfloat16",
         "num_sms": props.multi_processor_count,
         "capability": list(torch.cuda.get_device_capability(device)),
-        "command": command,
+        "commands": list(dict.fromkeys([*made_by, command] if command else made_by)),
     }
     held = set(tile_tables.read_table(out, _configs.normalize)) if resume else set()
     cost = CostGuess()
@@ -903,43 +910,34 @@ def tune_table(
             built = ("layer_persistent",) in cost.compiled
             summary = tune(problem, token_counts, budget_s + (0.0 if built else PERSISTENT_BUILD_GUESS_S),
                            force=True, directory=scratch, cost=cost)  # fmt: skip
-            if summary["skipped"] or not summary["configs"]:
-                _log.warning("%s: not tuned (%s)", key, summary["skipped"] or "no tiles ran")
+            measured = {t: summary["configs"][t] for t in (*summary["tokens_tuned"], *summary["tokens_partial"])}
+            if summary["skipped"] or not measured:
+                _log.warning("%s: not tuned (%s)", key, summary["skipped"] or "the budget ran out before any tiles ran")
                 continue
-            tile_tables.merge_entries(out, key, summary["configs"], summary["tokens_tuned"], header, "triton_fused")
-            _log.warning("%s: T=%s in %.0f s", key, sorted(summary["configs"]), summary["seconds"])
+            tile_tables.merge_entries(out, key, measured, summary["tokens_tuned"], header, "triton_fused")
+            _log.warning("%s: T=%s tuned, T=%s cut by the budget, in %.0f s", key, sorted(summary["tokens_tuned"]),
+                         sorted(summary["tokens_partial"]), summary["seconds"])  # fmt: skip
     _configs.clear_caches()
     return out
 
 
 def _shape_arg(text: str) -> tuple[int, int, int, int]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 4 or min(values) < 1:
+    values = whole_numbers(1)(text)
+    if len(values) != 4:
         raise argparse.ArgumentTypeError(f"--shape takes four positive integers E,H,I,k, got {text!r}")
-    return values  # type: ignore[return-value]
+    return values[0], values[1], values[2], values[3]
 
 
-def _tokens_arg(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--tokens takes a comma list of positive integers, got {text!r}")
-    return values
-
-
-def _budget_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"--budget takes a positive number of seconds, got {text!r}")
-    return value
+def _shown_command(argv: Sequence[str], out: Path) -> str:
+    """The command as a maintainer reruns it: the table written where it ships, whatever --out this run named."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip or arg == "--out" or arg.startswith("--out="):
+            skip = arg == "--out"
+            continue
+        shown.append(arg)
+    shipped = Path("plugins/triton_fused/configs") / out.name
+    return " ".join(["python -m selector.plugins.triton_fused.tune", *shown, "--out", str(shipped)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -952,18 +950,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", action="append", choices=["public", "grid", *PRESETS],
                    help="public (default): every public preset's shape but the held-out ones; grid; or a preset name")  # fmt: skip
     p.add_argument("--shape", action="append", default=[], type=_shape_arg, help="E,H,I,k (repeatable)")
-    p.add_argument("--tokens", type=_tokens_arg, default=list(TOKEN_COUNTS), help="comma list of token counts")
-    p.add_argument("--budget", type=_budget_arg, default=TABLE_BUDGET_S, help="seconds of search per layer")
+    p.add_argument("--tokens", type=whole_numbers(1), default=list(TOKEN_COUNTS), help="comma list of token counts")
+    p.add_argument("--budget", type=number(0.0, inclusive=False), default=TABLE_BUDGET_S,
+                   help="seconds of search per layer")  # fmt: skip
     p.add_argument("--out", default=None, help="JSON path (default: configs/<GPU name>.json in the package)")
     p.add_argument("--resume", action="store_true", help="skip the layers --out already holds")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     a = p.parse_args(argv)
     problems = table_problems(a.preset or ([] if a.shape else ["public"]), a.shape)
-    command = "python -m selector.plugins.triton_fused.tune " + " ".join((argv if argv is not None else sys.argv[1:]))
 
     def write() -> str:
         out = Path(a.out or _configs.CONFIG_DIR / _configs.config_file_name(torch.cuda.get_device_name()))
-        return str(tune_table(problems, out, a.tokens, a.budget, resume=a.resume, command=command.strip()))
+        command = _shown_command(argv if argv is not None else sys.argv[1:], out)
+        return str(tune_table(problems, out, a.tokens, a.budget, resume=a.resume, command=command))
 
     return tile_tables.run_tuner("triton_fused", "the kernel", torch.cuda.is_available(), a.debug, write)
 
