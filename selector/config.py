@@ -230,6 +230,8 @@ def load_config(
         if registered is None:
             from selector.registry import get_registry
 
-            registered = get_registry().names
+            registry = get_registry()
+            # a backend its plugin keeps away (blocked, not allowed, failed) is a known name: a pin of it falls back
+            registered = [*registry.names, *registry.unavailable]
         check_names(config, registered)
     return config

@@ -422,8 +422,11 @@ def _auto_pick(problem: Problem, bucket: int | None) -> str:
     if key not in _RESOLVER.auto:
         ranking = _RESOLVER.rank(problem.with_tokens(bucket))
         config = _RESOLVER.get_config()
-        if config.pin is not None and config.pin in ranking.excluded:
-            _warn_pin_skipped(config, ranking.excluded[config.pin])
+        if config.pin is not None and config.pin not in {c.name for c in ranking.candidates}:
+            unavailable = _RESOLVER.get_registry().unavailable
+            verdict = ranking.excluded.get(config.pin) or unavailable.get(config.pin)
+            if verdict is not None:
+                _warn_pin_skipped(config, verdict)
         failed = [f"{n}: {a.reason}" for n, a in ranking.excluded.items()]
         for candidate in ranking.candidates:
             try:  # a backend whose implementation fails to load is skipped, as auto promises

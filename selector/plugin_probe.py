@@ -122,6 +122,7 @@ def _one_pass(skip: set[str], environ: Mapping[str, str] | None, deadline: float
                                             f"{_stage_text(stage)} in a child process, which was stopped")
             if line is None:
                 code = child.wait()
+                _stop(child)  # whatever the plugins started in the child's session goes with it
                 if stage == "end":
                     return _Pass(True)
                 if plugin is None:

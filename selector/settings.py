@@ -124,8 +124,9 @@ _DECLARED = [
     Setting("SELECTOR_PLUGIN_DEADLINE", "float", 3.0,
             "selector doctor and selector plugins first load the plugins in a child process: seconds each "
             "plugin's import, then its hook, may take there before the child is stopped and that plugin reported "
-            "(as one that exits the process is) and left out; 0 loads them in the command's own process",
-            minimum=0.0),
+            "(as one that exits the process is) and left out; 0 loads them in the command's own process; a bad "
+            "value means the default (doctor reports it)",
+            minimum=0.0, on_bad="default"),
     Setting("SELECTOR_VALIDATE", "choice", None,
             "input checks at the experts boundary: full (values every call), first (values on the first call "
             "of each module and shape), shapes; every level but off also guards ids and weights on the device "

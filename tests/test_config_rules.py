@@ -269,3 +269,37 @@ def test_a_transformers_name_selector_also_has_says_how_to_ask_for_selector_s_an
         return
     assert entry.hint.startswith("`selector:deepgemm` runs selector's, which cannot run here: ")
     assert "CUDA" in entry.hint and entry.to_dict()["hint"] == entry.hint
+
+
+def test_a_pin_of_a_blocked_backend_falls_back_with_a_warning(tmp_path, monkeypatch) -> None:
+    """A pin naming a backend its plugin keeps away (SELECTOR_PLUGINS_BLOCK) is no unknown name: auto ranks the
+    others and says why once."""
+    import warnings
+
+    import torch
+
+    import selector
+    from selector import dispatch
+    from selector.registry import reset_registry
+    from selector.testing import make_experts
+
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "selector.yaml").write_text("pin: batched_mm\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SELECTOR_PLUGINS_BLOCK", "batched_mm")
+    reset_registry()
+    dispatch.reset_selection_caches()
+    try:
+        module = make_experts(4, 16, 8)
+        x = torch.randn(3, 16)
+        idx = torch.tensor([[0, 1], [1, 2], [2, 3]])
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            module(x, idx, torch.full((3, 2), 0.5))
+        assert selector.last_backend(module) not in (None, "batched_mm")
+        said = [str(w.message) for w in caught if "pinned backend 'batched_mm'" in str(w.message)]
+        assert len(said) == 1 and "SELECTOR_PLUGINS_BLOCK" in said[0], said
+    finally:
+        monkeypatch.delenv("SELECTOR_PLUGINS_BLOCK")
+        reset_registry()
+        dispatch.reset_selection_caches()

@@ -11,6 +11,7 @@ sys.path), as in tests/test_plugin_safety.py.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -281,3 +282,13 @@ def test_allow_by_plugin_name_skips_the_others_unimported(site: Path) -> None:
     assert registry.names == ["eager", "faults_plain"]
     info = next(p for p in registry.plugins if p.name == "faults_exit_import")
     assert info.skipped == f"not in {ALLOW_VARIABLE}"
+
+
+def test_a_malformed_deadline_means_the_default_and_doctor_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from selector import settings
+    from selector.doctor import malformed_settings
+
+    monkeypatch.setenv("SELECTOR_PLUGIN_DEADLINE", "abc")
+    assert settings.get("SELECTOR_PLUGIN_DEADLINE") == settings.setting("SELECTOR_PLUGIN_DEADLINE").default
+    malformed, _ = malformed_settings(dict(os.environ))
+    assert any("SELECTOR_PLUGIN_DEADLINE" in message for message in malformed), malformed
