@@ -17,7 +17,9 @@ were none, with one warning naming the pin and why; `selector doctor` reports it
 
 from __future__ import annotations
 
+import os
 import stat
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,14 +174,25 @@ def check_names(config: SelectorConfig, registered: Collection[str]) -> None:
                 )
 
 
+def trusted(path: Path) -> bool:
+    """Whether a file another local user could have planted or changed is ruled out: it belongs to this user (or
+    root) and only its owner may write it. Always true where files have no owners (not POSIX)."""
+    if not hasattr(os, "getuid"):
+        return True
+    info = path.lstat()
+    return info.st_uid in (os.getuid(), 0) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def project_root(start: Path | None = None) -> Path | None:
     """The folder whose `selector.yaml` is the project file: the nearest of `start` (default: the current
-    directory) and its parents that holds one of PROJECT_MARKERS, else `start` itself. None when the current
-    directory cannot be read (deleted under the process)."""
+    directory) and its parents that holds one of PROJECT_MARKERS this user owns (`trusted`: a `.git` another user
+    left in a shared folder such as /tmp marks nothing), else `start` itself. None when the current directory
+    cannot be read (deleted under the process)."""
     try:
         here = (start or Path.cwd()).resolve()
         for folder in (here, *here.parents):
-            if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            markers = [folder / m for m in PROJECT_MARKERS if (folder / m).exists()]
+            if any(trusted(marker) for marker in markers):
                 return folder
     except OSError:  # a folder on the way that may not be listed, or a deleted working directory
         return None
@@ -221,6 +234,10 @@ def load_config(
     used: list[str] = []
     for path in config_paths(environ) if paths is None else paths:
         if path.is_file():
+            if not trusted(path):
+                warnings.warn(f"selector: ignoring {path}: another user may write it (owned by someone else, or "
+                              "writable by the group or everyone); make it yours and mode 644", UserWarning, stacklevel=2)
+                continue
             values = read_config_file(path)
             merged.update(values)
             sources.update(dict.fromkeys(values, str(path)))

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import os
+
 import re
 import warnings
 from dataclasses import replace
@@ -303,3 +305,33 @@ def test_a_pin_of_a_blocked_backend_falls_back_with_a_warning(tmp_path, monkeypa
         monkeypatch.delenv("SELECTOR_PLUGINS_BLOCK")
         reset_registry()
         dispatch.reset_selection_caches()
+
+
+def test_a_config_file_another_user_may_write_is_ignored_with_a_warning(tmp_path, monkeypatch) -> None:
+    import warnings
+
+    from selector import config as cfg
+
+    (tmp_path / "pyproject.toml").write_text("")
+    project = tmp_path / "selector.yaml"
+    project.write_text("prefer: [eager]\n")
+    project.chmod(0o666)  # anyone may write it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = cfg.load_config(paths=[project], registered=["eager"])
+    assert loaded.prefer == () and any("another user may write it" in str(w.message) for w in caught)
+    project.chmod(0o644)
+    assert cfg.load_config(paths=[project], registered=["eager"]).prefer == ("eager",)
+
+
+def test_a_marker_another_user_owns_marks_no_project_root(tmp_path, monkeypatch) -> None:
+    from selector import config as cfg
+
+    shared, mine = tmp_path / "shared", tmp_path / "shared" / "work"
+    mine.mkdir(parents=True)
+    (shared / ".git").mkdir()
+    assert cfg.project_root(mine) == shared
+    if not hasattr(os, "getuid") or os.getuid() != 0:
+        pytest.skip("making a file another user owns needs root")
+    os.chown(shared / ".git", 12345, 12345)  # planted by another user
+    assert cfg.project_root(mine) == mine
