@@ -202,7 +202,11 @@ def _plugins_check(registry: Registry) -> Check:
     detail = [f"{p.name} ({p.distribution}): {p.error}" for p in failed]
     detail += [f"{p.name}: skipped, {p.skipped}" for p in skipped]
     detail += registry.problems
-    return Check("plugins", not failed and not registry.problems, title, tuple(detail))
+    # a plugin that failed to load, or a clash between plugins, leaves backends out and the rest usable: a warning
+    # (the README's word), never a broken machine
+    why = [f"{len(failed)} plugin(s) failed to load: their backends are absent"] if failed else []
+    why += [f"{len(registry.problems)} problem(s) registering backends"] if registry.problems else []
+    return Check("plugins", True, title, tuple(detail), warning="; ".join(why))
 
 
 def malformed_settings(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:

@@ -113,8 +113,9 @@ _DECLARED = [
             "the YAML file (prefer / deny / pin) read after the user file, instead of the project root's "
             "selector.yaml; it must exist"),
     Setting("SELECTOR_PLUGINS_ALLOW", "names", frozenset(),
-            "comma list of plugin or backend names to load; every other plugin is skipped (empty: all). A "
-            "third-party plugin listed here may replace a built-in backend of the same name"),
+            "comma list of plugin or backend names to load; every other plugin is skipped (empty: all). A backend "
+            "name keeps that backend only, so every plugin is imported to find it. A third-party plugin listed "
+            "here may replace a built-in backend of the same name"),
     Setting("SELECTOR_PLUGINS_BLOCK", "names", frozenset(), "comma list of plugin or backend names to skip"),
     Setting("SELECTOR_PLUGIN_TIMEOUT", "float", 5.0,
             "seconds a plugin's import or selector_backends hook may take in a model's process before it is "

@@ -1029,10 +1029,11 @@ def _shipped_records() -> list[dict[str, Any]]:
 def describe_sources() -> str:
     """Where `known_records` reads from, for people (doctor): the store, and how this process may use it."""
     access, why = default_store().access()
-    state = {"read-only": f"read-only, shared on purpose: {why}; ", "refused": f"not used: {why}; ",
-             "missing": "not made yet; "}.get(access, "")
-    shipped = f"shipped files in {DATA_DIR}, and " if DATA_DIR.is_dir() else ""  # name only a folder that exists
-    return f"{store_path()} ({state}and {shipped}the node daemon when one runs)"
+    state = {"read-only": f"read-only, shared on purpose: {why}", "refused": f"not used: {why}",
+             "missing": "not made yet"}.get(access)
+    shipped = f"shipped files in {DATA_DIR}" if DATA_DIR.is_dir() else None  # name only a folder that exists
+    also = ", ".join(part for part in (shipped, "the node daemon when one runs") if part)
+    return f"{store_path()}" + (f" ({state})" if state else "") + f", and {also}"
 
 
 def known_records(fingerprints: Sequence[str] | None = None) -> list[dict[str, Any]]:

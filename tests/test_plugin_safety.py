@@ -246,6 +246,8 @@ def test_doctor_still_runs_with_them_installed(site: Path, capsys: pytest.Captur
         "plugin fake_exit", "plugin fake_impostor", "plugin fake_raise"]
     assert report["broken"] == []
     assert code == report["exit_code"]
+    plugins = next(c for c in report["checks"] if c["section"] == "plugins")
+    assert plugins["status"] == "warning" and plugins["ok"], plugins
 
 
 def test_doctor_exits_0_with_them_installed(site: Path, capsys: pytest.CaptureFixture[str],
