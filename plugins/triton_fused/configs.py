@@ -430,16 +430,17 @@ def tile_source(shape: LayerShape, top_k: int, device: torch.device) -> str:
     to borrow from: `default_config`), "" off CUDA (no tables there)."""
     if device.type != "cuda":
         return ""
-    name = _device_name(device.index)
-    if not name or not _tabled(shape):
+    if not _tabled(shape):
         return "heuristic"
+    name = _device_name(device.index)
     size = (shape.num_experts, shape.hidden, shape.intermediate, top_k)
     keys = lookup_keys(*size, transposed=shape.transposed, interleaved=shape.interleaved)
     dirs = (str(_config_dir()), str(user_config_dir()))
-    tables = {"tuned": load_user_table(name, dirs[1]), "table": load_table(name, dirs[0])}
+    tables = {"tuned": load_user_table(name, dirs[1]), "table": load_table(name, dirs[0])} if name else {}
     for source, table in tables.items():
         if any(table.get(k) for k in keys):
             return source
+    # as _get_config_cached: the nearest tabled cell's tiles where a table to borrow from exists
     return "nearest" if any(nearest_tables(device.index, dirs)) else "heuristic"
 
 

@@ -6,7 +6,7 @@ sizes, far more than on the shape's name. So a layer no table holds borrows the 
 nearest to it in those four quantities (log scale, rows per expert counted twice: it decides BLOCK_M), among cells
 that run the same kernels (one token or sorted blocks; at one token, the down projection as a K loop over the
 experts or as pair blocks). Same weight layout first. A GPU without a table of its own borrows the table of the GPU
-of the same compute capability whose SM count is nearest. Without torch: configs.py reads the tables.
+of the same compute capability major whose SM count is nearest. Without torch: configs.py reads the tables.
 """
 
 from __future__ import annotations
