@@ -28,6 +28,7 @@ from selector.bench.layouts import make_problem_layer, reference_of
 from selector.bench.timing import time_interleaved
 from selector.dispatch import last_backend
 from selector.presets import GRID_PRESETS, preset
+from selector.testing import relative_error
 
 TOLERANCE = 0.03  # relative RMS error against float64 for bfloat16 experts
 
@@ -41,11 +42,6 @@ def skewed_routing(tokens: int, experts: int, k: int, skew: float, seed: int) ->
     index = scores.topk(k, dim=1).indices
     weights = torch.softmax(torch.randn(tokens, k, device="cuda", generator=gen), dim=1)
     return index, weights
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    diff = (out[: ref.shape[0]].double() - ref).pow(2).mean().sqrt()
-    return float(diff / ref.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
 def bench_shape(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -66,8 +62,12 @@ def bench_shape(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             runs.update({f"{p}@{s:g}": lambda fn=fn, i=index, w=weights: fn(layer, x, i, w) for p, fn in peers.items()})
             with torch.no_grad():
                 for label, run in runs.items():
-                    errors[label] = relative_error(run(), ref)
-            runners.update({label: run for label, run in runs.items() if errors[label] < TOLERANCE})
+                    try:
+                        errors[label] = relative_error(run(), ref)
+                    except Exception as exc:  # noqa: BLE001 - one failing runner (out of memory, ...) must not end the run
+                        errors[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            runners.update({label: run for label, run in runs.items()
+                            if isinstance(errors[label], float) and errors[label] < TOLERANCE})  # fmt: skip
         failed: dict[str, str] = {}
         with torch.no_grad():
             timed = time_interleaved(torch, runners, "eager", rounds=args.rounds, errors=failed)
@@ -93,8 +93,10 @@ def line(row: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]], skews: list[float]) -> str:
-    head = "| shape | T | " + " | ".join(f"auto skew {s:g} (expert 0 load)" for s in skews) + " | spread |"
-    lines = [head, "|" + "---|" * (len(skews) + 3)]
+    peer = "hf:grouped_mm"
+    head = ("| shape | T | " + " | ".join(f"auto skew {s:g} (expert 0 load)" for s in skews) + " | "
+            + " | ".join(f"{peer} skew {s:g}" for s in skews if s != 1) + " | spread |")  # fmt: skip
+    lines = [head, "|" + "---|" * (2 * len(skews) + 2)]
     for r in rows:
         us = r["us"]
         base = us.get("auto@1")
@@ -103,7 +105,12 @@ def table(rows: list[dict[str, Any]], skews: list[float]) -> str:
             t = us.get(f"auto@{s:g}")
             load = r["expert0_load"].get(str(s), r["expert0_load"].get(s, 0.0))
             cells.append("–" if t is None else f"{t:.0f} µs, {t / base:.2f}x ({load:.1f}x mean)" if base else f"{t:.0f}")
-        spread = max((v for k, v in r["spread"].items() if k.startswith("auto")), default=0.0)
+        peer_base = us.get(f"{peer}@1")
+        for s in skews:
+            t = us.get(f"{peer}@{s:g}")
+            if s != 1:
+                cells.append("–" if t is None or not peer_base else f"{t:.0f} µs, {t / peer_base:.2f}x")
+        spread = max(r["spread"].values(), default=0.0)
         lines.append(f"| {r['shape']} | {r['tokens']} | " + " | ".join(cells) + f" | {spread:.0%} |")
     return "\n".join(lines)
 
@@ -115,7 +122,11 @@ def main() -> None:
     p.add_argument("--skew", default="1,4,16", help="expert 0's load over the mean (1: uniform, always measured)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="skew-results")
+    p.add_argument("--render", metavar="JSON", help="only write the markdown of a result file beside it")
     args = p.parse_args()
+    if args.render:
+        render(Path(args.render))
+        return
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.skew = sorted({1.0, *(float(s) for s in args.skew.split(","))})
     out = Path(args.out)
@@ -126,9 +137,16 @@ def main() -> None:
     for name in args.preset or list(GRID_PRESETS):
         result["rows"] += bench_shape(name, args)
         (out / "skew.json").write_text(json.dumps(result, indent=1))
-    md = f"# Skewed routing, {result['device']}\n\n`{result['command']}`\n\n" + table(result["rows"], args.skew) + "\n"
-    (out / "skew.md").write_text(md)
-    print(md)
+    print(render(out / "skew.json"))
+
+
+def render(path: Path) -> str:
+    """skew.md beside a result file: the command and the table (each runner over its own uniform time)."""
+    result = json.loads(path.read_text())
+    skews = sorted({float(k.split("@")[1]) for row in result["rows"] for k in row["us"]})
+    md = f"# Skewed routing, {result['device']}\n\n`{result['command']}`\n\n" + table(result["rows"], skews) + "\n"
+    path.with_suffix(".md").write_text(md)
+    return md
 
 
 if __name__ == "__main__":

@@ -26,9 +26,12 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("SELECTOR_TUNING_STORE", tempfile.mkdtemp(prefix="untuned-") + "/store.sqlite3")  # a fresh store
+# a fresh store, whatever the environment names (removed at exit): the untuned runs must find no records
+_STORE = tempfile.TemporaryDirectory(prefix="untuned-")
+os.environ["SELECTOR_TUNING_STORE"] = os.path.join(_STORE.name, "store.sqlite3")
 
 import torch  # noqa: E402
 
@@ -47,6 +50,7 @@ from selector.bench.timing import measure_ceilings, time_interleaved  # noqa: E4
 from selector.dispatch import last_backend  # noqa: E402
 from selector.plugins.triton_fused import tune as tiles  # noqa: E402
 from selector.presets import GRID_PRESETS, HELD_OUT_PRESETS, preset  # noqa: E402
+from selector.testing import relative_error  # noqa: E402
 
 TILES = "SELECTOR_TRITON_FUSED_USER_CONFIG_DIR"
 TOKENS = (1, 8, 64, 512, 4096, 16384)
@@ -71,17 +75,12 @@ def layer_copies(problem: Any, folders: list[str]) -> dict[str, Any]:
     return copies
 
 
-def runner(module: Any, folder: str, x: Any, index: Any, weights: Any):  # noqa: ANN201
+def runner(module: Any, folder: str, x: Any, index: Any, weights: Any) -> Callable[[], Any]:
     def call() -> Any:
         os.environ[TILES] = folder  # each copy reads its own tiles (a lookup is cached per folder)
         return module(x, index, weights)
 
     return call
-
-
-def relative_error(out: Any, ref: Any) -> float:
-    diff = (out[: ref.shape[0]].double() - ref).pow(2).mean().sqrt()
-    return float(diff / ref.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
 def bench_shape(name: str, args: argparse.Namespace, ceilings: dict[str, float], root: Path) -> list[dict[str, Any]]:
@@ -167,7 +166,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         full = us.get("full", math.nan)
         if math.isfinite(full) and math.isfinite(u):
             ratios.append(u / full)
-            loads.append(us.get("load", math.nan) / full)
+            if math.isfinite(us.get("load", math.nan)):
+                loads.append(us["load"] / full)
         if math.isfinite(best) and math.isfinite(u):
             over_peer.append((u / best, r["shape"], r["tokens"], r["mode"]))
         cells = [r["shape"], str(r["tokens"]), r["mode"], f"{u:.1f}", f"{u / r['floor_us']:.2f}",
