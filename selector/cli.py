@@ -115,7 +115,7 @@ def problem_from_args(args: argparse.Namespace, default_device: str) -> Problem 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from selector.doctor import build_report
-    from selector.plugin_probe import load_checked_registry
+    from selector.registry import load_checked_registry
     from selector.probes import collect_environment
     from selector.render import render_json, render_markdown, render_text
 
@@ -159,7 +159,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from selector.plugin_probe import load_checked_registry
+    from selector.registry import load_checked_registry
 
     registry = load_checked_registry()
     if args.json:

@@ -21,19 +21,23 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
+
+import platformdirs
 
 from selector import settings
-from selector.registry import Registry, build_registry, load_registry
 
 DEADLINE_VARIABLE = "SELECTOR_PLUGIN_DEADLINE"
 STARTUP_S = 30.0  # how long the child may take to start Python and read the entry points (no plugin code yet)
+CACHE_FILE = "plugin_check.json"  # in this user's cache folder: the verdict per installed plugin set
+CACHE_ENTRIES = 32  # plugin sets remembered (the newest)
 _CHILD = (
     "import json, sys\n"
     "args = json.loads(sys.argv[1])\n"
     "sys.path[:] = args['path']\n"
-    "from selector.plugin_probe import run_child\n"
+    "from selector.plugin_child import run_child\n"
     "run_child(args)\n"
 )
 
@@ -45,25 +49,6 @@ class _Pass:
     finished: bool
     plugin: str | None = None
     what: str = ""
-
-
-def run_child(args: Mapping[str, Any]) -> None:
-    """The child's side: load every plugin but those to skip (checked in an earlier pass), telling the parent
-    each stage on a private copy of stdout (what plugins print goes to stderr)."""
-    report = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-
-    def tell(plugin: str, stage: str) -> None:
-        report.write(json.dumps({"plugin": plugin, "stage": stage}) + "\n")
-        report.flush()
-
-    report.write(json.dumps({"stage": "start"}) + "\n")
-    report.flush()
-    # The parent keeps the time; the child's own thread timeout stays out of its way.
-    build_registry(environ=args["environ"], quarantine=dict.fromkeys(args["skip"], "checked"), progress=tell,
-                   timeout=2 * float(args["deadline"]) + 5)
-    report.write(json.dumps({"stage": "end"}) + "\n")
-    report.flush()
 
 
 def _exit_text(code: int) -> str:
@@ -161,10 +146,27 @@ def find_unsafe_plugins(
         checked.add(outcome.plugin)
 
 
-def load_checked_registry() -> Registry:
-    """The process-wide registry for `selector doctor` and `selector plugins`: plugins found unsafe in a child
-    process are reported with what they did and not loaded here. SELECTOR_PLUGIN_DEADLINE=0 skips the check."""
-    if float(settings.get(DEADLINE_VARIABLE)) <= 0:
-        return load_registry()
-    unsafe, problems = find_unsafe_plugins()
-    return load_registry(quarantine=unsafe, problems=problems)
+def cached_verdict(key: str, environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """`find_unsafe_plugins` for the installed plugin set `key` (its entry points and versions, and the allow and
+    block lists), remembered in this user's cache: a model process pays the child check once per plugin set, not
+    per process. A cache that cannot be read is checked again; one that cannot be written is only not kept."""
+    path = Path(platformdirs.user_cache_dir("selector")) / CACHE_FILE
+    try:
+        known = json.loads(path.read_text())
+        entry = known[key] if isinstance(known, dict) else None
+        if isinstance(entry, dict) and isinstance(entry.get("unsafe"), dict):
+            return {str(k): str(v) for k, v in entry["unsafe"].items()}, [str(p) for p in entry.get("problems", [])]
+    except (OSError, ValueError, KeyError):
+        known = {}
+    unsafe, problems = find_unsafe_plugins(environ)
+    if not problems:  # a check that failed outside any plugin is not remembered: the next process tries again
+        kept = {k: v for k, v in (known if isinstance(known, dict) else {}).items()}
+        kept[key] = {"unsafe": unsafe, "problems": problems}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{CACHE_FILE}.", delete=False) as f:
+                json.dump(dict(list(kept.items())[-CACHE_ENTRIES:]), f)
+            os.replace(f.name, path)
+        except OSError:
+            pass
+    return unsafe, problems

@@ -5,8 +5,9 @@ import, raises from its hook (`SystemExit` included), does not answer within SEL
 returns something malformed or claims a built-in backend's name is recorded and skipped, never fatal. Only
 `KeyboardInterrupt` goes through: the user asked to stop. A plugin that ends or stalls the whole process
 (`os._exit`, a C loop holding the GIL) is caught only by loading it in a child process first:
-`selector.plugin_probe` does that for `selector doctor` and `selector plugins` and hands the plugins it found
-unsafe to `load_registry(quarantine=...)`.
+`selector.plugin_probe` does that (`load_checked_registry`) and hands the plugins it found unsafe to
+`load_registry(quarantine=...)`; `selector doctor` and `selector plugins` check each time, a model's process once
+per installed plugin set (the verdict kept in this user's cache), and only when third-party plugins are installed.
 
 SELECTOR_PLUGINS_ALLOW / SELECTOR_PLUGINS_BLOCK name plugins (entry-point or distribution names) or backends.
 A backend that is not registered because of its plugin is remembered (`Registry.unavailable`), so that a
@@ -15,6 +16,7 @@ request for it names the plugin and what happened instead of calling the name un
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -440,8 +442,37 @@ def load_registry(quarantine: Mapping[str, str] | None = None, problems: Iterabl
 
 
 def get_registry() -> Registry:
-    """The process-wide registry, built on first use."""
-    return _REGISTRY if _REGISTRY is not None else load_registry()
+    """The process-wide registry, built on first use: third-party plugins only after a child process loaded them
+    (`load_checked_registry`), so one that ends or stalls a process cannot take a model's process with it."""
+    return _REGISTRY if _REGISTRY is not None else load_checked_registry(remember=True)
+
+
+def _third_party_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """What the plugin check's verdict depends on: the installed third-party entry points (name, target,
+    distribution, version) and the allow and block lists; None when only the built-ins are installed."""
+    found = []
+    for ep in metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+        dist = _distribution_of(ep)
+        if not is_builtin(ep.value, dist):
+            found.append([ep.name, ep.value, dist, getattr(ep.dist, "version", None) or ""])
+    if not found:
+        return None
+    lists = [settings.get(v, environ) for v in (ALLOW_VARIABLE, BLOCK_VARIABLE)]
+    return json.dumps([sorted(found), [sorted(names) for names in lists]])
+
+
+def load_checked_registry(remember: bool = False) -> Registry:
+    """The process-wide registry, the plugins first loaded in a child process (selector/plugin_probe.py): those
+    that exited it or overran SELECTOR_PLUGIN_DEADLINE are reported with what they did and never loaded here.
+    `remember`: reuse this user's cached verdict for the installed plugin set (a model's process); else check now
+    (`selector doctor`, `selector plugins`). Only the built-ins installed, or the deadline 0: no check."""
+    from selector import plugin_probe
+
+    key = _third_party_key()
+    if key is None or float(settings.get(plugin_probe.DEADLINE_VARIABLE)) <= 0:
+        return load_registry()
+    unsafe, problems = plugin_probe.cached_verdict(key) if remember else plugin_probe.find_unsafe_plugins()
+    return load_registry(quarantine=unsafe, problems=problems)
 
 
 def register_plugin(plugin: object, name: str | None = None) -> None:

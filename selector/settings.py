@@ -123,10 +123,11 @@ _DECLARED = [
             "running in a daemon thread); a bad value means the default",
             positive=True, on_bad="default"),
     Setting("SELECTOR_PLUGIN_DEADLINE", "float", 3.0,
-            "selector doctor and selector plugins first load the plugins in a child process: seconds each "
-            "plugin's import, then its hook, may take there before the child is stopped and that plugin reported "
-            "(as one that exits the process is) and left out; 0 loads them in the command's own process; a bad "
-            "value means the default (doctor reports it)",
+            "third-party plugins are first loaded in a child process (selector doctor and selector plugins "
+            "each time, a model's process once per installed plugin set): seconds each plugin's import, then its "
+            "hook, may take there before the child is stopped and that plugin reported (as one that exits the "
+            "process is) and left out; 0 loads them in the process itself; a bad value means the default (doctor "
+            "reports it)",
             minimum=0.0, on_bad="default"),
     Setting("SELECTOR_VALIDATE", "choice", None,
             "input checks at the experts boundary: full (values every call), first (values on the first call "

@@ -113,9 +113,10 @@ def _probed_environment() -> Environment:
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_tuning_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """No test reads or writes the user's own tuning store."""
+    """No test reads or writes the user's own tuning store or cache folder (tile tables, the plugin check's verdicts)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SELECTOR_TUNING_STORE", str(tmp_path_factory.mktemp("store") / "tuning.sqlite3"))
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         yield
 
 

@@ -24,7 +24,7 @@ from test_registry import make_distribution
 from selector import cli, settings
 from selector.dispatch import check_backend_name
 from selector.errors import PluginUnavailableError
-from selector.plugin_probe import DEADLINE_VARIABLE, find_unsafe_plugins, load_checked_registry
+from selector.plugin_probe import DEADLINE_VARIABLE, find_unsafe_plugins
 from selector.probes import collect_environment
 from selector.ranking import rank
 from selector.registry import (
@@ -33,6 +33,7 @@ from selector.registry import (
     TIMEOUT_VARIABLE,
     build_registry,
     get_registry,
+    load_checked_registry,
     reset_registry,
 )
 from selector.types import Problem, Status
@@ -292,3 +293,29 @@ def test_a_malformed_deadline_means_the_default_and_doctor_reports_it(monkeypatc
     assert settings.get("SELECTOR_PLUGIN_DEADLINE") == settings.setting("SELECTOR_PLUGIN_DEADLINE").default
     malformed, _ = malformed_settings(dict(os.environ))
     assert any("SELECTOR_PLUGIN_DEADLINE" in message for message in malformed), malformed
+
+
+@pytest.mark.slow
+def test_a_model_process_loads_and_runs_auto_with_process_killers_installed(site: Path, tmp_path: Path) -> None:
+    """A model's process checks the third-party plugins in a child once per installed plugin set (the verdict kept
+    in the user's cache) and never loads those that exit or stall it: auto runs; a second process reuses the
+    verdict."""
+    import subprocess
+
+    _install_process_killers(site)
+    code = ("import torch, selector\nfrom selector.testing import make_experts\n"
+            "m = make_experts(4, 16, 8)\nidx = torch.tensor([[0, 1], [2, 3], [1, 2]])\n"
+            "with torch.no_grad():\n    m(torch.randn(3, 16), idx, torch.full((3, 2), 0.5))\n"
+            "print('ran', selector.last_backend(m))\n")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path]), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           DEADLINE_VARIABLE: "2"}  # fmt: skip
+    runs = []
+    for _ in range(2):
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        runs.append(time.monotonic() - start)
+        assert done.returncode == 0 and "ran " in done.stdout, done.stderr[-2000:]
+    cached = json.loads((tmp_path / "cache" / "selector" / "plugin_check.json").read_text())
+    (verdict,) = cached.values()
+    assert {"faults_exit_import", "faults_exit_hook"} <= set(verdict["unsafe"])
+    assert runs[1] < runs[0], runs  # the second process read the verdict instead of starting children
