@@ -55,3 +55,15 @@ def test_a_layout_falls_back_to_its_plain_shape_as_the_lookup_does(tables) -> No
     transposed = SHAPE._replace(transposed=True, interleaved=True)
     assert configs.tile_source(transposed, 8, CUDA) == "table"
     assert configs.tile_source(SHAPE._replace(dtype=torch.float32), 8, CUDA) == "heuristic"
+
+
+def test_the_source_is_the_entry_the_lookup_reads(tables) -> None:
+    """A layer's own layout in the shipped table wins over its plain shape tuned on this node, in the lookup and in
+    what the source says alike."""
+    shipped, user = tables
+    transposed = SHAPE._replace(transposed=True)
+    own = configs.layout_key(configs.shape_key(128, 2048, 768, 8), transposed=True)
+    _write(shipped, own)
+    _write(user, configs.shape_key(128, 2048, 768, 8))
+    assert configs.tile_source(transposed, 8, CUDA) == "table"
+    assert configs.tile_source(SHAPE, 8, CUDA) == "tuned"

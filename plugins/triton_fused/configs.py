@@ -275,11 +275,13 @@ def _device_name(device_index: int | None) -> str | None:
 
 def lookup(table: dict[str, dict[int, dict[str, Any]]], key: str, num_tokens: int) -> dict[str, Any] | None:
     entries = table.get(key)
-    if not entries:
-        return None
+    return entry_for(entries, num_tokens) if entries else None
+
+
+def entry_for(entries: Mapping[int, dict[str, Any]], num_tokens: int) -> dict[str, Any]:
+    """One shape's entry whose token count is nearest to `num_tokens` in log scale (the smaller on a tie)."""
     t = max(1, num_tokens)
-    best = min(entries, key=lambda n: (abs(math.log2(max(1, n)) - math.log2(t)), n))
-    return entries[best]
+    return entries[min(entries, key=lambda n: (abs(math.log2(max(1, n)) - math.log2(t)), n))]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -399,24 +401,36 @@ def _tabled(shape: LayerShape) -> bool:
     return shape.gated and shape.dtype in (torch.bfloat16, torch.float16)
 
 
+def _held_entries(shape: LayerShape, top_k: int, device_index: int | None, dirs: tuple[str, str]
+                  ) -> tuple[str, dict[int, dict[str, Any]]] | None:  # fmt: skip
+    """("tuned" or "table", {token_count: config}) of the table entry that holds this layer on this GPU, in the
+    order the lookup reads them: this layout's key before the plain layout's, this node's table before the shipped
+    one; None where neither holds it (or the layer has no tables: not gated 16-bit)."""
+    name = _device_name(device_index)
+    if not name or not _tabled(shape):
+        return None
+    keys = lookup_keys(shape.num_experts, shape.hidden, shape.intermediate, top_k,
+                       transposed=shape.transposed, interleaved=shape.interleaved)  # fmt: skip
+    tables = (("tuned", load_user_table(name, dirs[1])), ("table", load_table(name, dirs[0])))
+    for key in keys:  # this layout's tiles, else the plain layout's of the shape
+        for source, table in tables:
+            if table.get(key):
+                return source, table[key]
+    return None
+
+
 @functools.lru_cache(maxsize=4096)
 def _get_config_cached(
     shape: LayerShape, num_tokens: int, top_k: int, device: tuple[str, int | None], dirs: tuple[str, str]
 ) -> dict[str, Any]:
-    num_experts, hidden, intermediate, dtype, gated, transposed, interleaved = shape
+    num_experts, hidden, intermediate, dtype, gated, _, _ = shape
     device_type, device_index = device
     num_sms = 132
     if device_type == "cuda":
         num_sms = _num_sms(device_index)
-        name = _device_name(device_index)
-        if name and _tabled(shape):
-            keys = lookup_keys(num_experts, hidden, intermediate, top_k, transposed=transposed, interleaved=interleaved)
-            tables = (load_user_table(name, dirs[1]), load_table(name, dirs[0]))
-            for k in keys:  # this layout's tiles, else the plain layout's of the shape
-                for table in tables:
-                    cfg = lookup(table, k, num_tokens)
-                    if cfg is not None:
-                        return cfg
+        held = _held_entries(shape, top_k, device_index, dirs)
+        if held is not None:
+            return entry_for(held[1], num_tokens)
         if _tabled(shape) and (cfg := nearest_config(shape, num_tokens, top_k, nearest_tables(device_index, dirs))):
             return cfg
     return normalize(
@@ -425,23 +439,16 @@ def _get_config_cached(
 
 
 def tile_source(shape: LayerShape, top_k: int, device: torch.device) -> str:
-    """Where a layer's tiles come from on `device`: "tuned" (this node's table), "table" (the shipped one for this
-    GPU), "nearest" (neither holds the shape: the nearest tabled cell's, `nearest_config`), "heuristic" (no table
-    to borrow from: `default_config`), "" off CUDA (no tables there)."""
+    """Where a layer's tiles come from on `device`, as `layer_config` reads them: "tuned" (this node's table),
+    "table" (the shipped one for this GPU), "nearest" (neither holds the shape: the nearest tabled cell's,
+    `nearest_config`), "heuristic" (no table to borrow from: `default_config`), "" off CUDA (no tables there)."""
     if device.type != "cuda":
         return ""
-    if not _tabled(shape):
-        return "heuristic"
-    name = _device_name(device.index)
-    size = (shape.num_experts, shape.hidden, shape.intermediate, top_k)
-    keys = lookup_keys(*size, transposed=shape.transposed, interleaved=shape.interleaved)
     dirs = (str(_config_dir()), str(user_config_dir()))
-    tables = {"tuned": load_user_table(name, dirs[1]), "table": load_table(name, dirs[0])} if name else {}
-    for source, table in tables.items():
-        if any(table.get(k) for k in keys):
-            return source
-    # as _get_config_cached: the nearest tabled cell's tiles where a table to borrow from exists
-    return "nearest" if any(nearest_tables(device.index, dirs)) else "heuristic"
+    held = _held_entries(shape, top_k, device.index, dirs)
+    if held is not None:
+        return held[0]
+    return "nearest" if _tabled(shape) and any(nearest_tables(device.index, dirs)) else "heuristic"
 
 
 def layer_config(shape: LayerShape, num_tokens: int, top_k: int, device: torch.device) -> dict[str, Any]:

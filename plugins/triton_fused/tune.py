@@ -812,7 +812,7 @@ def tune_kernels(
             summary["tokens_default"].append(t)
             if t not in existing:  # what would run without the user table (a token count tuned before stays)
                 entries[t] = (
-                    _configs.lookup({key: shipped}, key, t)
+                    _configs.entry_for(shipped, t)
                     if shipped
                     else _configs.normalize(
                         _configs.default_config(
