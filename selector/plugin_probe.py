@@ -153,15 +153,15 @@ def cached_verdict(key: str, environ: Mapping[str, str] | None = None) -> tuple[
     path = Path(platformdirs.user_cache_dir("selector")) / CACHE_FILE
     try:
         known = json.loads(path.read_text())
-        entry = known[key] if isinstance(known, dict) else None
-        if isinstance(entry, dict) and isinstance(entry.get("unsafe"), dict):
-            return {str(k): str(v) for k, v in entry["unsafe"].items()}, [str(p) for p in entry.get("problems", [])]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
         known = {}
+    known = known if isinstance(known, dict) else {}
+    entry = known.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("unsafe"), dict):
+        return {str(k): str(v) for k, v in entry["unsafe"].items()}, []
     unsafe, problems = find_unsafe_plugins(environ)
     if not problems:  # a check that failed outside any plugin is not remembered: the next process tries again
-        kept = {k: v for k, v in (known if isinstance(known, dict) else {}).items()}
-        kept[key] = {"unsafe": unsafe, "problems": problems}
+        kept = {**known, key: {"unsafe": unsafe}}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{CACHE_FILE}.", delete=False) as f:
