@@ -8,7 +8,9 @@ Lanes: a test carries its lane marker where it stands (`pytestmark` for a whole 
 `interpreter` (runs Triton kernels: the interpreter on a CPU, compiled kernels on a GPU), `compile` (torch.compile or
 Dynamo), `slow` (seconds on a CPU for another reason). The fast lane is `-m "not interpreter and not compile and not
 slow"`, the rest `-m "interpreter or compile or slow"`. On a machine without CUDA a passing test with none of the
-three whose call takes longer than LANE_LIMIT_S fails, naming the marker to add, so the fast lane stays fast.
+three whose call takes longer than LANE_LIMIT_S is named in the run's summary with the marker to add, and one that
+takes LANE_FAIL_FACTOR times as long fails, so the fast lane stays fast while a slow or shared CI machine's noise
+(a 0.06 s test once took 7.6 s there) names a test instead of failing the run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ LANE_MARKERS = ("interpreter", "compile", "slow")
 # The longest call a test of the fast lane may take on a 2-core CPU. Off where CUDA is: there the first call of a
 # kernel builds it from a cold cache, and the GPU lanes are chosen with `gpu` and `slow`.
 LANE_LIMIT_S = 5.0
+LANE_FAIL_FACTOR = 4.0
+LANE_PROPERTY = "lane_overrun"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,8 +51,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help=f"fail a passing test that carries none of the markers {', '.join(LANE_MARKERS)} and whose call takes "
-        f"longer (default: {LANE_LIMIT_S:g} without CUDA, off with it; 0 turns it off)",
+        help=f"name a passing test that carries none of the markers {', '.join(LANE_MARKERS)} and whose call takes "
+        f"longer, fail it at {LANE_FAIL_FACTOR:g} times as long (default: {LANE_LIMIT_S:g} without CUDA, off with it; "
+        "0 turns it off)",
     )
 
 
@@ -83,10 +88,26 @@ def pytest_runtest_makereport(
         if limit is None:
             limit = 0.0 if _cuda_present() else LANE_LIMIT_S * load_factor()
         message = lane_overrun(item.nodeid, (m.name for m in item.iter_markers()), call.duration, limit)
-        if message is not None:
+        if message is not None and call.duration > limit * LANE_FAIL_FACTOR:
             report.outcome = "failed"
             report.longrepr = message
+        elif message is not None:
+            report.user_properties.append((LANE_PROPERTY, message))
     return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # The reports come back from xdist's workers with their user properties, so the controller lists them all.
+    named = [
+        value
+        for report in terminalreporter.stats.get("passed", [])
+        for key, value in getattr(report, "user_properties", ())
+        if key == LANE_PROPERTY
+    ]
+    if named:
+        terminalreporter.section("slow for the fast lane")
+        for message in named:
+            terminalreporter.line(message)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
