@@ -83,6 +83,15 @@ def runner(module: Any, folder: str, x: Any, index: Any, weights: Any) -> Callab
     return call
 
 
+def tiles_of(problem: Any, tokens: int, folder: str) -> dict[str, Any]:
+    """The tile configuration a copy runs at `tokens` (its folder's table, else the shipped or nearest one)."""
+    os.environ[TILES] = folder
+    shape = tiles._configs.LayerShape(problem.num_experts, problem.hidden_size, problem.intermediate_size,
+                                      torch.bfloat16, transposed=problem.is_transposed,
+                                      interleaved=problem.interleaved)  # fmt: skip
+    return tiles._configs.layer_config(shape, tokens, problem.top_k, torch.device("cuda"))
+
+
 def bench_shape(name: str, args: argparse.Namespace, ceilings: dict[str, float], root: Path) -> list[dict[str, Any]]:
     problem = replace(preset(name), dtype="bfloat16", device="cuda")
     folders = {"untuned": str(root / name / "untuned")}
@@ -120,6 +129,7 @@ def bench_shape(name: str, args: argparse.Namespace, ceilings: dict[str, float],
                     del runners[v]
             bad = {v: e for v, e in errors.items() if not isinstance(e, float) or e > TOLERANCE}
             picks = {v: last_backend(copies[v]) for v in folders}
+            used = {v: tiles_of(problem, t, folders[v]) for v in folders}
             moved = bytes_moved(first, problem, int(index.unique().numel()), t, 2)
             floor = floor_seconds(ceilings, problem.with_tokens(t), moved, flops_of(problem, t))
             for mode in ("eager", "graph") if t <= GRAPH_MAX_TOKENS else ("eager",):
@@ -129,7 +139,7 @@ def bench_shape(name: str, args: argparse.Namespace, ceilings: dict[str, float],
                 timed = time_interleaved(torch, mine, mode, rounds=args.rounds, sample_s=args.sample_s, errors=failed)
                 rows.append({
                     "shape": name, "tokens": t, "mode": mode, "floor_us": floor * 1e6, "picks": picks,
-                    "errors": errors, "failed": failed, "tuning": tuning,
+                    "errors": errors, "failed": failed, "tuning": tuning, "tiles": used,
                     "us": {v: tm.median_s * 1e6 for v, tm in timed.items()},
                     "spread": {v: tm.spread for v, tm in timed.items()},
                 })  # fmt: skip
