@@ -158,10 +158,10 @@ def test_the_check_can_be_turned_off(site: Path, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.slow
 def test_doctor_finishes_with_every_kind_of_process_killer(site: Path, capsys: pytest.CaptureFixture[str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """One os._exit at import, one in the hook, a GIL-holding hook of tens of seconds, a hang: with the default
+    """One os._exit at import, one in the hook, a hook holding the GIL over 40 s, a hang: with the default
     deadline, doctor names each and finishes in under 10 s."""
     _install_process_killers(site)
-    _install(site, "gil", "faults_gil", GIL_HOLDER.replace("{n}", "28"))
+    _install(site, "gil", "faults_gil", GIL_HOLDER.replace("{n}", "31"))  # 2**31 steps: over 40 s (about 65 s here)
     _install(site, "hang", "faults_hang", HANG_AT_IMPORT)
     monkeypatch.setenv("SELECTOR_GPUS", "")
     start = time.monotonic()
