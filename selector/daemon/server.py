@@ -1,10 +1,12 @@
 """The daemon process: a Unix-socket server holding this node's probe facts and serving the tuning store.
 
 One thread runs a selector loop over every connection, so idle or slow peers cost a slot and a buffer, never a
-thread; the store's ops go to STORE_WORKERS threads, as the store may wait on another writer's lock. At most
-MAX_CONNECTIONS are open at once (past that the oldest one still sending its request is told `busy` and
-closed), each request must arrive whole within REQUEST_DEADLINE_S of the connect (a deadline, not a per-read
-timeout, so a peer dripping bytes cannot hold a slot), and the listen backlog is the system's largest.
+thread; the store's ops go to STORE_WORKERS threads, as the store may wait on another writer's lock, and `jobs`
+(a look at the measurement locks, never the store) to a thread of its own, so a queue of puts never holds it past
+a client's quick deadline. At most MAX_CONNECTIONS are open at once (past that the oldest one still sending its
+request is told `busy` and closed), each request must arrive whole within REQUEST_DEADLINE_S of the connect (a
+deadline, not a per-read timeout, so a peer dripping bytes cannot hold a slot), and the listen backlog is the
+system's largest.
 Only processes of this user are answered (SO_PEERCRED). Records are validated on the way in and kept in the
 `TuningStore`, so they survive a restart.
 
@@ -42,7 +44,8 @@ from selector.probes import Environment, collect_environment
 from selector.tuning import check_record
 
 log = logging.getLogger("selector.daemon")
-_STORE_OPS = (wire.TUNING_GET, wire.TUNING_PUT, wire.JOBS)
+_STORE_OPS = (wire.TUNING_GET, wire.TUNING_PUT)
+_LOCK_OPS = (wire.JOBS,)  # reads lock files (a file system may stall): off the loop, but never behind the store
 
 MAX_CONNECTIONS = 256  # open at once; past this the oldest unfinished request is dropped
 MAX_BUFFERED_BYTES = 64 * 2**20  # request bytes held over all connections at once
@@ -163,6 +166,7 @@ class DaemonServer:
         self._serving = threading.Event()
         self._done = threading.Event()
         self._pool = ThreadPoolExecutor(STORE_WORKERS, thread_name_prefix="selector-daemon-store")
+        self._lock_pool = ThreadPoolExecutor(1, thread_name_prefix="selector-daemon-jobs")
         self._answered: queue.SimpleQueue[tuple[_Conn, Mapping[str, Any], dict[str, Any]]] = queue.SimpleQueue()
         self.stats = {"served": 0, "bad_requests": 0, "refused_peers": 0, "dropped_busy": 0, "expired": 0}
 
@@ -284,10 +288,11 @@ class DaemonServer:
             self.stats["bad_requests"] += 1
             self._reply(conn, _error(f"bad request: {exc}"))
             return
-        if message.get("op") in _STORE_OPS:  # may wait on the store's lock: never in the loop
+        op = message.get("op")
+        if op in _STORE_OPS or op in _LOCK_OPS:  # may wait on the store's lock or the file system: never in the loop
             conn.pending = True
             self._selector.unregister(conn.sock)
-            self._pool.submit(self._answer_in_pool, conn, message)
+            (self._pool if op in _STORE_OPS else self._lock_pool).submit(self._answer_in_pool, conn, message)
         else:
             self._finish(conn, message, self._answer_safely(message))
 
@@ -543,6 +548,7 @@ class DaemonServer:
     def server_close(self) -> None:
         """Release the daemon's files and sockets (after `serve_forever` returned, or instead of it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lock_pool.shutdown(wait=False, cancel_futures=True)
         self._release()
         self._selector.close()
         self._wake_r.close()
