@@ -508,6 +508,19 @@ def test_wheel_entry_points_name_the_installed_plugins(wheel: zipfile.ZipFile) -
 
 
 @pytest.mark.slow
+def test_wheel_names_the_licence_and_carries_its_text(wheel: zipfile.ZipFile) -> None:
+    (dist_info,) = {n.split("/")[0] for n in wheel.namelist() if n.split("/")[0].endswith(".dist-info")}
+    metadata = wheel.read(f"{dist_info}/METADATA").decode()
+    headers = metadata.split("\n\n", 1)[0].splitlines()
+    licence = [h for h in headers if h.startswith(("License:", "License-Expression:"))]
+    assert licence and all(h.split(":", 1)[1].strip() == "Apache-2.0" for h in licence), headers
+    licence_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in licence_text and "Version 2.0, January 2004" in licence_text
+    (shipped,) = [n for n in wheel.namelist() if n.startswith(f"{dist_info}/") and n.rsplit("/", 1)[1] == "LICENSE"]
+    assert wheel.read(shipped).decode() == licence_text
+
+
+@pytest.mark.slow
 def test_wheel_carries_the_package_data(wheel: zipfile.ZipFile) -> None:
     names = set(wheel.namelist())
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
