@@ -303,6 +303,8 @@ def test_a_model_process_loads_and_runs_auto_with_process_killers_installed(site
     import subprocess
 
     _install_process_killers(site)
+    _install(site, "gil", "faults_gil", GIL_HOLDER.replace("{n}", "31"))
+    _install(site, "hang", "faults_hang", HANG_AT_IMPORT)
     code = ("import torch, selector\nfrom selector.testing import make_experts\n"
             "m = make_experts(4, 16, 8)\nidx = torch.tensor([[0, 1], [2, 3], [1, 2]])\n"
             "with torch.no_grad():\n    m(torch.randn(3, 16), idx, torch.full((3, 2), 0.5))\n"
@@ -316,5 +318,5 @@ def test_a_model_process_loads_and_runs_auto_with_process_killers_installed(site
         assert done.returncode == 0 and "ran " in done.stdout, done.stderr[-2000:]
         written.append(verdicts.stat().st_mtime_ns)
     (verdict,) = json.loads(verdicts.read_text()).values()
-    assert {"faults_exit_import", "faults_exit_hook"} <= set(verdict["unsafe"])
+    assert {"faults_exit_import", "faults_exit_hook", "faults_gil", "faults_hang"} <= set(verdict["unsafe"])
     assert written[0] == written[1], "the second process read the verdict instead of checking again"
